@@ -1,0 +1,34 @@
+# Everything here installs what it needs from nothing: a fresh clone and python3 suffice.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo lint typecheck bench clean
+
+$(STAMP): pyproject.toml .ci/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check keras_gradtrack tests benchmarks
+	$(PY) -m ruff format --check keras_gradtrack tests benchmarks
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+demo: $(STAMP)
+	$(PY) -m keras_gradtrack.demo --out demo_output
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache .ruff_cache .mypy_cache

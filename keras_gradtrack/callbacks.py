@@ -1,0 +1,198 @@
+"""`HDF5GradientLogger`: a Keras callback streaming gradient statistics to HDF5."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.io.writer import LogWriter
+from keras_gradtrack.statistics import Statistic
+from keras_gradtrack.version import __version__
+
+
+def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
+    """Raises unless `model` can compute gradient statistics for `callback`."""
+    from keras_gradtrack.model import GradientTrackingMixin
+
+    if not isinstance(model, GradientTrackingMixin):
+        raise TypeError(
+            f"{type(callback).__name__} needs a model built with "
+            "keras_gradtrack.GradientTrackingModel (or GradientTrackingMixin). "
+            f"Received: a {type(model).__name__}"
+        )
+    if getattr(model, "steps_per_execution", 1) > 1:
+        raise ValueError(
+            "Gradient tracking logs every step it tracks, so it needs "
+            "`steps_per_execution=1` in `compile()`. "
+            f"Received: steps_per_execution={model.steps_per_execution}"
+        )
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1:
+        raise NotImplementedError(
+            f"Gradient tracking under a tf.distribute strategy with {replicas} replicas "
+            "is not supported yet."
+        )
+
+
+class HDF5GradientLogger(keras.callbacks.Callback):
+    """Streams per-example and per-step gradient statistics to an HDF5 file.
+
+    The file follows schema version 1 (see the docs): `/per_example/<stat>`
+    holds one row per example seen, `/per_step/<stat>` one row per tracked
+    step, `/layers` the per-layer column names. Rows are written in blocks of
+    `flush_every` tracked steps; the file is opened in SWMR mode, so
+    `GradientLog` can read it while training runs.
+
+    Args:
+        path: The `.h5` file to write.
+        statistics: Names or `Statistic` objects to log. Defaults to all
+            built-in statistics except the opt-in ones.
+        every_n_steps: Track one step in every `every_n_steps`; the other steps
+            run Keras' untracked train step at plain `fit` cost.
+        flush_every: Number of tracked steps buffered before a block is written.
+        append: Continue an existing log (step numbers continue after its last).
+        overwrite: Replace an existing file.
+        compression: HDF5 compression filter (`"gzip"`, `"lzf"` or None).
+
+    Raises:
+        ValueError: At construction, for an unknown statistic (the message lists
+            the valid names), both `append` and `overwrite`, or non-positive
+            step counts. In `on_train_begin` (before any weight changes), for
+            an existing file without `append`/`overwrite`, a missing or
+            unwritable directory, or a log of another model when appending.
+
+    Example:
+
+    ```python
+    logger = kgt.HDF5GradientLogger("run.h5", every_n_steps=10)
+    model.fit(x, y, epochs=5, callbacks=[logger])
+    kgt.GradientLog("run.h5").per_example("cosine")
+    ```
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        statistics: Iterable[str | Statistic] | None = None,
+        every_n_steps: int = 1,
+        flush_every: int = 10,
+        append: bool = False,
+        overwrite: bool = False,
+        compression: str | None = "gzip",
+    ):
+        super().__init__()
+        if append and overwrite:
+            raise ValueError(
+                "Pass at most one of `append` and `overwrite`. "
+                f"Received: append={append}, overwrite={overwrite}"
+            )
+        for name, value in (("every_n_steps", every_n_steps), ("flush_every", flush_every)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
+        self.path = os.fspath(path)
+        self.statistics = statistics_module.resolve(statistics)
+        self.every_n_steps = every_n_steps
+        self.flush_every = flush_every
+        self.append = append
+        self.overwrite = overwrite
+        self.compression = compression
+        self.writer: LogWriter | None = None
+        self._step = 0
+        self._epoch = 0
+        self._epoch_position = 0
+        self._requested = False
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        require_tracking_model(self.model, self)
+        LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
+        self._step = 0
+        self.model.gradient_tracking.subscriptions[id(self)] = self.statistics
+        if self.model.built:
+            self._open_writer()
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch = epoch
+        self._epoch_position = 0
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._requested = self._step % self.every_n_steps == 0
+        if self._requested:
+            self.model.gradient_tracking.requested = True
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        state = self.model.gradient_tracking
+        batch_size = int(state.batch_size) if state.batch_size is not None else 0
+        if self._requested and state.latest is not None:
+            if self.writer is None:
+                self._open_writer()
+            self._write(state.latest)
+            batch_size = int(state.latest["batch_size"])
+        self._epoch_position += batch_size
+        self._step += 1
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self.model.gradient_tracking.subscriptions.pop(id(self), None)
+        self.close()
+
+    def close(self) -> None:
+        """Writes buffered rows and closes the file (idempotent)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+            # A later `fit` with this same logger continues its log.
+            self.append, self.overwrite = True, False
+
+    # -- writing --------------------------------------------------------------
+
+    def _open_writer(self) -> None:
+        layer_names = self.model.tracked_layer_names
+        width = len(layer_names)
+
+        def columns(per_example: bool) -> dict[str, int | None]:
+            return {
+                s.name: (width if s.per_layer else None)
+                for s in self.statistics
+                if s.per_example == per_example
+            }
+
+        self.writer = LogWriter(
+            self.path,
+            layer_names=layer_names,
+            per_example=columns(True),
+            per_step=columns(False),
+            attrs={
+                "library_version": __version__,
+                "keras_version": keras.__version__,
+                "tensorflow_version": tf.__version__,
+                "model_name": self.model.name,
+            },
+            overwrite=self.overwrite,
+            append=self.append,
+            flush_every=self.flush_every,
+            compression=self.compression,
+        )
+        self.writer.open()
+        self._step += self.writer.next_step
+
+    def _write(self, payload: dict[str, Any]) -> None:
+        assert self.writer is not None
+        values = {name: np.asarray(value) for name, value in payload.items()}
+        batch_size = int(values["batch_size"])
+        example_ids = values.get("example_id")
+        if example_ids is None:
+            example_ids = self._epoch_position + np.arange(batch_size, dtype=np.int64)
+        self.writer.write_step(
+            step=self._step,
+            epoch=self._epoch,
+            example_ids=example_ids,
+            per_example={s.name: values[s.name] for s in self.statistics if s.per_example},
+            per_step={s.name: values[s.name] for s in self.statistics if not s.per_example},
+        )

@@ -1,0 +1,71 @@
+"""Batch plumbing: example ids in the input dict, and the per-example loss probe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+from keras import tree
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+EXAMPLE_ID_KEY = "example_id"
+
+
+def split_example_ids(x: Any) -> tuple[Any, Any]:
+    """Removes the `example_id` entry from a dict input.
+
+    Returns:
+        `(x, ids)`: the model's input (the remaining entry's value when exactly
+        one remains) and the ids, or `(x, None)` when `x` holds no ids.
+    """
+    if not isinstance(x, dict) or EXAMPLE_ID_KEY not in x:
+        return x, None
+    rest = {key: value for key, value in x.items() if key != EXAMPLE_ID_KEY}
+    ids = x[EXAMPLE_ID_KEY]
+    if len(rest) == 1:
+        return next(iter(rest.values())), ids
+    return rest, ids
+
+
+def unpack_batch(data: Any) -> tuple[Any, Any, Any, Any]:
+    """`(x, y, sample_weight, example_ids)` of one batch as `fit` yields it."""
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, ids = split_example_ids(x)
+    return x, y, sample_weight, ids
+
+
+def strip_example_ids(data: Any) -> Any:
+    """The batch without its example ids, in the form Keras' own steps expect."""
+    x, y, sample_weight, ids = unpack_batch(data)
+    if ids is None:
+        return data
+    return data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
+
+
+def batch_size_of(x: Any) -> tf.Tensor:
+    """The number of examples in the batch (int32 scalar)."""
+    first = next(t for t in tree.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+def probe_sample_weight(sample_weight: Any, probe: tf.Tensor) -> Any:
+    """Multiplies the sample weights by a watched all-ones `(B,)` probe.
+
+    Keras reduces a loss linearly in the sample weights, so the gradient of the
+    reduced loss with respect to the probe is `c * l_i` for the batch constant
+    `c` of the reduction: this yields every per-example loss from the same
+    backward pass, whatever the loss, reduction or loss weights.
+    """
+    if sample_weight is None:
+        return probe
+
+    def weighted(weight: Any) -> Any:
+        if weight is None:
+            return probe
+        weight = tf.convert_to_tensor(weight)
+        shaped_probe = tf.reshape(
+            tf.cast(probe, weight.dtype), [-1] + [1] * (weight.shape.rank - 1)
+        )
+        return weight * shaped_probe
+
+    return tree.map_structure(weighted, sample_weight)

@@ -1,0 +1,75 @@
+"""Exact, vectorized per-example primitives for a layer without a rule.
+
+The layer is re-run on the inputs it received in the forward pass, and the
+per-example gradients of its *own* variables come from one vectorized Jacobian
+(`pfor`) of the per-example scalars `<y_i, d_i>`, where `d_i` is the captured
+gradient at the layer's output. The cost is that of this one layer, with
+memory `B x (its parameters)`; never a whole-model Jacobian.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+from keras import tree
+
+from keras_gradtrack.engine.taps import LayerCall, LayerTap
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+
+
+def per_example_output_products(tap: LayerTap, calls: Sequence[LayerCall]) -> tf.Tensor:
+    """`sum_c <y_ci, d_ci>` per example, re-running the layer on its recorded inputs.
+
+    Runs after the taps are uninstalled, so `layer.call` is the layer's own.
+    """
+    total = None
+    for call in calls:
+        outputs = tap.layer.call(*call.args, **call.kwargs)
+        floats = [
+            t for t in tree.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating
+        ]
+        for output, grad in zip(floats, call.output_grads):
+            product = tf.cast(output, tf.float32) * tf.cast(grad, tf.float32)
+            batch = tf.shape(product)[0]
+            per_example = tf.reduce_sum(tf.reshape(product, [batch, -1]), axis=1)
+            total = per_example if total is None else total + per_example
+    if total is None:
+        raise ValueError(f"Layer {tap.layer.name!r} produced no float output to differentiate.")
+    return total
+
+
+def fallback_primitives(
+    tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example squared norm and dot with the reference, from a local Jacobian.
+
+    Args:
+        tap: The layer's tap (gives the layer's own `call`, untapped).
+        variables: The layer's own trainable variables.
+        calls: The layer's calls in this step, with `output_grads` filled in.
+        reference: Maps each variable to the reference vector restricted to it.
+
+    Returns:
+        `LayerPrimitives` with `(B,)` tensors.
+    """
+    # Keras variables wrap a tf.Variable in `.value`; the tape wants the latter.
+    sources = [variable.value for variable in variables]
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(sources)
+        per_example = per_example_output_products(tap, calls)
+    jacobians = tape.jacobian(
+        per_example,
+        sources,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        experimental_use_pfor=True,
+    )
+    sq_norm = tf.zeros_like(per_example)
+    dot = tf.zeros_like(per_example)
+    for variable, jacobian in zip(variables, jacobians):
+        batch = tf.shape(jacobian)[0]
+        flat = tf.reshape(tf.cast(jacobian, tf.float32), [batch, -1])
+        sq_norm += tf.reduce_sum(tf.square(flat), axis=1)
+        dot += tf.linalg.matvec(flat, tf.reshape(reference(variable), [-1]))
+    return LayerPrimitives(sq_norm=sq_norm, dot=dot)

@@ -1,0 +1,131 @@
+"""Which layers are tracked, and how: the tracking plan of a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from keras_gradtrack.engine.taps import LayerTap
+from keras_gradtrack.rules import Rule, rule_for
+
+FALLBACK_PATH = "fallback (per-layer vectorized Jacobian)"
+
+# Layers whose training-mode output for one example depends on the others.
+EXAMPLE_MIXING_LAYERS: tuple[type, ...] = (keras.layers.BatchNormalization,)
+
+
+@dataclasses.dataclass
+class TrackedLayer:
+    """One column of the per-layer statistics.
+
+    Attributes:
+        name: Column name (the layer's name, made unique within the model).
+        layer: The Keras layer.
+        variables: The layer's own trainable variables (not its sublayers').
+        rule: The rule computing its primitives, or None for the fallback.
+        tap: The trace-time tap installed on the layer.
+    """
+
+    name: str
+    layer: Any
+    variables: list[Any]
+    rule: Rule | None
+    tap: LayerTap
+
+    @property
+    def path(self) -> str:
+        """How the primitives are computed: `rule:<name>` or the fallback."""
+        return f"rule:{self.rule.name}" if self.rule else FALLBACK_PATH
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(math.prod(v.shape) for v in self.variables)
+
+
+def refuse_example_mixing_layers(model: keras.Model) -> None:
+    """Raises when a layer makes one example's output depend on the others in training."""
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, EXAMPLE_MIXING_LAYERS) and layer.trainable:
+            raise ValueError(
+                f"Layer {layer.name!r} is a {type(layer).__name__} in training mode: it "
+                "normalizes with statistics of the whole batch, so an example's gradient "
+                "depends on the other examples and per-example gradients are not defined. "
+                "Use keras.layers.GroupNormalization or LayerNormalization instead, or "
+                "freeze the layer (layer.trainable = False runs it in inference mode)."
+            )
+
+
+def build_plan(model: keras.Model) -> list[TrackedLayer]:
+    """Lists the model's layers that own trainable variables, in column order.
+
+    Raises:
+        ValueError: If the model has no trainable weights, holds variables that
+            belong to no layer, or has a layer that mixes examples in training.
+    """
+    refuse_example_mixing_layers(model)
+    trainable = list(model.trainable_variables)
+    if not trainable:
+        raise ValueError(
+            f"Model {model.name!r} has no trainable weights, so there are no gradients to "
+            "track. Received: model.trainable_variables=[]"
+        )
+    trainable_ids = {id(v) for v in trainable}
+    owned_by_model = [v for v in model._trainable_variables if id(v) in trainable_ids]
+    if owned_by_model:
+        raise ValueError(
+            "Variables created directly on the model cannot be tracked per layer; create "
+            "them in a layer. Received: "
+            f"{[v.path if hasattr(v, 'path') else v.name for v in owned_by_model]}"
+        )
+    plan: list[TrackedLayer] = []
+    used_names: set[str] = set()
+    for layer in model._flatten_layers(include_self=False):
+        own = [v for v in layer._trainable_variables if id(v) in trainable_ids]
+        if not own:
+            continue
+        rule = rule_for(layer)
+        name = unique_name(layer.name, used_names)
+        tap = LayerTap(layer, split_activation=rule.split_activation if rule else False)
+        plan.append(TrackedLayer(name=name, layer=layer, variables=own, rule=rule, tap=tap))
+    covered = {id(v) for tracked in plan for v in tracked.variables}
+    missing = [v.path if hasattr(v, "path") else v.name for v in trainable if id(v) not in covered]
+    if missing:
+        raise ValueError(
+            f"Some trainable variables belong to no layer of the model: {missing}. "
+            "Create them inside a keras.layers.Layer."
+        )
+    return plan
+
+
+def unique_name(name: str, used: set[str]) -> str:
+    candidate, suffix = name, 1
+    while candidate in used:
+        candidate = f"{name}_{suffix}"
+        suffix += 1
+    used.add(candidate)
+    return candidate
+
+
+def format_summary(plan: Sequence[TrackedLayer]) -> str:
+    """A table of the tracked layers: column, class, parameters, path."""
+    rows = [("column", "layer", "class", "params", "path")]
+    for index, tracked in enumerate(plan):
+        rows.append(
+            (
+                str(index),
+                tracked.name,
+                type(tracked.layer).__name__,
+                str(tracked.num_parameters),
+                tracked.path,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    fallbacks = sum(1 for tracked in plan if tracked.rule is None)
+    lines.append(f"{len(plan)} tracked layers, {fallbacks} on the fallback path")
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,214 @@
+"""The tracked training step: one forward, one backward, the update, the statistics.
+
+It does what `keras.Model.train_step` (TensorFlow backend) does, step for step,
+and in the same backward pass takes the gradients at every tap and at the
+per-example loss probe. From those the rules (or the per-layer fallback)
+compute the primitives, and the statistics are reduced in the compiled step;
+only `O(B x L)` numbers leave it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+from keras import tree
+from keras.src.losses import loss as loss_module
+
+from keras_gradtrack.engine import data as batch_data
+from keras_gradtrack.engine.fallback import fallback_primitives
+from keras_gradtrack.engine.plan import TrackedLayer
+from keras_gradtrack.engine.primitives import StepPrimitives
+from keras_gradtrack.engine.taps import installed
+from keras_gradtrack.statistics import Statistic
+
+PAYLOAD_KEY = "__gradtrack__"
+
+
+def reduction_constant(model: Any, batch_size: tf.Tensor) -> tf.Tensor:
+    """`c` with `loss = c * sum_i l_i (+ regularization)`: 1 for "sum" losses, else 1/B."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    flat_losses = getattr(compile_loss, "_flat_losses", None) or []
+    reductions = {getattr(entry.loss, "reduction", None) for entry in flat_losses}
+    if reductions == {"sum"}:
+        return tf.constant(1.0)
+    return 1.0 / tf.cast(batch_size, tf.float32)
+
+
+def per_example_loss_error(model: Any) -> ValueError:
+    return ValueError(
+        "The loss cannot be reduced per example: the compiled loss of model "
+        f"{model.name!r} does not depend on the sample weights, so example i's share "
+        "`l_i` of the batch loss cannot be told apart. Use a keras.losses.Loss (or a "
+        "plain `loss(y_true, y_pred)` function, which Keras wraps in one) in "
+        "`compile`, and if you override `compute_loss`, pass `sample_weight` on to it."
+    )
+
+
+def layer_primitives(
+    tracked: TrackedLayer, reference: Any
+) -> tuple[tf.Tensor, tf.Tensor]:
+    calls = tracked.tap.calls
+    if tracked.rule is not None:
+        result = tracked.rule.primitives(tracked.layer, calls, reference)
+    else:
+        result = fallback_primitives(tracked.tap, tracked.variables, calls, reference)
+    return result.sq_norm, result.dot
+
+
+def tracked_train_step(
+    model: Any,
+    data: Any,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    apply_update: bool = True,
+) -> dict[str, Any]:
+    """One training step of `model` that also returns the statistics' values.
+
+    Args:
+        model: A compiled model.
+        data: One batch, as `fit` yields it.
+        plan: The model's tracking plan (built during this trace).
+        statistics: The statistics to compute.
+        apply_update: False computes the statistics only: no weight update, no
+            metric or loss-tracker update.
+
+    Returns:
+        The metrics dict of `keras.Model.train_step` (empty without update),
+        plus the statistics under `PAYLOAD_KEY`.
+    """
+    x, y, sample_weight, example_ids = batch_data.unpack_batch(data)
+    batch_size = batch_data.batch_size_of(x)
+    trainable_weights = list(model.trainable_weights)
+    taps = [tracked.tap for tracked in plan]
+
+    with tf.GradientTape() as tape:
+        probe = tf.ones([batch_size], dtype=tf.float32)
+        tape.watch(probe)
+        with installed(taps):
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+        loss = model._compute_loss(
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=batch_data.probe_sample_weight(sample_weight, probe),
+            training=True,
+        )
+        if apply_update:
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+            )
+        refuse_activation_losses(model)
+        loss_scale = tf.constant(1.0)
+        scaled_loss = loss
+        if model.optimizer is not None:
+            scaled_loss = model.optimizer.scale_loss(loss)
+            loss_scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+
+    tapped = [t for tap in taps for call in tap.calls for t in call.tapped]
+    gradients = tape.gradient(scaled_loss, [*trainable_weights, *tapped, probe])
+    weight_gradients = gradients[: len(trainable_weights)]
+    tap_gradients = gradients[len(trainable_weights) : -1]
+    probe_gradient = gradients[-1]
+    if probe_gradient is None:
+        raise per_example_loss_error(model)
+
+    # The tape holds c * s * d l_i / d z_i; the engine wants d l_i / d z_i.
+    constant = reduction_constant(model, batch_size)
+    unscale = 1.0 / (constant * loss_scale)
+    position = 0
+    for tap in taps:
+        for call in tap.calls:
+            call.output_grads = []
+            for tensor in call.tapped:
+                grad = tap_gradients[position]
+                position += 1
+                grad = tf.zeros_like(tensor) if grad is None else grad
+                call.output_grads.append(tf.cast(grad, tf.float32) * unscale)
+
+    batch_gradient = {
+        id(variable): tf.cast(tf.convert_to_tensor(grad), tf.float32) / loss_scale
+        for variable, grad in zip(trainable_weights, weight_gradients)
+        if grad is not None
+    }
+
+    def reference(variable: Any) -> tf.Tensor:
+        if id(variable) in batch_gradient:
+            return batch_gradient[id(variable)]
+        return tf.zeros(variable.shape, tf.float32)
+
+    regularization_gradient = weight_regularization_gradients(trainable_weights)
+
+    sq_norms, dots, reference_sq_norms, sum_sq_norms = [], [], [], []
+    for tracked in plan:
+        sq_norm, dot = layer_primitives(tracked, reference)
+        sq_norms.append(tf.maximum(sq_norm, 0.0))
+        dots.append(dot)
+        layer_reference = [tf.reshape(reference(v), [-1]) for v in tracked.variables]
+        reference_flat = tf.concat(layer_reference, axis=0)
+        reference_sq_norms.append(tf.reduce_sum(tf.square(reference_flat)))
+        summed = [
+            (reference(v) - regularization_gradient.get(id(v), 0.0)) / constant
+            for v in tracked.variables
+        ]
+        sum_sq_norms.append(tf.add_n([tf.reduce_sum(tf.square(s)) for s in summed]))
+
+    primitives = StepPrimitives(
+        loss=tf.cast(probe_gradient, tf.float32) * unscale,
+        sq_norm=tf.stack(sq_norms, axis=1),
+        dot=tf.stack(dots, axis=1),
+        reference_sq_norm=tf.stack(reference_sq_norms),
+        sum_sq_norm=tf.stack(sum_sq_norms),
+        batch_size=tf.cast(batch_size, tf.float32),
+    )
+    payload = {statistic.name: statistic.compute(primitives) for statistic in statistics}
+    payload["batch_size"] = batch_size
+    if example_ids is not None:
+        payload["example_id"] = tf.cast(tf.reshape(example_ids, [-1]), tf.int64)
+
+    if not apply_update:
+        return {PAYLOAD_KEY: payload}
+    # The statistics read the weights' old values (the fallback re-runs layers):
+    # order the update after them.
+    with tf.control_dependencies(tree.flatten(payload)):
+        if trainable_weights:
+            model.optimizer.apply_gradients(zip(weight_gradients, trainable_weights))
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+    metrics = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return {**metrics, PAYLOAD_KEY: payload}
+
+
+def refuse_activation_losses(model: Any) -> None:
+    """Raises when a loss term added in `call` (activity regularization) depends on activations.
+
+    Such a term reaches the taps' gradients but belongs to no example.
+    """
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "activity_regularizer", None) is not None or layer._losses:
+            raise ValueError(
+                f"Layer {layer.name!r} adds a loss in `call` (activity regularization or "
+                "`add_loss`). Such a term depends on the activations of the whole batch, "
+                "so per-example gradients would include it. Remove it, or use weight "
+                "regularizers (kernel_regularizer=...), which are supported."
+            )
+
+
+def weight_regularization_gradients(trainable_weights: list[Any]) -> dict[int, tf.Tensor]:
+    """Gradients of the weight regularizers alone (they are not part of any `g_i`)."""
+    regularized = [v for v in trainable_weights if getattr(v, "regularizer", None) is not None]
+    if not regularized:
+        return {}
+    with tf.GradientTape() as tape:
+        penalties = [tf.cast(v.regularizer(v), tf.float32) for v in regularized]
+    gradients = tape.gradient(tf.add_n(penalties), regularized)
+    return {
+        id(v): tf.cast(tf.convert_to_tensor(g), tf.float32)
+        for v, g in zip(regularized, gradients)
+        if g is not None
+    }

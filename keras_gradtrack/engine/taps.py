@@ -1,0 +1,127 @@
+"""Trace-time taps: record what each tracked layer sees during the forward pass.
+
+The tracked train step is traced once, so a tap is installed on the layer
+instance for the duration of that forward pass only and costs nothing at run
+time. A tap records, per call of its layer:
+
+* the positional and keyword arguments the layer's `call` received (the layer
+  input, for the rules; everything, for the fallback that re-runs the layer);
+* the tensor whose gradient the engine needs: the pre-activation output for
+  layers whose `activation` can be split off (Dense, EinsumDense, Conv, ...),
+  the layer's outputs otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+from keras import tree
+
+
+@dataclasses.dataclass
+class LayerCall:
+    """One call of a tapped layer, as seen at trace time.
+
+    Attributes:
+        args: Positional arguments that the layer's `call` received.
+        kwargs: Keyword arguments that the layer's `call` received.
+        tapped: The tensors whose gradient the engine takes: the pre-activation
+            output (one tensor) when the activation is split off, else the
+            flattened float outputs of the call.
+        output_grads: Per-example gradients of the loss at `tapped`, filled in
+            after the backward pass (same structure as `tapped`).
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    tapped: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    output_grads: list[tf.Tensor] = dataclasses.field(default_factory=list)
+
+    @property
+    def inputs(self) -> tf.Tensor:
+        """The layer's main input (first positional argument or `inputs=`)."""
+        if self.args:
+            return self.args[0]
+        return self.kwargs["inputs"]
+
+
+class LayerTap:
+    """Records the calls of one layer while installed.
+
+    Args:
+        layer: The Keras layer to tap.
+        split_activation: Whether to record the pre-activation output by
+            wrapping `layer.activation` during the call (the layer must apply
+            `self.activation` to its linear output, as Dense and Conv do).
+    """
+
+    def __init__(self, layer: Any, split_activation: bool):
+        self.layer = layer
+        self.split_activation = split_activation
+        self.calls: list[LayerCall] = []
+        self._original_call: Callable[..., Any] | None = None
+        self._shadowed_call: Callable[..., Any] | None = None
+
+    def install(self) -> None:
+        self.calls = []
+        self._shadowed_call = self.layer.__dict__.get("call")
+        self._original_call = self.layer.call
+        # An instance attribute shadows the class's `call`; Layer.__call__
+        # looks `self.call` up on every call.
+        self.layer.call = self._recording_call
+
+    def uninstall(self) -> None:
+        if self._shadowed_call is not None:
+            self.layer.__dict__["call"] = self._shadowed_call
+        else:
+            self.layer.__dict__.pop("call", None)
+        self._original_call = None
+
+    def _recording_call(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._original_call is not None
+        record = LayerCall(args=args, kwargs=kwargs)
+        if not self.split_activation:
+            outputs = self._original_call(*args, **kwargs)
+            record.tapped = [
+                t
+                for t in tree.flatten(outputs)
+                if isinstance(t, tf.Tensor) and t.dtype.is_floating
+            ]
+            self.calls.append(record)
+            return outputs
+
+        activation = self.layer.activation
+
+        def recording_activation(preactivation: tf.Tensor) -> tf.Tensor:
+            record.tapped = [preactivation]
+            return activation(preactivation)
+
+        self.layer.activation = recording_activation
+        try:
+            outputs = self._original_call(*args, **kwargs)
+        finally:
+            self.layer.activation = activation
+        if not record.tapped:
+            raise RuntimeError(
+                f"Layer {self.layer.name!r} ({type(self.layer).__name__}) did not apply "
+                "its `activation` in `call`, so its pre-activation output cannot be "
+                "tapped. Register the layer class with `split_activation=False`."
+            )
+        self.calls.append(record)
+        return outputs
+
+
+@contextlib.contextmanager
+def installed(taps: list[LayerTap]) -> Iterator[list[LayerTap]]:
+    """Installs every tap for the duration of the block, then restores the layers."""
+    try:
+        for tap in taps:
+            tap.install()
+        yield taps
+    finally:
+        for tap in taps:
+            tap.uninstall()

@@ -1,0 +1,52 @@
+"""What a rule is: a pure function from one layer's taps to its primitives."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.taps import LayerCall
+
+# Maps one of the layer's variables to the reference vector R restricted to it
+# (the batch gradient G, float32, dense, same shape as the variable).
+ReferenceFn = Callable[[Any], tf.Tensor]
+
+
+class LayerPrimitives(NamedTuple):
+    """Per-example primitives of one layer.
+
+    Attributes:
+        sq_norm: `(B,)`, `||g_i^(k)||^2` over the layer's trainable variables.
+        dot: `(B,)`, `<g_i^(k), R^(k)>`.
+    """
+
+    sq_norm: tf.Tensor
+    dot: tf.Tensor
+
+
+# A rule's one fixed signature: (layer, calls, reference) -> LayerPrimitives.
+# `calls` holds every call of the layer in this step (more than one for a
+# shared layer); each call's `output_grads[0]` is `d l_i / d z_i` per example.
+RuleFn = Callable[[Any, Sequence[LayerCall], ReferenceFn], LayerPrimitives]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A rule registered for a layer class.
+
+    Attributes:
+        name: Short name shown in `gradient_tracking_summary()`.
+        primitives: The rule function.
+        applies: Whether the rule covers this layer instance (for example, not
+            when LoRA or quantization replaced the kernel).
+        split_activation: Whether the tap records the pre-activation output
+            (the rule then receives `d l_i / d z_i` before the activation).
+    """
+
+    name: str
+    primitives: RuleFn
+    applies: Callable[[Any], bool]
+    split_activation: bool = True

@@ -1,0 +1,85 @@
+"""Rule for `keras.layers.Dense` on inputs of any rank.
+
+With `a_i` the input and `d_i = d l_i / d z_i` the gradient at the
+pre-activation output, the kernel gradient of example i is `a_i d_i^T` for a
+2-D input and `A_i^T D_i` for an input of shape `(T, d_in)` (all leading axes
+folded into T; several calls of a shared layer are stacked along T as well).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.taps import LayerCall
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+
+
+def dense_applies(layer: Any) -> bool:
+    """The rule covers a plain float Dense layer with a trainable kernel (no LoRA, no quantization)."""
+    return (
+        layer.kernel.trainable
+        and not getattr(layer, "lora_enabled", False)
+        and not getattr(layer, "quantization_mode", None)
+    )
+
+
+def as_sequences(calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
+    """Stacks every call's input and output gradient as `(B, T, d_in)`, `(B, T, d_out)`."""
+    inputs, grads = [], []
+    for call in calls:
+        a = tf.cast(call.inputs, tf.float32)
+        d = tf.cast(call.output_grads[0], tf.float32)
+        batch = tf.shape(a)[0]
+        inputs.append(tf.reshape(a, [batch, -1, a.shape[-1]]))
+        grads.append(tf.reshape(d, [batch, -1, d.shape[-1]]))
+    if len(calls) == 1:
+        return inputs[0], grads[0]
+    return tf.concat(inputs, axis=1), tf.concat(grads, axis=1)
+
+
+def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+    """`||A_i^T D_i||_F^2` per example, by whichever form costs less.
+
+    The Gram form `<A_i A_i^T, D_i D_i^T>` costs `T^2 (d_in + d_out)`;
+    materializing `A_i^T D_i` costs `T d_in d_out`.
+    """
+    steps, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
+    if steps is not None and steps * (d_in + d_out) < d_in * d_out:
+        gram_a = tf.einsum("btd,bsd->bts", a, a)
+        gram_d = tf.einsum("bte,bse->bts", d, d)
+        return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
+    per_example_kernel = tf.einsum("btd,bte->bde", a, d)
+    return tf.reduce_sum(tf.square(per_example_kernel), axis=[1, 2])
+
+
+def dense_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example squared norm and dot with the reference for a Dense layer.
+
+    Example:
+
+    ```python
+    # a: (B, d_in), d: (B, d_out)  =>  ||g_i||^2 = ||a_i||^2 ||d_i||^2,
+    #                                  <g_i, R> = a_i^T R d_i
+    ```
+    """
+    a, d = as_sequences(calls)
+    kernel_ref = reference(layer.kernel)
+    if a.shape[1] == 1:
+        a2, d2 = a[:, 0, :], d[:, 0, :]
+        d_sq = tf.reduce_sum(tf.square(d2), axis=1)
+        sq_norm = tf.reduce_sum(tf.square(a2), axis=1) * d_sq
+        dot = tf.reduce_sum(tf.matmul(a2, kernel_ref) * d2, axis=1)
+        bias_grad = d2
+    else:
+        sq_norm = sequence_kernel_sq_norm(a, d)
+        dot = tf.reduce_sum(tf.einsum("btd,de->bte", a, kernel_ref) * d, axis=[1, 2])
+        bias_grad = tf.reduce_sum(d, axis=1)
+    if layer.bias is not None and layer.bias.trainable:
+        sq_norm += tf.reduce_sum(tf.square(bias_grad), axis=1)
+        dot += tf.linalg.matvec(bias_grad, reference(layer.bias))
+    return LayerPrimitives(sq_norm=sq_norm, dot=dot)

@@ -1,0 +1,254 @@
+"""Statistics: what is logged per example and per step, built from the primitives.
+
+Every statistic is a function of the step's primitives (see
+`keras_gradtrack.engine.primitives.StepPrimitives`): per-example, per-layer
+squared gradient norms and dot products with the batch gradient, the batch
+gradient's per-layer squared norms, the squared norms of the summed
+per-example gradients, and the per-example losses. The computation runs inside
+the compiled train step; only the statistics' values leave it.
+
+Example:
+
+```python
+import tensorflow as tf
+import keras_gradtrack as kgt
+
+class MaxLayerNorm(kgt.statistics.Statistic):
+    name = "max_layer_grad_norm"
+    per_example = True
+
+    def compute(self, primitives):
+        return tf.sqrt(tf.reduce_max(primitives.sq_norm, axis=1))
+
+logger = kgt.HDF5GradientLogger("run.h5", statistics=["cosine", MaxLayerNorm()])
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.primitives import StepPrimitives
+
+
+class Statistic:
+    """Base class of all statistics.
+
+    Subclasses set `name`, `per_example` and `per_layer`, and implement
+    `compute`. A per-example statistic returns `(B,)` (or `(B, L)` when
+    `per_layer`); a per-step statistic returns a scalar (or `(L,)`).
+
+    Attributes:
+        name: The dataset name in the log (`/per_example/<name>` or
+            `/per_step/<name>`).
+        per_example: True for one value per example, False for one per step.
+        per_layer: True when the value has one column per tracked layer.
+    """
+
+    name: str = ""
+    per_example: bool = True
+    per_layer: bool = False
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        """Computes the statistic inside the compiled train step.
+
+        Args:
+            primitives: The step's `StepPrimitives`.
+
+        Returns:
+            A float32 tensor of shape `(B,)`, `(B, L)`, `()` or `(L,)`.
+        """
+        raise NotImplementedError
+
+    @property
+    def kind(self) -> str:
+        """`"per_example"` or `"per_step"`: the group the statistic is written to."""
+        return "per_example" if self.per_example else "per_step"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r}>"
+
+
+class Loss(Statistic):
+    """`l_i`: example i's loss, with its sample weight, before reduction."""
+
+    name = "loss"
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return primitives.loss
+
+
+class GradNorm(Statistic):
+    """`||g_i||`: the norm of example i's gradient over all trainable variables."""
+
+    name = "grad_norm"
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return primitives.grad_norm
+
+
+class Cosine(Statistic):
+    """`<g_i, G> / (||g_i|| ||G||)`: agreement of example i with the batch gradient."""
+
+    name = "cosine"
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return primitives.cosine
+
+
+class LayerGradNorm(Statistic):
+    """`||g_i^(k)||` per tracked layer k."""
+
+    name = "layer_grad_norm"
+    per_layer = True
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return tf.sqrt(primitives.sq_norm)
+
+
+class LayerCosine(Statistic):
+    """`cos(g_i^(k), G^(k))` per tracked layer k; NaN where a norm is 0."""
+
+    name = "layer_cosine"
+    per_layer = True
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        norms = tf.sqrt(primitives.sq_norm) * tf.sqrt(primitives.reference_sq_norm)[None, :]
+        return primitives.dot / norms
+
+
+class BatchGradNorm(Statistic):
+    """`||G||`: the norm of the gradient the optimizer receives."""
+
+    name = "batch_grad_norm"
+    per_example = False
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return primitives.reference_norm
+
+
+class GradientDiversity(Statistic):
+    """`sum_i ||g_i||^2 / ||sum_i g_i||^2` (Yin et al., 2018)."""
+
+    name = "gradient_diversity"
+    per_example = False
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return tf.reduce_sum(primitives.grad_sq_norm) / tf.reduce_sum(primitives.sum_sq_norm)
+
+
+class NoiseScale(Statistic):
+    """`B_simple = tr(Sigma) / ||mean_i g_i||^2` (McCandlish et al., 2018).
+
+    `tr(Sigma) = (1/(B-1)) sum_i ||g_i - mean g||^2`; NaN for a batch of one.
+    """
+
+    name = "noise_scale"
+    per_example = False
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        batch = primitives.batch_size
+        mean_sq_norm = tf.reduce_sum(primitives.sum_sq_norm) / tf.square(batch)
+        total_sq_norm = tf.reduce_sum(primitives.grad_sq_norm)
+        trace = (total_sq_norm - batch * mean_sq_norm) / (batch - 1.0)
+        return trace / mean_sq_norm
+
+
+class MeanCosine(Statistic):
+    """The step's mean of the per-example cosines (NaN entries ignored)."""
+
+    name = "mean_cosine"
+    per_example = False
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        cosine = primitives.cosine
+        finite = tf.math.is_finite(cosine)
+        return tf.reduce_sum(tf.where(finite, cosine, 0.0)) / tf.reduce_sum(
+            tf.cast(finite, tf.float32)
+        )
+
+
+class FracNegativeCosine(Statistic):
+    """The fraction of the step's examples whose gradient opposes the batch's."""
+
+    name = "frac_negative_cosine"
+    per_example = False
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return tf.reduce_mean(tf.cast(primitives.cosine < 0.0, tf.float32))
+
+
+BUILTINS: dict[str, type[Statistic]] = {
+    cls.name: cls
+    for cls in (
+        Loss,
+        GradNorm,
+        Cosine,
+        LayerGradNorm,
+        LayerCosine,
+        BatchGradNorm,
+        GradientDiversity,
+        NoiseScale,
+        MeanCosine,
+        FracNegativeCosine,
+    )
+}
+
+DEFAULT_STATISTICS: tuple[str, ...] = tuple(BUILTINS)
+
+
+def get(identifier: str | Statistic) -> Statistic:
+    """Returns the statistic named `identifier`, or `identifier` itself if it is one.
+
+    Raises:
+        ValueError: For an unknown name, listing the valid ones.
+    """
+    if isinstance(identifier, Statistic):
+        if not identifier.name:
+            raise ValueError(f"A Statistic needs a non-empty `name`. Received: {identifier!r}")
+        return identifier
+    if isinstance(identifier, str) and identifier in BUILTINS:
+        return BUILTINS[identifier]()
+    raise ValueError(
+        f"Unknown statistic. Expected one of {sorted(BUILTINS)} or a "
+        f"keras_gradtrack.statistics.Statistic instance. Received: {identifier!r}"
+    )
+
+
+def resolve(identifiers: Iterable[str | Statistic] | None) -> list[Statistic]:
+    """Resolves a list of names / objects (None: the defaults), refusing duplicates."""
+    if isinstance(identifiers, (str, Statistic)):
+        raise TypeError(
+            f"`statistics` must be a list of names or Statistic objects. Received: {identifiers!r}"
+        )
+    requested: Sequence[str | Statistic] = (
+        DEFAULT_STATISTICS if identifiers is None else list(identifiers)
+    )
+    resolved = [get(identifier) for identifier in requested]
+    names = [statistic.name for statistic in resolved]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"Each statistic may be requested once. Received duplicates: {duplicates}")
+    return resolved
+
+
+__all__ = [
+    "BUILTINS",
+    "DEFAULT_STATISTICS",
+    "BatchGradNorm",
+    "Cosine",
+    "FracNegativeCosine",
+    "GradNorm",
+    "GradientDiversity",
+    "LayerCosine",
+    "LayerGradNorm",
+    "Loss",
+    "MeanCosine",
+    "NoiseScale",
+    "Statistic",
+    "StepPrimitives",
+    "get",
+    "resolve",
+]

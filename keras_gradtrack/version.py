@@ -1,0 +1,3 @@
+"""The library's version (one place)."""
+
+__version__ = "0.1.0"
