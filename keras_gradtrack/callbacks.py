@@ -115,7 +115,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
         self._step = 0
         self.model.gradient_tracking.subscriptions[id(self)] = self.statistics
-        if self.model.built:
+        # A subclassed model's layers may only be built by the first step; the
+        # layer names (and the file's datasets) wait for it then.
+        if all(layer.built for layer in self.model._flatten_layers()):
             self._open_writer()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

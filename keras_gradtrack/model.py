@@ -9,6 +9,8 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_gradtrack import statistics as statistics_module
@@ -32,7 +34,6 @@ class GradientTrackingState:
         self.requested = False
         self.latest: dict[str, Any] | None = None
         self.batch_size: Any = None
-        self.traced_plans: list[list[TrackedLayer]] = []
 
     def statistics(self) -> list[Statistic]:
         """The union of the subscribed statistics, by name, in subscription order."""
@@ -153,8 +154,7 @@ class GradientTrackingMixin:
         if key not in functions:
 
             def compute(data: Any) -> Any:
-                plan = build_plan(self)
-                return tracked_train_step(self, data, plan, resolved, apply_update=False)
+                return self._tracked_train_step(data, resolved, apply_update=False)
 
             functions[key] = tf.function(compute, reduce_retracing=True, autograph=False)
         data = data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
@@ -188,10 +188,15 @@ class GradientTrackingMixin:
             data_batch = batch_data.strip_example_ids(data_batch)
         return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
 
-    def _tracked_train_step(self, data: Any, statistics: Sequence[Statistic]) -> Any:
+    def _tracked_train_step(
+        self, data: Any, statistics: Sequence[Statistic], apply_update: bool = True
+    ) -> Any:
+        if not all(layer.built for layer in self._flatten_layers()):
+            # The taps are chosen before the forward pass, so a subclassed model
+            # whose first step would build it is built here, from this batch.
+            self._symbolic_build(data_batch=data)
         plan = build_plan(self)
-        self.gradient_tracking.traced_plans.append(plan)
-        return tracked_train_step(self, data, plan, statistics)
+        return tracked_train_step(self, data, plan, statistics, apply_update=apply_update)
 
     def make_train_function(self, force: bool = False) -> Any:
         if self.train_function is not None and not force:  # type: ignore[has-type]
@@ -248,6 +253,33 @@ class GradientTrackingModel(GradientTrackingMixin, keras.Model):
               callbacks=[kgt.HDF5GradientLogger("run.h5")])
     ```
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Keras makes a `Model` subclass functional by rewriting its bases in
+        # place, after which subclass-style construction of the same class
+        # fails. A functional variant of the class keeps both styles working.
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            cls = functional_variant(cls)
+        return super().__new__(cls)
+
+
+@keras.saving.register_keras_serializable(package="keras_gradtrack")
+class FunctionalGradientTrackingModel(GradientTrackingModel, Functional):
+    """What `GradientTrackingModel(inputs, outputs)` builds: a functional model."""
+
+
+FUNCTIONAL_VARIANTS: dict[type, type] = {GradientTrackingModel: FunctionalGradientTrackingModel}
+
+
+def functional_variant(cls: type) -> type:
+    """`cls` with `Functional` mixed in (same name and module, so saving finds `cls`)."""
+    if cls not in FUNCTIONAL_VARIANTS:
+        FUNCTIONAL_VARIANTS[cls] = type(
+            cls.__name__,
+            (cls, Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+    return FUNCTIONAL_VARIANTS[cls]
 
 
 @keras.saving.register_keras_serializable(package="keras_gradtrack")

@@ -47,9 +47,7 @@ def per_example_loss_error(model: Any) -> ValueError:
     )
 
 
-def layer_primitives(
-    tracked: TrackedLayer, reference: Any
-) -> tuple[tf.Tensor, tf.Tensor]:
+def layer_primitives(tracked: TrackedLayer, reference: Any) -> tuple[tf.Tensor, tf.Tensor]:
     calls = tracked.tap.calls
     if tracked.rule is not None:
         result = tracked.rule.primitives(tracked.layer, calls, reference)

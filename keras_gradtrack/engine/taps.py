@@ -87,9 +87,7 @@ class LayerTap:
         if not self.split_activation:
             outputs = self._original_call(*args, **kwargs)
             record.tapped = [
-                t
-                for t in tree.flatten(outputs)
-                if isinstance(t, tf.Tensor) and t.dtype.is_floating
+                t for t in tree.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating
             ]
             self.calls.append(record)
             return outputs

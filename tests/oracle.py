@@ -1,0 +1,126 @@
+"""The one oracle for every correctness test: a fresh GradientTape per example.
+
+For example i, `l_i` is the compiled loss on that example alone (with its
+sample weight) and `g_i = d l_i / d theta`, flattened per tracked layer, in
+float64. `G` is the gradient Keras' own train step would hand the optimizer for
+the whole batch (regularization included). Every statistic is then computed
+from these by its textbook definition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+
+def _dense(gradient: Any, variable: Any) -> np.ndarray:
+    if gradient is None:
+        return np.zeros(np.prod(variable.shape), np.float64)
+    return np.asarray(tf.convert_to_tensor(gradient), np.float64).ravel()
+
+
+def _take(data: Any, index: int) -> Any:
+    return tree.map_structure(
+        lambda a: None if a is None else np.asarray(a)[index : index + 1], data
+    )
+
+
+def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
+    """Per-example losses and per-layer gradients, one tape per example."""
+    plan = model.gradient_tracking_plan()
+    variables = list(model.trainable_variables)
+    column = {id(v): k for k, tracked in enumerate(plan) for v in tracked.variables}
+    batch = len(tree.flatten(x)[0])
+    losses = np.zeros(batch)
+    per_layer = [[] for _ in plan]
+    for i in range(batch):
+        xi, yi = _take(x, i), _take(y, i)
+        wi = None if sample_weight is None else _take(sample_weight, i)
+        with tf.GradientTape() as tape:
+            prediction = model(xi, training=True)
+            loss = model._compile_loss(yi, prediction, wi)
+        gradients = tape.gradient(loss, variables)
+        losses[i] = float(loss)
+        flat = [[] for _ in plan]
+        for variable, gradient in zip(variables, gradients):
+            flat[column[id(variable)]].append(_dense(gradient, variable))
+        for k in range(len(plan)):
+            per_layer[k].append(np.concatenate(flat[k]))
+    with tf.GradientTape() as tape:
+        prediction = model(x, training=True)
+        total = model._compute_loss(x=x, y=y, y_pred=prediction, sample_weight=sample_weight)
+    batch_gradients = tape.gradient(total, variables)
+    reference = [[] for _ in plan]
+    for variable, gradient in zip(variables, batch_gradients):
+        reference[column[id(variable)]].append(_dense(gradient, variable))
+    return {
+        "loss": losses,
+        "g": [np.stack(rows) for rows in per_layer],  # L arrays of (B, P_k)
+        "G": [np.concatenate(parts) for parts in reference],  # L arrays of (P_k,)
+    }
+
+
+def oracle_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
+    """Every built-in statistic by its definition, from the per-example tapes."""
+    found = per_example_gradients(model, x, y, sample_weight)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a zero gradient has NaN cosine
+        return _statistics(found)
+
+
+def _statistics(found: dict[str, Any]) -> dict[str, Any]:
+    g = np.concatenate(found["g"], axis=1)
+    G = np.concatenate(found["G"])
+    batch = g.shape[0]
+    norms = np.linalg.norm(g, axis=1)
+    layer_norms = np.stack([np.linalg.norm(gk, axis=1) for gk in found["g"]], axis=1)
+    layer_cosine = np.stack(
+        [
+            gk @ Gk / (np.linalg.norm(gk, axis=1) * np.linalg.norm(Gk))
+            for gk, Gk in zip(found["g"], found["G"])
+        ],
+        axis=1,
+    )
+    cosine = g @ G / (norms * np.linalg.norm(G))
+    summed = g.sum(axis=0)
+    mean = summed / batch
+    trace = ((g - mean) ** 2).sum() / (batch - 1) if batch > 1 else np.nan
+    return {
+        "loss": found["loss"],
+        "grad_norm": norms,
+        "cosine": cosine,
+        "layer_grad_norm": layer_norms,
+        "layer_cosine": layer_cosine,
+        "batch_grad_norm": np.linalg.norm(G),
+        "gradient_diversity": (norms**2).sum() / (summed**2).sum(),
+        "noise_scale": trace / (mean**2).sum(),
+        "mean_cosine": np.nanmean(cosine),
+        "frac_negative_cosine": np.mean(cosine < 0),
+        "per_example_gradients": g,
+    }
+
+
+# Relative tolerance that a real bug cannot hide under, in float32.
+RTOL = 1e-4
+# Cosines are bounded by 1; near 0 a relative bound is meaningless.
+COSINE_ATOL = 1e-5
+
+
+def assert_matches_oracle(stats: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Compares every statistic present in `stats` with the oracle's value."""
+    compared = 0
+    for name, value in stats.items():
+        if name not in expected or name == "per_example_gradients":
+            continue
+        atol = COSINE_ATOL if "cosine" in name else 0.0
+        rtol = RTOL
+        if name == "noise_scale":
+            # A ratio with a difference in its numerator: allow its conditioning.
+            rtol = 1e-3
+        np.testing.assert_allclose(
+            np.asarray(value, np.float64), expected[name], rtol=rtol, atol=atol, err_msg=name
+        )
+        compared += 1
+    assert compared > 0, "nothing was compared"
