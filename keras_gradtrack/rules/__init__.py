@@ -17,6 +17,8 @@ from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, Rule, RuleF
 
 RULES: dict[type, Rule] = {
     keras.layers.Dense: Rule("dense", dense.dense_primitives, dense.dense_applies),
+    # -- convolutions --
+    # -- embeddings, normalization, einsum --
 }
 
 
