@@ -1,0 +1,215 @@
+"""`GradientLog`: reads a keras_gradtrack log, also while it is being written."""
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import h5py
+import numpy as np
+
+from keras_gradtrack.io import schema
+
+if TYPE_CHECKING:
+    import pandas
+
+
+class GradientLog:
+    """Read access to a keras_gradtrack HDF5 log.
+
+    The file is opened read-only in SWMR mode when possible, so a log can be read
+    while `HDF5GradientLogger` is still writing it; `refresh()` picks up the rows
+    written since. Every read of a table returns the rows present in all of its
+    datasets, so columns read together always have equal lengths.
+
+    Args:
+        path: path of the log file.
+
+    Raises:
+        FileNotFoundError: if `path` does not exist.
+        ValueError: if the file is not a keras_gradtrack log, or was written with an
+            unsupported schema version.
+
+    Example:
+
+    ```python
+    with GradientLog("run.h5") as log:
+        cosine = log.per_example("cosine")  # (N,): one value per example seen
+        per_layer = log.per_example("layer_grad_norm")  # (N, L), columns log.layers
+        frame = log.to_pandas("per_step")  # columns step, epoch, batch_size, ...
+    ```
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"No keras_gradtrack log at '{self.path}': no such file.")
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(
+                f"Expected the path of a log file. Received a directory: '{self.path}'"
+            )
+        if not h5py.is_hdf5(self.path):
+            raise ValueError(f"'{self.path}' is not a keras_gradtrack log: not an HDF5 file.")
+        self._file: h5py.File | None = None
+        self._open()
+
+    @property
+    def layers(self) -> list[str]:
+        """The L layer names: the column order of per-layer statistics."""
+        return list(self._layout.layer_names)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """The root attributes: `schema_version`, `library_version`, `created`, ..."""
+        file = self._require_open()
+        return {name: _to_python(value) for name, value in file.attrs.items()}
+
+    @property
+    def per_example_names(self) -> list[str]:
+        """Names of the per-example statistics, in the order they were declared."""
+        return list(self._layout.per_example)
+
+    @property
+    def per_step_names(self) -> list[str]:
+        """Names of the per-step statistics, in the order they were declared."""
+        return list(self._layout.per_step)
+
+    @property
+    def num_examples(self) -> int:
+        """Number of complete per-example rows."""
+        return schema.table_length(self._require_open()[schema.PER_EXAMPLE_GROUP])
+
+    @property
+    def num_steps(self) -> int:
+        """Number of complete per-step rows."""
+        return schema.table_length(self._require_open()[schema.PER_STEP_GROUP])
+
+    def per_example(self, name: str) -> np.ndarray:
+        """One per-example column: a statistic, `"step"`, `"epoch"` or `"example_id"`.
+
+        Args:
+            name: column name.
+
+        Returns:
+            Array of shape (N,) or, for a per-layer statistic, (N, L).
+
+        Raises:
+            KeyError: for an unknown name; the message lists the available ones.
+        """
+        return self._read(schema.PER_EXAMPLE_GROUP, name)
+
+    def per_step(self, name: str) -> np.ndarray:
+        """One per-step column: a statistic, `"step"`, `"epoch"` or `"batch_size"`.
+
+        Args:
+            name: column name.
+
+        Returns:
+            Array of shape (S,) or, for a per-layer statistic, (S, L).
+
+        Raises:
+            KeyError: for an unknown name; the message lists the available ones.
+        """
+        return self._read(schema.PER_STEP_GROUP, name)
+
+    def refresh(self) -> None:
+        """Makes the rows written since opening (or the last refresh) visible."""
+        file = self._require_open()
+        if file.swmr_mode:
+            for table in schema.TABLES:
+                for dataset in file[table].values():
+                    dataset.refresh()
+        else:
+            file.close()
+            self._file = None
+            self._open()
+
+    def to_pandas(self, kind: str = "per_example") -> "pandas.DataFrame":
+        """One table as a `pandas.DataFrame`.
+
+        Per-layer statistics become one column per layer, named `"<stat>/<layer>"`.
+
+        Args:
+            kind: `"per_example"` or `"per_step"`.
+
+        Returns:
+            The index columns followed by the statistics, one row per example or step.
+
+        Example:
+
+        ```python
+        frame = GradientLog("run.h5").to_pandas()
+        frame.groupby("epoch")["cosine"].mean()
+        ```
+        """
+        if kind not in schema.TABLES:
+            raise ValueError(f"Expected kind in {list(schema.TABLES)}. Received: {kind=}")
+        try:
+            import pandas
+        except ImportError as error:
+            raise ImportError(
+                "GradientLog.to_pandas() needs pandas. "
+                "Install it with `pip install keras-gradtrack[pandas]`."
+            ) from error
+        group = self._require_open()[kind]
+        length = schema.table_length(group)
+        columns: dict[str, np.ndarray] = {}
+        for name, dataset in group.items():
+            values = dataset[:length]
+            if values.ndim == 1:
+                columns[name] = values
+            else:
+                for layer, column in zip(self._layout.layer_names, values.T, strict=True):
+                    columns[f"{name}/{layer}"] = column
+        return pandas.DataFrame(columns)
+
+    def close(self) -> None:
+        """Closes the file. Calling it again does nothing."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "GradientLog":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._file is None:
+            return f"<GradientLog '{self.path}' (closed)>"
+        return (
+            f"<GradientLog '{self.path}': {self.num_examples} example rows, "
+            f"{self.num_steps} step rows, layers={self.layers}, "
+            f"per_example={self.per_example_names}, per_step={self.per_step_names}>"
+        )
+
+    def _open(self) -> None:
+        try:
+            # SWMR lets the file be read while a writer is appending to it, and opens
+            # files whose writer was killed (plain opens refuse those).
+            file = h5py.File(self.path, "r", swmr=True)
+        except OSError:
+            file = h5py.File(self.path, "r")
+        try:
+            self._layout = schema.read_layout(file, self.path)
+        except BaseException:
+            file.close()
+            raise
+        self._file = file
+
+    def _require_open(self) -> h5py.File:
+        if self._file is None:
+            raise ValueError(f"The GradientLog for '{self.path}' is closed.")
+        return self._file
+
+    def _read(self, table: str, name: str) -> np.ndarray:
+        group = self._require_open()[table]
+        if name not in group:
+            raise KeyError(f"No {table} column {name!r} in '{self.path}'. Available: {list(group)}")
+        return group[name][: schema.table_length(group)]
+
+
+def _to_python(value: Any) -> Any:
+    """Turns numpy scalars and arrays read from HDF5 attributes into Python values."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    return value

@@ -1,0 +1,407 @@
+"""`LogWriter`: streams per-example and per-step statistics into an HDF5 log."""
+
+import errno
+import operator
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import h5py
+import numpy as np
+
+from keras_gradtrack.io import schema
+
+
+class LogWriter:
+    """Writes gradient statistics to an HDF5 file in the keras_gradtrack schema.
+
+    Steps are buffered in memory and written in blocks of `flush_every` steps. Every
+    dataset is created before the file switches to SWMR mode, so `GradientLog` (or
+    `h5py.File(path, "r", swmr=True)`) can read the file while it is being written,
+    and a writer killed at any moment leaves every flushed row readable that way.
+
+    Args:
+        path: path of the HDF5 file.
+        layer_names: the L layer names, in the column order of per-layer statistics.
+        per_example: statistic name -> `None` for one value per example, or L for one
+            value per example and layer.
+        per_step: statistic name -> `None` for one value per step, or L for one value
+            per step and layer.
+        attrs: root attributes: the strings `library_version`, `keras_version`,
+            `tensorflow_version` and `model_name`; any others are stored as given.
+            The writer adds `schema_version` and `created`.
+        overwrite: replace the file if it exists.
+        append: continue the log if the file exists; its layers and statistics must
+            match. A missing file is created.
+        flush_every: number of steps written per block.
+        compression: `"gzip"` (level 4), `"lzf"` or `None`.
+
+    Example:
+
+    ```python
+    writer = LogWriter(
+        "run.h5",
+        layer_names=["dense", "dense_1"],
+        per_example={"loss": None, "layer_grad_norm": 2},
+        per_step={"batch_grad_norm": None},
+        attrs={"library_version": "0.1.0", "keras_version": "3.3.3",
+               "tensorflow_version": "2.16.1", "model_name": "mlp"},
+    )
+    with writer:
+        writer.write_step(
+            step=writer.next_step,
+            epoch=0,
+            example_ids=np.arange(4),
+            per_example={"loss": np.ones(4), "layer_grad_norm": np.ones((4, 2))},
+            per_step={"batch_grad_norm": 0.5},
+        )
+    ```
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        layer_names: Sequence[str],
+        per_example: Mapping[str, int | None],
+        per_step: Mapping[str, int | None],
+        attrs: Mapping[str, Any],
+        overwrite: bool = False,
+        append: bool = False,
+        flush_every: int = 10,
+        compression: str | None = "gzip",
+    ):
+        if not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(
+                f"Expected flush_every to be a positive integer. Received: {flush_every=}"
+            )
+        if compression not in schema.COMPRESSIONS:
+            raise ValueError(
+                f"Expected compression in {list(schema.COMPRESSIONS)}. Received: {compression=}"
+            )
+        self.path = os.fspath(path)
+        self.layout = schema.Layout.from_arguments(layer_names, per_example, per_step)
+        self.attrs = schema.checked_caller_attrs(attrs)
+        self.overwrite = overwrite
+        self.append = append
+        self.flush_every = flush_every
+        self.compression = compression
+        self._file: h5py.File | None = None
+        self._datasets: dict[str, dict[str, h5py.Dataset]] = {}
+        self._next_step = 0
+        self._pending_steps = 0
+        self._pending = self._empty_buffer()
+
+    @staticmethod
+    def check_path(path: str | os.PathLike[str], *, overwrite: bool, append: bool) -> None:
+        """Raises if a log cannot be written at `path` with these flags; writes nothing.
+
+        Args:
+            path: path of the HDF5 file.
+            overwrite: whether an existing file may be replaced.
+            append: whether an existing file may be continued.
+
+        Raises:
+            ValueError: if both `overwrite` and `append` are set.
+            IsADirectoryError: if `path` is a directory.
+            FileNotFoundError: if the parent directory does not exist.
+            NotADirectoryError: if the parent path is not a directory.
+            FileExistsError: if `path` exists and neither flag is set.
+            PermissionError: if the file, or the directory a new file goes to, is not
+                writable.
+
+        Example:
+
+        ```python
+        LogWriter.check_path("run.h5", overwrite=False, append=False)
+        ```
+        """
+        path = os.fspath(path)
+        if overwrite and append:
+            raise ValueError(
+                "Pass at most one of overwrite=True (replace the file) and append=True "
+                f"(continue it). Received: {overwrite=}, {append=}"
+            )
+        if os.path.isdir(path):
+            raise IsADirectoryError(
+                f"Expected the path of a log file. Received a directory: '{path}'"
+            )
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.exists(directory):
+            raise FileNotFoundError(f"The directory of the log does not exist: '{directory}'")
+        if not os.path.isdir(directory):
+            raise NotADirectoryError(
+                f"The parent of the log path is not a directory: '{directory}'"
+            )
+        if os.path.exists(path):
+            if not (overwrite or append):
+                raise FileExistsError(
+                    f"The log file '{path}' already exists. To replace it pass overwrite=True; "
+                    "to continue it pass append=True."
+                )
+            _check_writable_file(path)
+        else:
+            _check_writable_directory(directory)
+
+    def open(self) -> None:
+        """Creates (or, with `append=True`, opens) the file and switches it to SWMR mode.
+
+        Raises:
+            ValueError: when appending to a file that is not a keras_gradtrack log of
+                schema version 1 with the same layers and statistics.
+            OSError: when another process holds the file open.
+            RuntimeError: if the writer is already open.
+            (and the errors of `check_path`)
+        """
+        if self._file is not None:
+            raise RuntimeError(f"The LogWriter for '{self.path}' is already open.")
+        self.check_path(self.path, overwrite=self.overwrite, append=self.append)
+        if self.append and os.path.exists(self.path):
+            file = self._open_existing()
+        else:
+            file = self._create()
+        try:
+            # SWMR readers need every dataset to exist before the switch.
+            file.swmr_mode = True
+        except BaseException:
+            file.close()
+            raise
+        self._file = file
+        # Looking datasets up by name costs more than writing a small block.
+        self._datasets = {
+            table: {name: file[table][name] for name in columns}
+            for table, columns in self._pending.items()
+        }
+
+    @property
+    def next_step(self) -> int:
+        """The last step written + 1; 0 for a new file."""
+        self._require_open()
+        return self._next_step
+
+    def write_step(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        example_ids: np.ndarray,
+        per_example: Mapping[str, np.ndarray],
+        per_step: Mapping[str, np.ndarray | float],
+    ) -> None:
+        """Buffers one training step; writes a block every `flush_every` steps.
+
+        Args:
+            step: global step, a non-negative integer.
+            epoch: epoch index, a non-negative integer.
+            example_ids: integer ids of the B examples of the step, shape (B,).
+            per_example: every declared per-example statistic, shape (B,) or (B, L).
+            per_step: every declared per-step statistic, a scalar or shape (L,).
+
+        NaN and infinite values are stored as they are.
+
+        Raises:
+            ValueError: if a name, shape or type differs from what was declared.
+        """
+        self._require_open()
+        step = _non_negative_int("step", step)
+        epoch = _non_negative_int("epoch", epoch)
+        example_ids = np.asarray(example_ids)
+        if example_ids.ndim != 1 or (example_ids.size and example_ids.dtype.kind not in "iu"):
+            raise ValueError(
+                "Expected example_ids to be a 1-D array of integers. Received: "
+                f"shape={example_ids.shape}, dtype={example_ids.dtype}"
+            )
+        batch_size = len(example_ids)
+        example_rows = self.layout.checked_values(
+            schema.PER_EXAMPLE_GROUP, per_example, (batch_size,)
+        )
+        step_row = self.layout.checked_values(schema.PER_STEP_GROUP, per_step, ())
+
+        example_columns = {
+            "step": np.full(batch_size, step),
+            "epoch": np.full(batch_size, epoch),
+            "example_id": example_ids.astype(np.int64),  # a copy: callers may reuse theirs
+            **example_rows,
+        }
+        step_columns = {"step": step, "epoch": epoch, "batch_size": batch_size, **step_row}
+        for name, values in example_columns.items():
+            self._pending[schema.PER_EXAMPLE_GROUP][name].append(values)
+        for name, value in step_columns.items():
+            self._pending[schema.PER_STEP_GROUP][name].append(np.asarray(value)[np.newaxis])
+
+        self._next_step = step + 1
+        self._pending_steps += 1
+        if self._pending_steps >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Writes the buffered steps as one block and flushes the file to disk."""
+        file = self._require_open()
+        if not self._pending_steps:
+            return
+        for table, columns in self._pending.items():
+            datasets = self._datasets[table]
+            # Every dataset of the table starts at the same row, so a block that failed
+            # half-way is overwritten, not duplicated, by the next attempt.
+            start = min(dataset.shape[0] for dataset in datasets.values())
+            for name, parts in columns.items():
+                dataset = datasets[name]
+                block = np.concatenate(parts).astype(dataset.dtype, copy=False)
+                if len(block):
+                    dataset.resize(start + len(block), axis=0)
+                    dataset[start:] = block
+        self._pending = self._empty_buffer()
+        self._pending_steps = 0
+        file.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the file. Calling it again does nothing."""
+        if self._file is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._file.close()
+            self._file = None
+            self._datasets = {}
+
+    def __enter__(self) -> "LogWriter":
+        if self._file is None:
+            self.open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self._file is not None else "closed"
+        return (
+            f"<LogWriter '{self.path}' ({state}): {len(self.layout.layer_names)} layers, "
+            f"per_example={list(self.layout.per_example)}, per_step={list(self.layout.per_step)}>"
+        )
+
+    def _require_open(self) -> h5py.File:
+        if self._file is None:
+            raise RuntimeError(f"The LogWriter for '{self.path}' is not open. Call open() first.")
+        return self._file
+
+    def _empty_buffer(self) -> dict[str, dict[str, list[np.ndarray]]]:
+        return {
+            table: {name: [] for name in (*schema.INDEX_COLUMNS[table], *self.layout.widths(table))}
+            for table in schema.TABLES
+        }
+
+    def _create(self) -> h5py.File:
+        file = _open_h5py_file(self.path, "w" if self.overwrite else "x")
+        try:
+            schema.create_log(file, self.layout, self.attrs, self.compression)
+        except BaseException:
+            file.close()
+            raise
+        self._next_step = 0
+        return file
+
+    def _open_existing(self) -> h5py.File:
+        if not h5py.is_hdf5(self.path):
+            raise ValueError(
+                f"Cannot append to '{self.path}': it is not a keras_gradtrack log (not an HDF5 file)."
+            )
+        file = _open_h5py_file(self.path, "r+")
+        try:
+            found = schema.read_layout(file, self.path)
+            _check_same_layout(self.path, found=found, given=self.layout)
+            num_steps = _drop_incomplete_rows(file)
+            steps = file[schema.PER_STEP_GROUP]["step"]
+            self._next_step = int(steps[num_steps - 1]) + 1 if num_steps else 0
+        except BaseException:
+            file.close()
+            raise
+        return file
+
+
+def _non_negative_int(argument: str, value: int) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = -1
+    if number < 0:
+        raise ValueError(
+            f"Expected {argument} to be a non-negative integer. Received: {argument}={value!r}"
+        )
+    return number
+
+
+def _check_same_layout(path: str, *, found: schema.Layout, given: schema.Layout) -> None:
+    for argument, in_file, received in (
+        ("layer_names", found.layer_names, given.layer_names),
+        ("per_example", found.per_example, given.per_example),
+        ("per_step", found.per_step, given.per_step),
+    ):
+        if in_file != received:
+            raise ValueError(
+                f"Cannot append to '{path}': its {argument} differ. "
+                f"Expected (in the file): {in_file}. Received: {argument}={received}"
+            )
+
+
+def _drop_incomplete_rows(file: h5py.File) -> int:
+    """Cuts both tables back to the last step complete in both; returns its row count.
+
+    A writer killed in the middle of a block can leave some datasets longer than
+    others; appending after them would misalign the columns.
+    """
+    per_example = file[schema.PER_EXAMPLE_GROUP]
+    per_step = file[schema.PER_STEP_GROUP]
+    num_steps = schema.table_length(per_step)
+    rows_through_step = np.cumsum(per_step["batch_size"][:num_steps], dtype=np.int64)
+    num_steps = int(
+        np.searchsorted(rows_through_step, schema.table_length(per_example), side="right")
+    )
+    num_examples = int(rows_through_step[num_steps - 1]) if num_steps else 0
+    for group, length in ((per_example, num_examples), (per_step, num_steps)):
+        for dataset in group.values():
+            if dataset.shape[0] != length:
+                dataset.resize(length, axis=0)
+    return num_steps
+
+
+def _open_h5py_file(path: str, mode: str) -> h5py.File:
+    try:
+        return h5py.File(path, mode, libver=schema.LIBVER)
+    except OSError as error:
+        if "lock" not in str(error) and "already open" not in str(error):
+            raise
+        raise OSError(
+            f"Cannot open '{path}' for writing: {error}. Another process may hold it open "
+            "(close any GradientLog or h5py.File reading it). If a previous writer was "
+            "killed, HDF5 still marks the file as open for writing; HDF5's `h5clear -s` "
+            "tool removes that mark."
+        ) from error
+
+
+def _check_writable_file(path: str) -> None:
+    message = f"The log file '{path}' is not writable."
+    if not os.access(path, os.W_OK):
+        raise PermissionError(message)
+    try:
+        with open(path, "r+b"):
+            pass
+    except PermissionError as error:
+        raise PermissionError(message) from error
+
+
+def _check_writable_directory(directory: str) -> None:
+    # os.access alone is not enough: root passes it everywhere, and read-only or
+    # special file systems only refuse when a file is really created.
+    message = f"Cannot create the log file: the directory '{directory}' is not writable."
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(message)
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=".keras_gradtrack-", dir=directory)
+    except OSError as error:
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise PermissionError(message) from error
+        raise
+    os.close(descriptor)
+    os.remove(probe)
