@@ -271,3 +271,27 @@ def test_functional_and_subclassed_construction_coexist() -> None:
     assert isinstance(functional, Functionalish) and isinstance(subclassed, Subclassed)
     assert type(functional).__name__ == "Functionalish"
     assert subclassed.tracked_layer_names == ["dense"] or len(subclassed.tracked_layer_names) == 1
+
+
+def test_jit_compiled_fit_is_exact(tmp_path: Path) -> None:
+    x, y = classification_data(16)
+    model = mlp()
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    assert model.jit_compile
+    expected = oracle_statistics(model, x, y)
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")],
+    )
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        logged = {name: log.per_example(name) for name in log.per_example_names}
+        logged.update({name: log.per_step(name)[0] for name in log.per_step_names})
+    assert_matches_oracle(logged, expected)
