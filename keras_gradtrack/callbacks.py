@@ -15,6 +15,9 @@ from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
 
+# Logged with every tracked step (for influence estimates such as TracIn).
+LEARNING_RATE = "learning_rate"
+
 
 def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
     """Raises unless `model` can compute gradient statistics for `callback`."""
@@ -45,7 +48,8 @@ class HDF5GradientLogger(keras.callbacks.Callback):
 
     The file follows schema version 1 (see the docs): `/per_example/<stat>`
     holds one row per example seen, `/per_step/<stat>` one row per tracked
-    step, `/layers` the per-layer column names. Rows are written in blocks of
+    step (plus `/per_step/learning_rate`, the rate the optimizer used at that
+    step), `/layers` the per-layer column names. Rows are written in blocks of
     `flush_every` tracked steps; the file is opened in SWMR mode, so
     `GradientLog` can read it while training runs.
 
@@ -165,11 +169,13 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 if s.per_example == per_example
             }
 
+        per_step = {**columns(False), LEARNING_RATE: None}
+
         self.writer = LogWriter(
             self.path,
             layer_names=layer_names,
             per_example=columns(True),
-            per_step=columns(False),
+            per_step=per_step,
             attrs={
                 "library_version": __version__,
                 "keras_version": keras.__version__,
@@ -196,5 +202,8 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             epoch=self._epoch,
             example_ids=example_ids,
             per_example={s.name: values[s.name] for s in self.statistics if s.per_example},
-            per_step={s.name: values[s.name] for s in self.statistics if not s.per_example},
+            per_step={
+                LEARNING_RATE: values[LEARNING_RATE],
+                **{s.name: values[s.name] for s in self.statistics if not s.per_example},
+            },
         )

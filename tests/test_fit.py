@@ -295,3 +295,22 @@ def test_jit_compiled_fit_is_exact(tmp_path: Path) -> None:
         logged = {name: log.per_example(name) for name in log.per_example_names}
         logged.update({name: log.per_step(name)[0] for name in log.per_step_names})
     assert_matches_oracle(logged, expected)
+
+
+def test_the_learning_rate_of_each_tracked_step_is_logged(tmp_path: Path) -> None:
+    x, y = classification_data(40)
+    model = mlp()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=10,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5", every_n_steps=2)],
+    )
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        np.testing.assert_allclose(log.per_step("learning_rate"), [0.1, 0.025], rtol=1e-6)

@@ -171,6 +171,8 @@ def tracked_train_step(
 
     if not apply_update:
         return {PAYLOAD_KEY: payload}
+    # Read before the update: the rate this step uses (schedules move with it).
+    payload["learning_rate"] = tf.cast(model.optimizer.learning_rate, tf.float32)
     # The statistics read the weights' old values (the fallback re-runs layers):
     # order the update after them.
     with tf.control_dependencies(tree.flatten(payload)):
