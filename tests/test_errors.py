@@ -191,3 +191,33 @@ def test_a_user_statistic_from_the_primitives_lands_in_the_file(tmp_path: Path) 
         )
         assert log.per_step("layer_alignment").shape == (2, 2)
         assert "cosine" not in log.per_example_names
+
+
+@pytest.mark.parametrize(
+    "ids", [np.arange(16, dtype="float32"), np.arange(32).reshape(16, 2)], ids=["float", "2-D"]
+)
+def test_example_ids_of_the_wrong_dtype_or_shape_are_refused(tmp_path: Path, ids: Any) -> None:
+    inputs = keras.Input((6,), name="pixels")
+    model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="one integer per example"):
+        model.fit(
+            {"pixels": X, "example_id": ids},
+            Y,
+            batch_size=8,
+            verbose=0,
+            callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")],
+        )
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+
+
+def test_example_ids_of_the_wrong_length_are_refused() -> None:
+    inputs = keras.Input((6,), name="pixels")
+    model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="size"):
+        model.fit({"pixels": X, "example_id": np.arange(15)}, Y, verbose=0)

@@ -22,6 +22,12 @@ def split_example_ids(x: Any) -> tuple[Any, Any]:
         return x, None
     rest = {key: value for key, value in x.items() if key != EXAMPLE_ID_KEY}
     ids = x[EXAMPLE_ID_KEY]
+    dtype = tf.as_dtype(ids.dtype)
+    if not dtype.is_integer or len(ids.shape) != 1:
+        raise ValueError(
+            f"Expected `x['{EXAMPLE_ID_KEY}']` to hold one integer per example (shape "
+            f"(batch,)). Received: dtype={dtype.name}, shape={tuple(ids.shape)}"
+        )
     if len(rest) == 1:
         return next(iter(rest.values())), ids
     return rest, ids
