@@ -35,12 +35,6 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
             "`steps_per_execution=1` in `compile()`. "
             f"Received: steps_per_execution={model.steps_per_execution}"
         )
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    if replicas > 1:
-        raise NotImplementedError(
-            f"Gradient tracking under a tf.distribute strategy with {replicas} replicas "
-            "is not supported yet."
-        )
 
 
 class HDF5GradientLogger(keras.callbacks.Callback):

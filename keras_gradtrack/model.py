@@ -185,7 +185,9 @@ class GradientTrackingMixin:
                     data_batch = next(data_or_iterator)
                 break
         if data_batch is not None:
-            data_batch = batch_data.strip_example_ids(data_batch)
+            # Under a strategy Keras hands over a replica-averaged batch: ids
+            # arrive as floats here, and only shapes matter.
+            data_batch = batch_data.strip_example_ids(data_batch, validate=False)
         return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
 
     def _tracked_train_step(

@@ -7,6 +7,14 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras
 import pytest
+import tensorflow as tf
+
+# Two logical CPU devices, so tf.distribute.MirroredStrategy runs real replicas here.
+# This must happen before TensorFlow initializes its devices.
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+)
 
 
 @pytest.fixture(autouse=True)

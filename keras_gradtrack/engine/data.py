@@ -11,8 +11,12 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 EXAMPLE_ID_KEY = "example_id"
 
 
-def split_example_ids(x: Any) -> tuple[Any, Any]:
+def split_example_ids(x: Any, validate: bool = True) -> tuple[Any, Any]:
     """Removes the `example_id` entry from a dict input.
+
+    Args:
+        x: The batch's inputs.
+        validate: Check that the ids are one integer per example.
 
     Returns:
         `(x, ids)`: the model's input (the remaining entry's value when exactly
@@ -23,7 +27,7 @@ def split_example_ids(x: Any) -> tuple[Any, Any]:
     rest = {key: value for key, value in x.items() if key != EXAMPLE_ID_KEY}
     ids = x[EXAMPLE_ID_KEY]
     dtype = tf.as_dtype(ids.dtype)
-    if not dtype.is_integer or len(ids.shape) != 1:
+    if validate and (not dtype.is_integer or len(ids.shape) != 1):
         raise ValueError(
             f"Expected `x['{EXAMPLE_ID_KEY}']` to hold one integer per example (shape "
             f"(batch,)). Received: dtype={dtype.name}, shape={tuple(ids.shape)}"
@@ -33,16 +37,16 @@ def split_example_ids(x: Any) -> tuple[Any, Any]:
     return rest, ids
 
 
-def unpack_batch(data: Any) -> tuple[Any, Any, Any, Any]:
+def unpack_batch(data: Any, validate: bool = True) -> tuple[Any, Any, Any, Any]:
     """`(x, y, sample_weight, example_ids)` of one batch as `fit` yields it."""
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    x, ids = split_example_ids(x)
+    x, ids = split_example_ids(x, validate)
     return x, y, sample_weight, ids
 
 
-def strip_example_ids(data: Any) -> Any:
+def strip_example_ids(data: Any, validate: bool = True) -> Any:
     """The batch without its example ids, in the form Keras' own steps expect."""
-    x, y, sample_weight, ids = unpack_batch(data)
+    x, y, sample_weight, ids = unpack_batch(data, validate)
     if ids is None:
         return data
     return data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)

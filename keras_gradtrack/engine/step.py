@@ -18,6 +18,7 @@ from keras import tree
 from keras.src.losses import loss as loss_module
 
 from keras_gradtrack.engine import data as batch_data
+from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.fallback import fallback_primitives
 from keras_gradtrack.engine.plan import TrackedLayer
 from keras_gradtrack.engine.primitives import StepPrimitives
@@ -28,13 +29,17 @@ PAYLOAD_KEY = "__gradtrack__"
 
 
 def reduction_constant(model: Any, batch_size: tf.Tensor) -> tf.Tensor:
-    """`c` with `loss = c * sum_i l_i (+ regularization)`: 1 for "sum" losses, else 1/B."""
+    """`c` with `loss = c * sum_i l_i (+ regularization)` on this replica.
+
+    1 for "sum" losses; else `1 / (B * replicas)`, as Keras also divides a
+    mean-reduced loss by the number of replicas.
+    """
     compile_loss = getattr(model, "_compile_loss", None)
     flat_losses = getattr(compile_loss, "_flat_losses", None) or []
     reductions = {getattr(entry.loss, "reduction", None) for entry in flat_losses}
     if reductions == {"sum"}:
         return tf.constant(1.0)
-    return 1.0 / tf.cast(batch_size, tf.float32)
+    return 1.0 / tf.cast(batch_size * distribute.num_replicas(), tf.float32)
 
 
 def per_example_loss_error(model: Any) -> ValueError:
@@ -129,45 +134,59 @@ def tracked_train_step(
                 grad = tf.zeros_like(tensor) if grad is None else grad
                 call.output_grads.append(tf.cast(grad, tf.float32) * unscale)
 
-    batch_gradient = {
-        id(variable): tf.cast(tf.convert_to_tensor(grad), tf.float32) / loss_scale
-        for variable, grad in zip(trainable_weights, weight_gradients)
-        if grad is not None
-    }
+    # G: what the optimizer receives, unscaled, summed over replicas.
+    # S = sum_i g_i: each replica's data part (its gradient less its share of
+    # the weight regularizers, which Keras divides among the replicas) over its
+    # own reduction constant, summed over replicas.
+    local_gradients = [
+        tf.zeros(v.shape, tf.float32)
+        if g is None
+        else tf.cast(tf.convert_to_tensor(g), tf.float32) / loss_scale
+        for v, g in zip(trainable_weights, weight_gradients)
+    ]
+    regularization = weight_regularization_gradients(trainable_weights)
+    replicas = distribute.num_replicas()
+    local_sums = [
+        (g - regularization.get(id(v), 0.0) / replicas) / constant
+        for v, g in zip(trainable_weights, local_gradients)
+    ]
+    reduced = distribute.all_reduce_sum(local_gradients + local_sums)
+    count = len(trainable_weights)
+    batch_gradient = {id(v): g for v, g in zip(trainable_weights, reduced[:count])}
+    gradient_sum = {id(v): s for v, s in zip(trainable_weights, reduced[count:])}
 
     def reference(variable: Any) -> tf.Tensor:
-        if id(variable) in batch_gradient:
-            return batch_gradient[id(variable)]
-        return tf.zeros(variable.shape, tf.float32)
+        return batch_gradient[id(variable)]
 
-    regularization_gradient = weight_regularization_gradients(trainable_weights)
+    def squared_norm(gradients: dict[int, tf.Tensor], tracked: TrackedLayer) -> tf.Tensor:
+        return tf.add_n([tf.reduce_sum(tf.square(gradients[id(v)])) for v in tracked.variables])
 
-    sq_norms, dots, reference_sq_norms, sum_sq_norms = [], [], [], []
+    sq_norms, dots = [], []
     for tracked in plan:
         sq_norm, dot = layer_primitives(tracked, reference)
         sq_norms.append(tf.maximum(sq_norm, 0.0))
         dots.append(dot)
-        layer_reference = [tf.reshape(reference(v), [-1]) for v in tracked.variables]
-        reference_flat = tf.concat(layer_reference, axis=0)
-        reference_sq_norms.append(tf.reduce_sum(tf.square(reference_flat)))
-        summed = [
-            (reference(v) - regularization_gradient.get(id(v), 0.0)) / constant
-            for v in tracked.variables
-        ]
-        sum_sq_norms.append(tf.add_n([tf.reduce_sum(tf.square(s)) for s in summed]))
-
+    rows = {
+        "loss": tf.cast(probe_gradient, tf.float32) * unscale,
+        "sq_norm": tf.stack(sq_norms, axis=1),
+        "dot": tf.stack(dots, axis=1),
+    }
+    if example_ids is not None:
+        rows["example_id"] = tf.cast(tf.reshape(example_ids, [-1]), tf.int64)
+    rows = distribute.all_gather_rows(rows)
+    global_batch_size = tf.shape(rows["loss"])[0]
     primitives = StepPrimitives(
-        loss=tf.cast(probe_gradient, tf.float32) * unscale,
-        sq_norm=tf.stack(sq_norms, axis=1),
-        dot=tf.stack(dots, axis=1),
-        reference_sq_norm=tf.stack(reference_sq_norms),
-        sum_sq_norm=tf.stack(sum_sq_norms),
-        batch_size=tf.cast(batch_size, tf.float32),
+        loss=rows["loss"],
+        sq_norm=rows["sq_norm"],
+        dot=rows["dot"],
+        reference_sq_norm=tf.stack([squared_norm(batch_gradient, t) for t in plan]),
+        sum_sq_norm=tf.stack([squared_norm(gradient_sum, t) for t in plan]),
+        batch_size=tf.cast(global_batch_size, tf.float32),
     )
     payload = {statistic.name: statistic.compute(primitives) for statistic in statistics}
-    payload["batch_size"] = batch_size
-    if example_ids is not None:
-        payload["example_id"] = tf.cast(tf.reshape(example_ids, [-1]), tf.int64)
+    payload["batch_size"] = global_batch_size
+    if "example_id" in rows:
+        payload["example_id"] = rows["example_id"]
 
     if not apply_update:
         return {PAYLOAD_KEY: payload}
