@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -17,6 +18,17 @@ from keras_gradtrack.version import __version__
 
 # Logged with every tracked step (for influence estimates such as TracIn).
 LEARNING_RATE = "learning_rate"
+
+
+def is_chief(model: Any) -> bool:
+    """Whether this process writes the log: always, except non-chief multi-worker tasks."""
+    resolver = getattr(model.distribute_strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.task_type:
+        return True
+    cluster = resolver.cluster_spec().as_dict()
+    if "chief" in cluster:
+        return resolver.task_type == "chief"
+    return resolver.task_type == "worker" and resolver.task_id == 0
 
 
 def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
@@ -105,17 +117,22 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self._epoch = 0
         self._epoch_position = 0
         self._requested = False
+        self._writes = True
 
     # -- lifecycle ------------------------------------------------------------
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         require_tracking_model(self.model, self)
-        LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
+        # Every worker tracks the same steps (the statistics are collective);
+        # only the chief writes them.
+        self._writes = is_chief(self.model)
+        if self._writes:
+            LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
         self._step = 0
         self.model.gradient_tracking.subscriptions[id(self)] = self.statistics
         # A subclassed model's layers may only be built by the first step; the
         # layer names (and the file's datasets) wait for it then.
-        if all(layer.built for layer in self.model._flatten_layers()):
+        if self._writes and all(layer.built for layer in self.model._flatten_layers()):
             self._open_writer()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -131,10 +148,18 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         state = self.model.gradient_tracking
         batch_size = int(state.batch_size) if state.batch_size is not None else 0
         if self._requested and state.latest is not None:
-            if self.writer is None:
-                self._open_writer()
-            self._write(state.latest)
             batch_size = int(state.latest["batch_size"])
+            if self._writes:
+                if self.writer is None:
+                    self._open_writer()
+                try:
+                    self._write(state.latest)
+                except OSError:
+                    # Keras calls no on_train_end after an error: close the file here.
+                    # It keeps every block written before; the error says what failed.
+                    with contextlib.suppress(OSError):
+                        self.close()
+                    raise
         self._epoch_position += batch_size
         self._step += 1
 
@@ -145,10 +170,12 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     def close(self) -> None:
         """Writes buffered rows and closes the file (idempotent)."""
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            writer, self.writer = self.writer, None
             # A later `fit` with this same logger continues its log.
             self.append, self.overwrite = True, False
+            # Raises OSError if the buffered rows cannot be written (a full disk, say);
+            # the file is closed all the same and keeps every block written before.
+            writer.close()
 
     # -- writing --------------------------------------------------------------
 
@@ -189,7 +216,10 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         values = {name: np.asarray(value) for name, value in payload.items()}
         batch_size = int(values["batch_size"])
         example_ids = values.get("example_id")
-        if example_ids is None:
+        if example_ids is not None:
+            # A multi-worker mean over identical replicas returns the ids as floats.
+            example_ids = np.rint(example_ids).astype(np.int64)
+        else:
             example_ids = self._epoch_position + np.arange(batch_size, dtype=np.int64)
         self.writer.write_step(
             step=self._step,

@@ -9,12 +9,14 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras import tree
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.engine import data as batch_data
+from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.plan import TrackedLayer, build_plan, format_summary
 from keras_gradtrack.engine.step import PAYLOAD_KEY, tracked_train_step
 from keras_gradtrack.statistics import Statistic
@@ -168,13 +170,35 @@ class GradientTrackingMixin:
         logs = super().train_step(data)  # type: ignore[misc]
         # The batch size lets callbacks number examples on untracked steps too.
         x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
-        return {**logs, PAYLOAD_KEY: {"batch_size": batch_data.batch_size_of(x)}}
+        (batch_size,) = distribute.all_reduce_sum([batch_data.batch_size_of(x)])
+        return {**logs, PAYLOAD_KEY: {"batch_size": batch_size}}
 
     def test_step(self, data: Any) -> Any:
         return super().test_step(batch_data.strip_example_ids(data))  # type: ignore[misc]
 
     def predict_step(self, data: Any) -> Any:
         return super().predict_step(batch_data.strip_example_ids(data))  # type: ignore[misc]
+
+    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        if self._distribute_strategy is None or iterator is None:  # type: ignore[attr-defined]
+            return super()._maybe_symbolic_build(iterator, data_batch)  # type: ignore[misc]
+        # Keras averages a distributed batch across replicas to learn its shapes,
+        # which fails for dict inputs under MultiWorkerMirroredStrategy; the
+        # first replica's values carry the same shapes.
+        strategy = self.distribute_strategy  # type: ignore[attr-defined]
+        for _, _, data_iterator in iterator:
+            batch = next(data_iterator)
+            break
+        data_batch = tree.map_structure(
+            lambda value: (
+                strategy.experimental_local_results(value)[0]
+                if isinstance(value, tf.distribute.DistributedValues)
+                else value
+            ),
+            batch,
+        )
+        with strategy.scope():
+            return self._symbolic_build(data_batch=data_batch)
 
     def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if data_batch is None and iterator is not None:
@@ -203,25 +227,32 @@ class GradientTrackingMixin:
     def make_train_function(self, force: bool = False) -> Any:
         if self.train_function is not None and not force:  # type: ignore[has-type]
             return self.train_function  # type: ignore[has-type]
-        super().make_train_function(force=True)  # type: ignore[misc]
-        untracked = self.train_function  # type: ignore[has-type]
-        tracked_by_statistics: dict[tuple[str, ...], Any] = {}
         state = self.gradient_tracking
+        strategy = self.distribute_strategy  # type: ignore[attr-defined]
+
+        def compiled(step: Any) -> Any:
+            def protected_step(data: Any) -> Any:
+                return distribute.protect_from_replica_mean(step(data))
+
+            return self._make_function(protected_step)  # type: ignore[attr-defined]
+
+        untracked = compiled(self.train_step)
+        tracked_by_statistics: dict[tuple[str, ...], Any] = {}
 
         def train_function(iterator: Any) -> Any:
             state.latest = None
             if not state.requested:
-                outputs = dict(untracked(iterator))
+                outputs = distribute.unprotect(dict(untracked(iterator)), strategy)
                 state.batch_size = outputs.pop(PAYLOAD_KEY, {}).get("batch_size")
                 return outputs
             state.requested = False
             statistics = state.statistics()
             key = tuple(statistic.name for statistic in statistics)
             if key not in tracked_by_statistics:
-                tracked_by_statistics[key] = self._make_function(  # type: ignore[attr-defined]
+                tracked_by_statistics[key] = compiled(
                     lambda data: self._tracked_train_step(data, statistics)
                 )
-            outputs = dict(tracked_by_statistics[key](iterator))
+            outputs = distribute.unprotect(dict(tracked_by_statistics[key](iterator)), strategy)
             state.latest = outputs.pop(PAYLOAD_KEY)
             state.batch_size = state.latest["batch_size"]
             return outputs

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_gradtrack as kgt
@@ -65,3 +71,50 @@ def test_mirrored_strategy_on_two_cpus_logs_what_one_device_logs(tmp_path: Path)
             np.testing.assert_allclose(
                 two.per_step(name), one.per_step(name), rtol=1e-4, err_msg=name
             )
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.slow
+def test_multi_worker_mirrored_strategy_with_two_processes(tmp_path: Path) -> None:
+    """Two workers on 127.0.0.1: only the chief writes, every example appears once per epoch."""
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    worker_script = Path(__file__).with_name("multiworker_worker.py")
+    processes = []
+    for index in range(2):
+        env = {
+            **os.environ,
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+            ),
+        }
+        path = tmp_path / f"worker{index}" / "run.h5"
+        path.parent.mkdir()
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(worker_script), str(path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [process.communicate(timeout=240)[0] for process in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    assert not (tmp_path / "worker1" / "run.h5").exists()
+    with kgt.GradientLog(tmp_path / "worker0" / "run.h5") as log:
+        ids = log.per_example("example_id")
+        epochs = log.per_example("epoch")
+        for epoch in (0, 1):
+            assert sorted(ids[epochs == epoch].tolist()) == list(range(48))
+        assert log.per_step("batch_size").tolist() == [16] * 6
+        assert np.all(np.isfinite(log.per_example("cosine")))

@@ -91,10 +91,11 @@ def dense_on_4d_with_sequence_targets() -> Case:
 def fallback_layers() -> Case:
     inputs = keras.Input((10, 3))
     hidden = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="relu")(inputs)
-    hidden = keras.layers.LayerNormalization()(hidden)
+    hidden = keras.layers.PReLU(alpha_initializer="random_uniform")(hidden)  # no rule
     hidden = keras.layers.Flatten()(hidden)
     outputs = keras.layers.Dense(3)(hidden)
     model = compiled(kgt.GradientTrackingModel(inputs, outputs), sparse_ce())
+    assert any(tracked.rule is None for tracked in model.gradient_tracking_plan())
     return model, rng.normal(size=(12, 10, 3)), rng.integers(0, 3, 12), None
 
 
