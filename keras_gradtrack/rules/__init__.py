@@ -12,13 +12,40 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.rules import dense
+from keras_gradtrack.rules import dense, einsum, embedding, normalization
 from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, Rule, RuleFn
 
 RULES: dict[type, Rule] = {
     keras.layers.Dense: Rule("dense", dense.dense_primitives, dense.dense_applies),
     # -- convolutions --
     # -- embeddings, normalization, einsum --
+    keras.layers.Embedding: Rule(
+        "embedding",
+        embedding.embedding_primitives,
+        embedding.embedding_applies,
+        split_activation=False,
+    ),
+    keras.layers.LayerNormalization: Rule(
+        "layer_normalization",
+        normalization.layer_normalization_primitives,
+        normalization.layer_normalization_applies,
+        split_activation=False,
+    ),
+    keras.layers.GroupNormalization: Rule(
+        "group_normalization",
+        normalization.group_normalization_primitives,
+        normalization.group_normalization_applies,
+        split_activation=False,
+    ),
+    keras.layers.RMSNormalization: Rule(
+        "rms_normalization",
+        normalization.rms_normalization_primitives,
+        normalization.rms_normalization_applies,
+        split_activation=False,
+    ),
+    keras.layers.EinsumDense: Rule(
+        "einsum_dense", einsum.einsum_dense_primitives, einsum.einsum_dense_applies
+    ),
 }
 
 

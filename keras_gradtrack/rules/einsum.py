@@ -1,0 +1,197 @@
+"""Rule for `keras.layers.EinsumDense` (and so MultiHeadAttention's projections).
+
+`EinsumDense` computes `z = einsum(equation, x, kernel) + bias`. Each letter of
+the equation other than the batch letter plays one of four roles:
+
+* shared S: in the input, the kernel and the output (a batched kernel axis);
+* steps T: in the input and the output only (sequence positions, heads, ...);
+* contracted K: in the input and the kernel only;
+* produced O: in the kernel and the output only.
+
+Input letters in neither the kernel nor the output are summed over first. With
+the input laid out as `X_i` (S, T, K) and the pre-activation gradient as `D_i`
+(S, T, O), example i's kernel gradient is, for each s, `X_is^T D_is` (K x O):
+the Dense rule on sequences, batched over S. Its squared norm comes from the
+Gram form `<X X^T, D D^T>` (cost T^2 (K + O)) or from materializing it (cost
+T K O), whichever is cheaper. Several calls of a shared layer are stacked along T.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import string
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.taps import LayerCall
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+
+EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class EinsumRoles:
+    """The letters of an EinsumDense equation, by role (see the module docstring).
+
+    Attributes:
+        input: Input subscripts, any ellipsis spelled out.
+        kernel: Kernel subscripts.
+        output: Output subscripts, any ellipsis spelled out.
+        batch: The batch letter (first of input and output, not in the kernel).
+        shared: S letters, in kernel order.
+        steps: T letters, in input order.
+        contracted: K letters, in kernel order.
+        produced: O letters, in kernel order.
+    """
+
+    input: str
+    kernel: str
+    output: str
+    batch: str
+    shared: str
+    steps: str
+    contracted: str
+    produced: str
+
+
+def expand_ellipsis(equation: str, input_rank: int | None) -> tuple[str, str, str] | None:
+    """The equation's three subscripts with `...` replaced by fresh letters, or None."""
+    match = EQUATION.match(equation.replace(" ", ""))
+    if match is None:
+        return None
+    inputs, kernel, output = match.groups()
+    if "..." not in inputs and "..." not in output:
+        return (inputs, kernel, output) if "." not in inputs + output else None
+    if inputs.count("...") != 1 or output.count("...") != 1 or input_rank is None:
+        return None
+    elided = input_rank - (len(inputs) - 3)
+    fresh = [c for c in string.ascii_letters if c not in equation]
+    if elided < 0 or elided > len(fresh) or "." in inputs.replace("...", "", 1):
+        return None
+    letters = "".join(fresh[:elided])
+    return inputs.replace("...", letters), kernel, output.replace("...", letters)
+
+
+def einsum_roles(equation: str, input_rank: int | None) -> EinsumRoles | None:
+    """The roles of the equation's letters, or None if it has no clear batch letter."""
+    expanded = expand_ellipsis(equation, input_rank)
+    if expanded is None:
+        return None
+    inputs, kernel, output = expanded
+    if any(len(set(spec)) != len(spec) for spec in expanded) or not inputs or not output:
+        return None
+    batch = inputs[0]
+    if output[0] != batch or batch in kernel:
+        return None
+    if any(c not in inputs + output for c in kernel) or any(
+        c not in inputs + kernel for c in output
+    ):
+        return None
+    return EinsumRoles(
+        input=inputs,
+        kernel=kernel,
+        output=output,
+        batch=batch,
+        shared="".join(c for c in kernel if c in inputs and c in output),
+        steps="".join(c for c in inputs[1:] if c in output and c not in kernel),
+        contracted="".join(c for c in kernel if c in inputs and c not in output),
+        produced="".join(c for c in kernel if c in output and c not in inputs),
+    )
+
+
+def einsum_dense_applies(layer: Any) -> bool:
+    """The rule covers a plain float EinsumDense whose equation keeps the batch axis first."""
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return False
+    input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
+    return einsum_roles(layer.equation, input_rank) is not None
+
+
+def canonical_operands(
+    layer: Any, calls: Sequence[LayerCall]
+) -> tuple[EinsumRoles, tf.Tensor, tf.Tensor]:
+    """Every call's input as `(B, S, T, K)` and gradient as `(B, S, T, O)`, stacked along T."""
+    roles = None
+    inputs, grads = [], []
+    for call in calls:
+        x = tf.cast(call.inputs, tf.float32)
+        d = tf.cast(call.output_grads[0], tf.float32)
+        roles = einsum_roles(layer.equation, x.shape.rank)
+        if roles is None:
+            raise ValueError(
+                f"EinsumDense layer {layer.name!r}: the equation has no batch letter first "
+                f"in its input and output. Received: equation={layer.equation!r}, input "
+                f"shape={x.shape}"
+            )
+        sizes = dict(zip(roles.kernel, layer.kernel.shape))
+        shared = math.prod(sizes[c] for c in roles.shared)
+        b, s, t = roles.batch, roles.shared, roles.steps
+        x = tf.einsum(f"{roles.input}->{b}{s}{t}{roles.contracted}", x)
+        d = tf.einsum(f"{roles.output}->{b}{s}{t}{roles.produced}", d)
+        batch = tf.shape(x)[0]
+        contracted = math.prod(sizes[c] for c in roles.contracted)
+        produced = math.prod(sizes[c] for c in roles.produced)
+        inputs.append(tf.reshape(x, [batch, shared, -1, contracted]))
+        grads.append(tf.reshape(d, [batch, shared, -1, produced]))
+    assert roles is not None
+    if len(calls) == 1:
+        return roles, inputs[0], grads[0]
+    return roles, tf.concat(inputs, axis=2), tf.concat(grads, axis=2)
+
+
+def bias_gradient(d: tf.Tensor, bias_shape: Sequence[int]) -> tf.Tensor:
+    """Per-example gradient of a bias added with broadcasting to `d`, flattened to `(B, -1)`."""
+    offset = d.shape.rank - len(bias_shape)
+    if offset < 1:
+        raise ValueError(
+            f"The bias spans the batch axis. Received: bias shape={tuple(bias_shape)}, "
+            f"output shape={d.shape}"
+        )
+    broadcast = [offset + j for j, size in enumerate(bias_shape) if size == 1]
+    summed = tf.reduce_sum(d, axis=list(range(1, offset)) + broadcast)
+    return tf.reshape(summed, [tf.shape(d)[0], -1])
+
+
+def einsum_dense_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example squared norm and dot with the reference for an EinsumDense layer.
+
+    Example:
+
+    ```python
+    # MultiHeadAttention's query projection "abc,cde->abde": T = b, K = c, O = de, so
+    # g_i = X_i^T D_i with X_i (T, dim) and D_i (T, heads * head_dim), as for Dense.
+    ```
+    """
+    batch = tf.shape(tf.convert_to_tensor(calls[0].inputs))[0]
+    sq_norm = tf.zeros([batch], tf.float32)
+    dot = tf.zeros([batch], tf.float32)
+    if layer.kernel.trainable:
+        roles, x, d = canonical_operands(layer, calls)
+        kernel_ref = tf.einsum(
+            f"{roles.kernel}->{roles.shared}{roles.contracted}{roles.produced}",
+            reference(layer.kernel),
+        )
+        kernel_ref = tf.reshape(kernel_ref, [x.shape[1], x.shape[3], d.shape[3]])
+        steps, contracted, produced = x.shape[2], x.shape[3], d.shape[3]
+        if steps is not None and steps * (contracted + produced) < contracted * produced:
+            gram_x = tf.einsum("bstk,bsuk->bstu", x, x)
+            gram_d = tf.einsum("bsto,bsuo->bstu", d, d)
+            sq_norm += tf.reduce_sum(gram_x * gram_d, axis=[1, 2, 3])
+            dot += tf.reduce_sum(tf.einsum("bstk,sko->bsto", x, kernel_ref) * d, axis=[1, 2, 3])
+        else:
+            per_example_kernel = tf.einsum("bstk,bsto->bsko", x, d)
+            sq_norm += tf.reduce_sum(tf.square(per_example_kernel), axis=[1, 2, 3])
+            dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
+    if layer.bias is not None and layer.bias.trainable:
+        bias_grad = tf.add_n(
+            [bias_gradient(tf.cast(c.output_grads[0], tf.float32), layer.bias.shape) for c in calls]
+        )
+        sq_norm += tf.reduce_sum(tf.square(bias_grad), axis=1)
+        dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
+    return LayerPrimitives(sq_norm=sq_norm, dot=dot)

@@ -1,0 +1,235 @@
+"""Rules for LayerNormalization, GroupNormalization and RMSNormalization.
+
+Each of these layers computes `y = n(x) * gamma + beta`, where `n(x)` is the
+input normalized over some axes of one example (no other example enters) and
+`gamma`, `beta` broadcast over the remaining positions. With `d_i` the gradient
+at the layer's output, example i's parameter gradients are
+`sum_pos d_i * n(x_i)` and `sum_pos d_i`: as small as the parameters, so they
+are materialized. `n(x)` is recomputed from the recorded input as the layer
+computes it (float32, same epsilon and axes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_gradtrack.engine.taps import LayerCall
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+
+# Maps the layer input (float32) to `n(x)`, the factor that multiplies gamma.
+NormalizeFn = Callable[[tf.Tensor], tf.Tensor]
+
+
+def built_input_rank(layer: Any) -> int | None:
+    """The rank of the input the layer was built for, if Keras recorded it."""
+    shape = (layer.get_build_config() or {}).get("input_shape")
+    if shape is None or not isinstance(shape, (list, tuple)):
+        return None
+    return len(shape)
+
+
+def normalized_axes(layer: Any, axis: int | Sequence[int], rank: int) -> list[int]:
+    """`axis` as sorted non-negative ints; raises if it includes the batch axis."""
+    axes = sorted(a % rank for a in ([axis] if isinstance(axis, int) else axis))
+    if 0 in axes:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) normalizes over the batch "
+            "axis, so an example's output depends on the other examples and "
+            f"per-example gradients are not defined. Received: axis={axis} for an input "
+            f"of rank {rank}"
+        )
+    return axes
+
+
+def excludes_batch_axis(layer: Any, axis: int | Sequence[int]) -> bool:
+    """False when `axis` is (or may be) the batch axis of the layer's input."""
+    rank = built_input_rank(layer)
+    axes = [axis] if isinstance(axis, int) else list(axis)
+    if rank is None:
+        return all(a != 0 for a in axes)
+    return all(a % rank != 0 for a in axes)
+
+
+def epsilon_of(layer: Any) -> float:
+    return keras.config.epsilon() if layer.epsilon is None else layer.epsilon
+
+
+def affine_primitives(
+    layer: Any,
+    calls: Sequence[LayerCall],
+    reference: ReferenceFn,
+    normalize: NormalizeFn,
+    param_axes: Callable[[int], list[int]],
+    scale: Any,
+    offset: Any,
+) -> LayerPrimitives:
+    """Primitives of `y = normalize(x) * scale + offset`, both optional.
+
+    Args:
+        layer: The normalization layer.
+        calls: Its calls in this step.
+        reference: Maps each variable to its reference vector.
+        normalize: Computes `n(x)` from the float32 input.
+        param_axes: Maps the input rank to the sorted input axes that the
+            parameters span (the others are summed over, per example).
+        scale: The variable multiplying `n(x)`, or None.
+        offset: The variable added, or None.
+    """
+    scale = scale if scale is not None and scale.trainable else None
+    offset = offset if offset is not None and offset.trainable else None
+    scale_grads, offset_grads = [], []
+    for call in calls:
+        x = tf.cast(call.inputs, tf.float32)
+        d = tf.cast(call.output_grads[0], tf.float32)
+        kept = param_axes(x.shape.rank)
+        summed = [a for a in range(1, x.shape.rank) if a not in kept]
+        if scale is not None:
+            scale_grads.append(tf.reduce_sum(d * normalize(x), axis=summed))
+        if offset is not None:
+            offset_grads.append(tf.reduce_sum(d, axis=summed))
+    sq_norm, dot = None, None
+    for variable, grads in ((scale, scale_grads), (offset, offset_grads)):
+        if variable is None:
+            continue
+        grad = tf.add_n(grads)
+        flat = tf.reshape(grad, [tf.shape(grad)[0], -1])
+        var_sq_norm = tf.reduce_sum(tf.square(flat), axis=1)
+        var_dot = tf.linalg.matvec(flat, tf.reshape(reference(variable), [-1]))
+        sq_norm = var_sq_norm if sq_norm is None else sq_norm + var_sq_norm
+        dot = var_dot if dot is None else dot + var_dot
+    if sq_norm is None:
+        raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
+    return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+
+
+def layer_normalization_applies(layer: Any) -> bool:
+    """The rule covers LayerNormalization unless it may normalize over the batch axis."""
+    return excludes_batch_axis(layer, layer.axis)
+
+
+def layer_normalization_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example primitives of LayerNormalization (also with `rms_scaling=True`).
+
+    Example:
+
+    ```python
+    # x: (B, T, C), axis=-1  =>  g_i(gamma) = sum_t d_it * xhat_it,  g_i(beta) = sum_t d_it
+    ```
+    """
+    epsilon = epsilon_of(layer)
+
+    def normalize(x: tf.Tensor) -> tf.Tensor:
+        axes = normalized_axes(layer, layer.axis, x.shape.rank)
+        if layer.rms_scaling:
+            # The layer's (deprecated) rms_scaling divides by the standard deviation.
+            variance = tf.math.reduce_variance(x, axis=axes, keepdims=True)
+            return x * tf.math.rsqrt(variance + epsilon)
+        mean, variance = tf.nn.moments(x, axes, keepdims=True)
+        inverse = tf.math.rsqrt(variance + epsilon)
+        return x * inverse - mean * inverse
+
+    return affine_primitives(
+        layer,
+        calls,
+        reference,
+        normalize,
+        lambda rank: normalized_axes(layer, layer.axis, rank),
+        scale=layer.gamma,
+        offset=layer.beta,
+    )
+
+
+def group_normalization_applies(layer: Any) -> bool:
+    """The rule covers GroupNormalization unless its channel axis may be the batch axis."""
+    return excludes_batch_axis(layer, layer.axis)
+
+
+def group_normalization_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example primitives of GroupNormalization.
+
+    The input is normalized over every non-batch axis within each group of
+    channels; gamma and beta span the channel axis.
+
+    Example:
+
+    ```python
+    # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} d_ihw * xhat_ihw   (C,)
+    ```
+    """
+    epsilon = epsilon_of(layer)
+
+    def normalize(x: tf.Tensor) -> tf.Tensor:
+        rank = x.shape.rank
+        (axis,) = normalized_axes(layer, layer.axis, rank)
+        shape = tf.shape(x)
+        grouped_shape = [shape[a] for a in range(rank)]
+        grouped_shape[axis] = x.shape[axis] // layer.groups
+        grouped_shape.insert(axis, layer.groups)
+        grouped = tf.reshape(x, grouped_shape)
+        reduction = [a for a in range(1, rank + 1) if a != axis]
+        mean, variance = tf.nn.moments(grouped, reduction, keepdims=True)
+        inverse = tf.math.rsqrt(variance + epsilon)
+        return tf.reshape(grouped * inverse - mean * inverse, shape)
+
+    return affine_primitives(
+        layer,
+        calls,
+        reference,
+        normalize,
+        lambda rank: normalized_axes(layer, layer.axis, rank),
+        scale=layer.gamma,
+        offset=layer.beta,
+    )
+
+
+def rms_normalization_applies(layer: Any) -> bool:
+    """The rule covers RMSNormalization over trailing axes.
+
+    `ops.rms_normalization` broadcasts `scale` against the trailing axes of the
+    input, whatever `axis` says; only when `axis` is those trailing axes is the
+    rule's view (scale spans `axis`) the layer's.
+    """
+    axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
+    rank = built_input_rank(layer)
+    if rank is None:
+        # Without the rank, only negative axes can be known to be trailing.
+        return sorted(axes) == list(range(-len(axes), 0))
+    resolved = sorted(a % rank for a in axes)
+    return 0 not in resolved and resolved == list(range(rank - len(resolved), rank))
+
+
+def rms_normalization_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example primitives of RMSNormalization.
+
+    Example:
+
+    ```python
+    # x: (B, T, C), axis=-1  =>  g_i(scale) = sum_t d_it * x_it / rms(x_it)
+    ```
+    """
+    epsilon = epsilon_of(layer)
+
+    def normalize(x: tf.Tensor) -> tf.Tensor:
+        axes = normalized_axes(layer, layer.axis, x.shape.rank)
+        mean_square = tf.reduce_mean(tf.square(x), axis=axes, keepdims=True)
+        return x * tf.math.rsqrt(mean_square + epsilon)
+
+    return affine_primitives(
+        layer,
+        calls,
+        reference,
+        normalize,
+        lambda rank: normalized_axes(layer, layer.axis, rank),
+        scale=layer.scale,
+        offset=None,
+    )
