@@ -107,6 +107,16 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
         self.path = os.fspath(path)
         self.statistics = statistics_module.resolve(statistics)
+        square = [
+            s.name for s in self.statistics if isinstance(s, statistics_module.PairwiseCosine)
+        ]
+        if square:
+            raise ValueError(
+                f"{square} is a (batch, batch) matrix per step and is not written to the "
+                "log; compute it with `model.gradient_statistics(x, y, "
+                "statistics=['pairwise_cosine'])`. Received: statistics="
+                f"{[s.name for s in self.statistics]}"
+            )
         self.every_n_steps = every_n_steps
         self.flush_every = flush_every
         self.append = append

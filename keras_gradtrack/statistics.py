@@ -45,11 +45,14 @@ class Statistic:
             `/per_step/<name>`).
         per_example: True for one value per example, False for one per step.
         per_layer: True when the value has one column per tracked layer.
+        needs_gram: True when `compute` reads `primitives.gram` (the `(B, B)`
+            Gram matrix of the per-example gradients, computed only then).
     """
 
     name: str = ""
     per_example: bool = True
     per_layer: bool = False
+    needs_gram: bool = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         """Computes the statistic inside the compiled train step.
@@ -180,6 +183,28 @@ class FracNegativeCosine(Statistic):
         return tf.reduce_mean(tf.cast(primitives.cosine < 0.0, tf.float32))
 
 
+class PairwiseCosine(Statistic):
+    """`(B, B)` `cos(g_i, g_j)` for every pair of the step's examples; opt-in.
+
+    Costs a Gram matrix per layer (closed form for Dense, the per-layer
+    Jacobian for other layers), so it is never on by default. It is returned
+    by `model.gradient_statistics(..., statistics=["pairwise_cosine"])`; the
+    HDF5 logger does not write it (its width changes with the batch size).
+    """
+
+    name = "pairwise_cosine"
+    per_layer = False
+    needs_gram = True
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        assert primitives.gram is not None
+        norms = primitives.grad_norm
+        return primitives.gram / (norms[:, None] * norms[None, :])
+
+
+# Computed only on request: `statistics.get("pairwise_cosine")`.
+OPT_IN: dict[str, type[Statistic]] = {PairwiseCosine.name: PairwiseCosine}
+
 BUILTINS: dict[str, type[Statistic]] = {
     cls.name: cls
     for cls in (
@@ -209,10 +234,10 @@ def get(identifier: str | Statistic) -> Statistic:
         if not identifier.name:
             raise ValueError(f"A Statistic needs a non-empty `name`. Received: {identifier!r}")
         return identifier
-    if isinstance(identifier, str) and identifier in BUILTINS:
-        return BUILTINS[identifier]()
+    if isinstance(identifier, str) and identifier in {**BUILTINS, **OPT_IN}:
+        return {**BUILTINS, **OPT_IN}[identifier]()
     raise ValueError(
-        f"Unknown statistic. Expected one of {sorted(BUILTINS)} or a "
+        f"Unknown statistic. Expected one of {sorted({**BUILTINS, **OPT_IN})} or a "
         f"keras_gradtrack.statistics.Statistic instance. Received: {identifier!r}"
     )
 
@@ -247,6 +272,8 @@ __all__ = [
     "Loss",
     "MeanCosine",
     "NoiseScale",
+    "OPT_IN",
+    "PairwiseCosine",
     "Statistic",
     "StepPrimitives",
     "get",

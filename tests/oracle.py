@@ -98,6 +98,7 @@ def _statistics(found: dict[str, Any]) -> dict[str, Any]:
         "noise_scale": trace / (mean**2).sum(),
         "mean_cosine": np.nanmean(cosine),
         "frac_negative_cosine": np.mean(cosine < 0),
+        "pairwise_cosine": (g @ g.T) / np.outer(norms, norms),
         "per_example_gradients": g,
     }
 

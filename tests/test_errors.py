@@ -53,6 +53,7 @@ def test_unknown_statistic_lists_the_valid_names_at_construction(tmp_path: Path)
         ({"flush_every": -1}, "flush_every"),
         ({"statistics": "cosine"}, "must be a list"),
         ({"statistics": ["cosine", "cosine"]}, "duplicates"),
+        ({"statistics": ["pairwise_cosine"]}, "gradient_statistics"),
     ],
 )
 def test_bad_logger_arguments(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:

@@ -205,3 +205,21 @@ def test_the_oracle_comparison_catches_a_wrong_value() -> None:
     stats["grad_norm"] = stats["grad_norm"] * (1 + 2e-4)
     with pytest.raises(AssertionError, match="grad_norm"):
         assert_matches_oracle(stats, expected)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [mlp_classifier, dense_on_sequences(40, 4, 5), fallback_layers, shared_dense_called_twice],
+    ids=lambda build: build.__name__,
+)
+def test_opt_in_pairwise_cosine_matches_the_oracle(build: Callable[[], Case]) -> None:
+    model, x, y, sample_weight = build()
+    expected = oracle_statistics(model, x, y, sample_weight)
+    stats = model.gradient_statistics(x, y, sample_weight, statistics=["pairwise_cosine", "cosine"])
+    assert stats["pairwise_cosine"].shape == (len(expected["loss"]),) * 2
+    assert_matches_oracle(stats, expected)
+
+
+def test_pairwise_cosine_is_never_computed_by_default() -> None:
+    model, x, y, _ = mlp_classifier()
+    assert "pairwise_cosine" not in model.gradient_statistics(x, y)

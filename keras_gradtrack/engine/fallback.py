@@ -40,6 +40,33 @@ def per_example_output_products(tap: LayerTap, calls: Sequence[LayerCall]) -> tf
     return total
 
 
+def per_example_gradients(
+    tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall]
+) -> tf.Tensor:
+    """`(B, P)`: each example's gradient of the layer's own variables, flattened.
+
+    Args:
+        tap: The layer's tap.
+        variables: The layer's own trainable variables.
+        calls: The layer's calls in this step, with `output_grads` filled in.
+    """
+    # Keras variables wrap a tf.Variable in `.value`; the tape wants the latter.
+    sources = [variable.value for variable in variables]
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(sources)
+        per_example = per_example_output_products(tap, calls)
+    jacobians = tape.jacobian(
+        per_example,
+        sources,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        experimental_use_pfor=True,
+    )
+    batch = tf.shape(per_example)[0]
+    return tf.concat(
+        [tf.reshape(tf.cast(jacobian, tf.float32), [batch, -1]) for jacobian in jacobians], axis=1
+    )
+
+
 def fallback_primitives(
     tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall], reference: ReferenceFn
 ) -> LayerPrimitives:
@@ -54,22 +81,15 @@ def fallback_primitives(
     Returns:
         `LayerPrimitives` with `(B,)` tensors.
     """
-    # Keras variables wrap a tf.Variable in `.value`; the tape wants the latter.
-    sources = [variable.value for variable in variables]
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(sources)
-        per_example = per_example_output_products(tap, calls)
-    jacobians = tape.jacobian(
-        per_example,
-        sources,
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        experimental_use_pfor=True,
+    gradients = per_example_gradients(tap, variables, calls)
+    flat_reference = tf.concat([tf.reshape(reference(v), [-1]) for v in variables], axis=0)
+    return LayerPrimitives(
+        sq_norm=tf.reduce_sum(tf.square(gradients), axis=1),
+        dot=tf.linalg.matvec(gradients, flat_reference),
     )
-    sq_norm = tf.zeros_like(per_example)
-    dot = tf.zeros_like(per_example)
-    for variable, jacobian in zip(variables, jacobians):
-        batch = tf.shape(jacobian)[0]
-        flat = tf.reshape(tf.cast(jacobian, tf.float32), [batch, -1])
-        sq_norm += tf.reduce_sum(tf.square(flat), axis=1)
-        dot += tf.linalg.matvec(flat, tf.reshape(reference(variable), [-1]))
-    return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+
+
+def fallback_gram(tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall]) -> tf.Tensor:
+    """`(B, B)` Gram matrix `<g_i, g_j>` of the layer's per-example gradients."""
+    gradients = per_example_gradients(tap, variables, calls)
+    return tf.matmul(gradients, gradients, transpose_b=True)

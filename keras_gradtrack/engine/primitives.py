@@ -22,6 +22,8 @@ class StepPrimitives:
         reference_sq_norm: `(L,)` `||G^(k)||^2`.
         sum_sq_norm: `(L,)` `||S^(k)||^2`.
         batch_size: scalar, B as float32.
+        gram: `(B, B)` `<g_i, g_j>`, only when a statistic asks for it
+            (`Statistic.needs_gram`), else None.
     """
 
     loss: tf.Tensor
@@ -30,6 +32,7 @@ class StepPrimitives:
     reference_sq_norm: tf.Tensor
     sum_sq_norm: tf.Tensor
     batch_size: tf.Tensor
+    gram: tf.Tensor | None = None
 
     @property
     def grad_sq_norm(self) -> tf.Tensor:

@@ -19,7 +19,7 @@ from keras.src.losses import loss as loss_module
 
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute
-from keras_gradtrack.engine.fallback import fallback_primitives
+from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import TrackedLayer
 from keras_gradtrack.engine.primitives import StepPrimitives
 from keras_gradtrack.engine.taps import installed
@@ -59,6 +59,13 @@ def layer_primitives(tracked: TrackedLayer, reference: Any) -> tuple[tf.Tensor, 
     else:
         result = fallback_primitives(tracked.tap, tracked.variables, calls, reference)
     return result.sq_norm, result.dot
+
+
+def layer_gram(tracked: TrackedLayer) -> tf.Tensor:
+    calls = tracked.tap.calls
+    if tracked.rule is not None and tracked.rule.gram is not None:
+        return tracked.rule.gram(tracked.layer, calls)
+    return fallback_gram(tracked.tap, tracked.variables, calls)
 
 
 def tracked_train_step(
@@ -166,6 +173,15 @@ def tracked_train_step(
         sq_norm, dot = layer_primitives(tracked, reference)
         sq_norms.append(tf.maximum(sq_norm, 0.0))
         dots.append(dot)
+    gram = None
+    if any(statistic.needs_gram for statistic in statistics):
+        if distribute.num_replicas() > 1:
+            raise ValueError(
+                "Statistics that need the Gram matrix of per-example gradients (such as "
+                "pairwise_cosine) pair examples across replicas and are not available "
+                f"under a tf.distribute strategy. Received: {[s.name for s in statistics]}"
+            )
+        gram = tf.add_n([layer_gram(tracked) for tracked in plan])
     rows = {
         "loss": tf.cast(probe_gradient, tf.float32) * unscale,
         "sq_norm": tf.stack(sq_norms, axis=1),
@@ -182,6 +198,7 @@ def tracked_train_step(
         reference_sq_norm=tf.stack([squared_norm(batch_gradient, t) for t in plan]),
         sum_sq_norm=tf.stack([squared_norm(gradient_sum, t) for t in plan]),
         batch_size=tf.cast(global_batch_size, tf.float32),
+        gram=gram,
     )
     payload = {statistic.name: statistic.compute(primitives) for statistic in statistics}
     payload["batch_size"] = global_batch_size

@@ -16,7 +16,9 @@ from keras_gradtrack.rules import dense, einsum, embedding, normalization
 from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, Rule, RuleFn
 
 RULES: dict[type, Rule] = {
-    keras.layers.Dense: Rule("dense", dense.dense_primitives, dense.dense_applies),
+    keras.layers.Dense: Rule(
+        "dense", dense.dense_primitives, dense.dense_applies, gram=dense.dense_gram
+    ),
     # -- convolutions --
     # -- embeddings, normalization, einsum --
     keras.layers.Embedding: Rule(

@@ -32,6 +32,10 @@ class LayerPrimitives(NamedTuple):
 # shared layer); each call's `output_grads[0]` is `d l_i / d z_i` per example.
 RuleFn = Callable[[Any, Sequence[LayerCall], ReferenceFn], LayerPrimitives]
 
+# Optional: (layer, calls) -> (B, B) Gram matrix <g_i^(k), g_j^(k)>. Rules
+# without one get the layer's Gram matrix from the exact per-layer fallback.
+GramFn = Callable[[Any, Sequence[LayerCall]], tf.Tensor]
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -44,9 +48,11 @@ class Rule:
             when LoRA or quantization replaced the kernel).
         split_activation: Whether the tap records the pre-activation output
             (the rule then receives `d l_i / d z_i` before the activation).
+        gram: Optional Gram-matrix function (for `pairwise_cosine`).
     """
 
     name: str
     primitives: RuleFn
     applies: Callable[[Any], bool]
     split_activation: bool = True
+    gram: GramFn | None = None

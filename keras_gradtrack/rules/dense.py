@@ -83,3 +83,27 @@ def dense_primitives(
         sq_norm += tf.reduce_sum(tf.square(bias_grad), axis=1)
         dot += tf.linalg.matvec(bias_grad, reference(layer.bias))
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+
+
+def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
+    """`(B, B)` Gram matrix of a Dense layer's per-example gradients.
+
+    On 2-D inputs `<g_i, g_j> = (a_i . a_j)(d_i . d_j) (+ d_i . d_j for the bias)`;
+    on sequences the per-example kernel gradients are materialized.
+    """
+    a, d = as_sequences(calls)
+    if a.shape[1] == 1:
+        a2, d2 = a[:, 0, :], d[:, 0, :]
+        d_gram = tf.matmul(d2, d2, transpose_b=True)
+        gram = tf.matmul(a2, a2, transpose_b=True) * d_gram
+        bias_gram = d_gram
+    else:
+        per_example_kernel = tf.einsum("btd,bte->bde", a, d)
+        batch = tf.shape(a)[0]
+        flat = tf.reshape(per_example_kernel, [batch, -1])
+        gram = tf.matmul(flat, flat, transpose_b=True)
+        bias_grad = tf.reduce_sum(d, axis=1)
+        bias_gram = tf.matmul(bias_grad, bias_grad, transpose_b=True)
+    if layer.bias is not None and layer.bias.trainable:
+        gram += bias_gram
+    return gram
