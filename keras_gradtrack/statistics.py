@@ -47,12 +47,15 @@ class Statistic:
         per_layer: True when the value has one column per tracked layer.
         needs_gram: True when `compute` reads `primitives.gram` (the `(B, B)`
             Gram matrix of the per-example gradients, computed only then).
+        needs_input_gradients: True when `compute` reads
+            `primitives.input_sq_norm` (taken in the same backward pass, only then).
     """
 
     name: str = ""
     per_example: bool = True
     per_layer: bool = False
     needs_gram: bool = False
+    needs_input_gradients: bool = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         """Computes the statistic inside the compiled train step.
@@ -202,8 +205,27 @@ class PairwiseCosine(Statistic):
         return primitives.gram / (norms[:, None] * norms[None, :])
 
 
-# Computed only on request: `statistics.get("pairwise_cosine")`.
-OPT_IN: dict[str, type[Statistic]] = {PairwiseCosine.name: PairwiseCosine}
+class InputGradNorm(Statistic):
+    """`‖d l_i / d x_i‖`: the norm of example i's loss gradient at its own (float) inputs.
+
+    Taken in the same backward pass as the weight gradients (each example's
+    input affects only its own loss); opt-in. Models whose inputs are all
+    integers (token ids) have no input gradient and are refused.
+    """
+
+    name = "input_grad_norm"
+    needs_input_gradients = True
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        assert primitives.input_sq_norm is not None
+        return tf.sqrt(primitives.input_sq_norm)
+
+
+# Computed only on request, by name: not part of the defaults.
+OPT_IN: dict[str, type[Statistic]] = {
+    PairwiseCosine.name: PairwiseCosine,
+    InputGradNorm.name: InputGradNorm,
+}
 
 BUILTINS: dict[str, type[Statistic]] = {
     cls.name: cls
@@ -267,6 +289,7 @@ __all__ = [
     "FracNegativeCosine",
     "GradNorm",
     "GradientDiversity",
+    "InputGradNorm",
     "LayerCosine",
     "LayerGradNorm",
     "Loss",

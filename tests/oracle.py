@@ -35,14 +35,27 @@ def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None)
     column = {id(v): k for k, tracked in enumerate(plan) for v in tracked.variables}
     batch = len(tree.flatten(x)[0])
     losses = np.zeros(batch)
+    input_norms = np.zeros(batch)
     per_layer = [[] for _ in plan]
     for i in range(batch):
-        xi, yi = _take(x, i), _take(y, i)
+        xi = tree.map_structure(tf.convert_to_tensor, _take(x, i))
+        yi = _take(y, i)
         wi = None if sample_weight is None else _take(sample_weight, i)
-        with tf.GradientTape() as tape:
+        float_inputs = [t for t in tree.flatten(xi) if t.dtype.is_floating]
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(float_inputs)
             prediction = model(xi, training=True)
             loss = model._compile_loss(yi, prediction, wi)
         gradients = tape.gradient(loss, variables)
+        input_gradients = tape.gradient(loss, float_inputs)
+        del tape
+        input_norms[i] = np.sqrt(
+            sum(
+                float(np.sum(np.asarray(g, np.float64) ** 2))
+                for g in input_gradients
+                if g is not None
+            )
+        )
         losses[i] = float(loss)
         flat = [[] for _ in plan]
         for variable, gradient in zip(variables, gradients):
@@ -58,6 +71,7 @@ def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None)
         reference[column[id(variable)]].append(_dense(gradient, variable))
     return {
         "loss": losses,
+        "input_grad_norm": input_norms,
         "g": [np.stack(rows) for rows in per_layer],  # L arrays of (B, P_k)
         "G": [np.concatenate(parts) for parts in reference],  # L arrays of (P_k,)
     }
@@ -89,6 +103,7 @@ def _statistics(found: dict[str, Any]) -> dict[str, Any]:
     trace = ((g - mean) ** 2).sum() / (batch - 1) if batch > 1 else np.nan
     return {
         "loss": found["loss"],
+        "input_grad_norm": found["input_grad_norm"],
         "grad_norm": norms,
         "cosine": cosine,
         "layer_grad_norm": layer_norms,

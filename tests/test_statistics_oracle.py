@@ -223,3 +223,21 @@ def test_opt_in_pairwise_cosine_matches_the_oracle(build: Callable[[], Case]) ->
 def test_pairwise_cosine_is_never_computed_by_default() -> None:
     model, x, y, _ = mlp_classifier()
     assert "pairwise_cosine" not in model.gradient_statistics(x, y)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [mlp_regression_sample_weights, dense_on_4d_with_sequence_targets, multi_input_multi_output],
+    ids=lambda build: build.__name__,
+)
+def test_opt_in_input_grad_norm_matches_the_oracle(build: Callable[[], Case]) -> None:
+    model, x, y, sample_weight = build()
+    expected = oracle_statistics(model, x, y, sample_weight)
+    stats = model.gradient_statistics(x, y, sample_weight, statistics=["input_grad_norm", "loss"])
+    assert_matches_oracle(stats, expected)
+
+
+def test_input_grad_norm_is_refused_for_integer_inputs() -> None:
+    model, x, y, _ = embedding_with_repeated_ids()
+    with pytest.raises(ValueError, match="needs float inputs"):
+        model.gradient_statistics(x, y, statistics=["input_grad_norm"])

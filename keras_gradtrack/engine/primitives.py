@@ -24,6 +24,8 @@ class StepPrimitives:
         batch_size: scalar, B as float32.
         gram: `(B, B)` `<g_i, g_j>`, only when a statistic asks for it
             (`Statistic.needs_gram`), else None.
+        input_sq_norm: `(B,)` `‖d l_i / d x_i‖^2` over the float inputs, only
+            when a statistic asks for it (`Statistic.needs_input_gradients`).
     """
 
     loss: tf.Tensor
@@ -33,6 +35,7 @@ class StepPrimitives:
     sum_sq_norm: tf.Tensor
     batch_size: tf.Tensor
     gram: tf.Tensor | None = None
+    input_sq_norm: tf.Tensor | None = None
 
     @property
     def grad_sq_norm(self) -> tf.Tensor:

@@ -61,6 +61,19 @@ def layer_primitives(tracked: TrackedLayer, reference: Any) -> tuple[tf.Tensor, 
     return result.sq_norm, result.dot
 
 
+def float_inputs(x: Any) -> list[tf.Tensor]:
+    """The batch's float input tensors (for input gradients)."""
+    inputs = [tf.convert_to_tensor(t) for t in tree.flatten(x) if t is not None]
+    floats = [t for t in inputs if t.dtype.is_floating]
+    if not floats:
+        raise ValueError(
+            "input_grad_norm needs float inputs: the gradient with respect to integer "
+            f"inputs (such as token ids) is not defined. Received input dtypes: "
+            f"{[t.dtype.name for t in inputs]}"
+        )
+    return floats
+
+
 def layer_gram(tracked: TrackedLayer) -> tf.Tensor:
     calls = tracked.tap.calls
     if tracked.rule is not None and tracked.rule.gram is not None:
@@ -94,9 +107,13 @@ def tracked_train_step(
     trainable_weights = list(model.trainable_weights)
     taps = [tracked.tap for tracked in plan]
 
+    watched_inputs = []
+    if any(statistic.needs_input_gradients for statistic in statistics):
+        watched_inputs = float_inputs(x)
     with tf.GradientTape() as tape:
         probe = tf.ones([batch_size], dtype=tf.float32)
         tape.watch(probe)
+        tape.watch(watched_inputs)
         with installed(taps):
             if model._call_has_training_arg:
                 y_pred = model(x, training=True)
@@ -121,10 +138,11 @@ def tracked_train_step(
             loss_scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
 
     tapped = [t for tap in taps for call in tap.calls for t in call.tapped]
-    gradients = tape.gradient(scaled_loss, [*trainable_weights, *tapped, probe])
+    gradients = tape.gradient(scaled_loss, [*trainable_weights, *tapped, probe, *watched_inputs])
     weight_gradients = gradients[: len(trainable_weights)]
-    tap_gradients = gradients[len(trainable_weights) : -1]
-    probe_gradient = gradients[-1]
+    tap_gradients = gradients[len(trainable_weights) : len(trainable_weights) + len(tapped)]
+    probe_gradient = gradients[len(trainable_weights) + len(tapped)]
+    input_gradients = gradients[len(trainable_weights) + len(tapped) + 1 :]
     if probe_gradient is None:
         raise per_example_loss_error(model)
 
@@ -189,6 +207,18 @@ def tracked_train_step(
     }
     if example_ids is not None:
         rows["example_id"] = tf.cast(tf.reshape(example_ids, [-1]), tf.int64)
+    if watched_inputs:
+        rows["input_sq_norm"] = tf.add_n(
+            [
+                tf.reduce_sum(
+                    tf.reshape(tf.square(tf.cast(g, tf.float32) * unscale), [batch_size, -1]),
+                    axis=1,
+                )
+                for g in input_gradients
+                if g is not None
+            ]
+            or [tf.zeros([batch_size])]
+        )
     rows = distribute.all_gather_rows(rows)
     global_batch_size = tf.shape(rows["loss"])[0]
     primitives = StepPrimitives(
@@ -199,6 +229,7 @@ def tracked_train_step(
         sum_sq_norm=tf.stack([squared_norm(gradient_sum, t) for t in plan]),
         batch_size=tf.cast(global_batch_size, tf.float32),
         gram=gram,
+        input_sq_norm=rows.get("input_sq_norm"),
     )
     payload = {statistic.name: statistic.compute(primitives) for statistic in statistics}
     payload["batch_size"] = global_batch_size
