@@ -12,7 +12,7 @@ kgt.GradientLog("run.h5").per_example("cosine")
 ```
 """
 
-from keras_gradtrack import statistics
+from keras_gradtrack import autodiff, statistics
 from keras_gradtrack.callbacks import HDF5GradientLogger
 from keras_gradtrack.io.reader import GradientLog
 from keras_gradtrack.model import (
@@ -20,6 +20,7 @@ from keras_gradtrack.model import (
     GradientTrackingModel,
     GradientTrackingSequential,
 )
+from keras_gradtrack.output_logger import OutputGradientLogger
 from keras_gradtrack.version import __version__
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "GradientTrackingModel",
     "GradientTrackingSequential",
     "HDF5GradientLogger",
+    "OutputGradientLogger",
     "__version__",
+    "autodiff",
     "statistics",
 ]
