@@ -1,10 +1,18 @@
-"""`python -m keras_gradtrack.demo`: train on scikit-learn's bundled digits, log, summarize.
+"""`python -m keras_gradtrack.demo`: find flipped labels in scikit-learn's digits from the log.
 
 A fraction of the training labels is flipped on purpose. The model is trained
-with example ids and `HDF5GradientLogger`; the summary read back from the log
-shows the per-step statistics and ranks examples by self-influence (the sum
-over logged steps of their squared gradient norm, as in TracIn): the top of
-that ranking is mostly the flipped labels.
+with example ids and `HDF5GradientLogger`; the log is then read back with
+`GradientLog`: its summary is printed, plots are written next to it, and the
+examples are ranked by TracIn self-influence (the sum over logged steps of the
+learning rate times the squared gradient norm). The top of that ranking is
+mostly the flipped labels.
+
+Example:
+
+```
+python -m keras_gradtrack.demo --out demo_output --epochs 8
+keras-gradtrack top demo_output/digits_run.h5 -k 20
+```
 """
 
 from __future__ import annotations
@@ -13,14 +21,28 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+LOG_NAME = "digits_run.h5"
+FLIPPED_NAME = "flipped_ids.txt"
 
 
 def load_digits_with_flipped_labels(
     flip_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Digits scaled to [0, 1], labels with `flip_fraction` changed, and the flipped mask."""
+    """Digits scaled to [0, 1], labels with `flip_fraction` changed, and the flipped mask.
+
+    A flipped label is replaced by one of the 9 other classes, uniformly.
+
+    Example:
+
+    ```python
+    x, y, flipped = load_digits_with_flipped_labels(0.1, seed=0)
+    np.flatnonzero(flipped)  # the ids (row numbers) of the flipped labels
+    ```
+    """
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -33,7 +55,16 @@ def load_digits_with_flipped_labels(
     return x, y, flipped
 
 
-def build_model():  # type: ignore[no-untyped-def]
+def build_model() -> Any:
+    """A small MLP (64-64-32-10) as a `GradientTrackingModel`, compiled with Adam.
+
+    Example:
+
+    ```python
+    model = build_model()
+    model.gradient_tracking_summary()
+    ```
+    """
     import keras
 
     import keras_gradtrack as kgt
@@ -51,46 +82,88 @@ def build_model():  # type: ignore[no-untyped-def]
     return model
 
 
-def summarize(path: Path, flipped: np.ndarray) -> str:
-    """A plain-text summary of the log, read back with `GradientLog`."""
+def train(
+    path: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, epochs: int, verbose: int = 2
+) -> Any:
+    """Trains `build_model()` on `(x, y)` with ids `0..len(x)-1`, logging to `path`.
+
+    Example:
+
+    ```python
+    train("run.h5", x, y, epochs=8)
+    ```
+    """
     import keras_gradtrack as kgt
 
-    lines = []
+    model = build_model()
+    if verbose:
+        model.gradient_tracking_summary()
+    model.fit(
+        {"pixels": x, "example_id": np.arange(len(x))},
+        y,
+        batch_size=64,
+        epochs=epochs,
+        verbose=verbose,
+        callbacks=[kgt.HDF5GradientLogger(path, overwrite=True)],
+    )
+    return model
+
+
+def report(path: str | os.PathLike[str], flipped: np.ndarray, top_fraction: float = 0.1) -> str:
+    """What the log says about the flipped labels: detection figures and the top ids.
+
+    Example:
+
+    ```python
+    print(report("demo_output/digits_run.h5", flipped))
+    ```
+    """
+    import keras_gradtrack as kgt
+    from keras_gradtrack import analysis
+
+    flipped_ids = np.flatnonzero(flipped)
     with kgt.GradientLog(path) as log:
-        lines.append(repr(log))
-        lines.append(f"layers: {', '.join(log.layers)}")
-        epochs = log.per_step("epoch")
-        lines.append("epoch  steps  mean_cosine  frac_negative  grad_diversity  noise_scale")
-        for epoch in np.unique(epochs):
-            rows = epochs == epoch
-            lines.append(
-                f"{epoch:5d}  {rows.sum():5d}  {np.nanmean(log.per_step('mean_cosine')[rows]):11.3f}"
-                f"  {np.nanmean(log.per_step('frac_negative_cosine')[rows]):13.3f}"
-                f"  {np.nanmean(log.per_step('gradient_diversity')[rows]):14.3f}"
-                f"  {np.nanmedian(log.per_step('noise_scale')[rows]):11.1f}"
-            )
-        ids = log.per_example("example_id")
-        squared_norms = log.per_example("grad_norm").astype(np.float64) ** 2
-        self_influence = np.bincount(ids, weights=squared_norms, minlength=len(flipped))
-        top = np.argsort(-self_influence, kind="stable")[: max(1, len(flipped) // 10)]
-        lines.append(
-            f"top 10% by self-influence (sum of squared grad norms, {len(top)} examples): "
-            f"{flipped[top].mean():.0%} have flipped labels "
-            f"(vs {flipped.mean():.0%} of all examples)"
+        influence = log.self_influence()
+        by_influence = analysis.detection_metrics(influence, flipped_ids, top_fraction)
+        by_cosine = analysis.detection_metrics(
+            log.negative_cosine_frequency(), flipped_ids, top_fraction
         )
-        lines.append(
-            "top 10 ids: " + ", ".join(f"{i}{'*' if flipped[i] else ''}" for i in top[:10])
-        )
-        lines.append("(* = flipped label)")
-    return "\n".join(lines)
+    top = influence.top(10)
+    rows = [
+        (rank, example_id, f"{score:.4g}", "flipped" if flipped[example_id] else "")
+        for rank, (example_id, score) in enumerate(zip(top.example_id, top.score), start=1)
+    ]
+    share = f"{flipped.mean():.0%}"
+    return "\n".join(
+        [
+            f"top {top_fraction:.0%} by self-influence ({by_influence.k} examples): "
+            f"{by_influence.precision:.0%} have flipped labels (vs {share} of all examples); "
+            f"they hold {by_influence.recall:.0%} of the flipped labels; "
+            f"ROC AUC {by_influence.roc_auc:.3f}",
+            f"(ranking by how often the cosine is negative does not find them: ROC AUC "
+            f"{by_cosine.roc_auc:.3f}; flipped examples dominate the batch gradient)",
+            "",
+            "most influential examples:",
+            analysis.text_table(rows, header=("rank", "example_id", "self_influence", "label")),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Trains, logs, writes the plots and prints the summary and the suspicious examples.
+
+    Example:
+
+    ```python
+    main(["--out", "demo_output", "--epochs", "8"])
+    ```
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="demo_output", help="directory for the log")
+    parser.add_argument("--out", default="demo_output", help="directory for the log and plots")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--flip-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-plots", action="store_true", help="skip writing the PNGs")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -102,20 +175,30 @@ def main(argv: list[str] | None = None) -> None:
     x, y, flipped = load_digits_with_flipped_labels(args.flip_fraction, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "digits_run.h5"
-    model = build_model()
-    model.gradient_tracking_summary()
+    path = out / LOG_NAME
+    np.savetxt(out / FLIPPED_NAME, np.flatnonzero(flipped), fmt="%d")
     start = time.perf_counter()
-    model.fit(
-        {"pixels": x, "example_id": np.arange(len(x))},
-        y,
-        batch_size=64,
-        epochs=args.epochs,
-        verbose=2,
-        callbacks=[kgt.HDF5GradientLogger(path, overwrite=True)],
-    )
+    train(path, x, y, args.epochs)
     print(f"trained {args.epochs} epochs in {time.perf_counter() - start:.1f} s; log: {path}")
-    print(summarize(path, flipped))
+    print(f"the ids of the {flipped.sum()} flipped labels: {out / FLIPPED_NAME}\n")
+    with kgt.GradientLog(path) as log:
+        print(log.summary(), end="\n\n")
+        if not args.no_plots:
+            print(_write_plots(log, out, flipped), end="\n\n")
+    print(report(path, flipped))
+    print(f"\nnext: keras-gradtrack top {path} -k 20   |   keras-gradtrack plot {path}")
+
+
+def _write_plots(log: Any, out: Path, flipped: np.ndarray) -> str:
+    from keras_gradtrack import plots
+
+    try:
+        written = plots.save_plots(
+            log, out / "plots", highlight=np.flatnonzero(flipped), highlight_label="flipped label"
+        )
+    except ImportError as error:  # matplotlib is an optional extra
+        return f"no plots: {error}"
+    return "plots: " + ", ".join(str(path) for path in written)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from keras_gradtrack.io import schema
 if TYPE_CHECKING:
     import pandas
 
+    from keras_gradtrack import analysis
+
 
 class GradientLog:
     """Read access to a keras_gradtrack HDF5 log.
@@ -160,6 +162,129 @@ class GradientLog:
                 for layer, column in zip(self._layout.layer_names, values.T, strict=True):
                     columns[f"{name}/{layer}"] = column
         return pandas.DataFrame(columns)
+
+    # -- analysis: thin delegations to keras_gradtrack.analysis --------------
+
+    def summary(self) -> str:
+        """A plain-text summary: steps, examples, layers, range of every statistic.
+
+        Example:
+
+        ```python
+        print(GradientLog("run.h5").summary())
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.summary(self)
+
+    def example_history(self, example_id: int) -> dict[str, np.ndarray]:
+        """Every logged row of one example, in step order (`analysis.example_history`).
+
+        Example:
+
+        ```python
+        log.example_history(17)["cosine"]
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.example_history(self, example_id)
+
+    def self_influence(self, learning_rate: float | None = None) -> "analysis.ExampleScores":
+        """TracIn self-influence per example: `sum_t lr_t ||g_i,t||^2` (`analysis.self_influence`).
+
+        Example:
+
+        ```python
+        scores = log.self_influence()  # ExampleScores, ordered by example id
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.self_influence(self, learning_rate)
+
+    def most_influential(
+        self, k: int = 10, learning_rate: float | None = None
+    ) -> "analysis.ExampleScores":
+        """The `k` examples of highest self-influence, highest first: the suspicious ones.
+
+        Example:
+
+        ```python
+        log.most_influential(20).example_id
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.most_influential(self, k, learning_rate)
+
+    def negative_cosine_frequency(self) -> "analysis.ExampleScores":
+        """Per example, the fraction of its logged steps with `cosine < 0`.
+
+        Example:
+
+        ```python
+        log.negative_cosine_frequency().score  # ordered by example id
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.negative_cosine_frequency(self)
+
+    def most_opposing(self, k: int = 10) -> "analysis.ExampleScores":
+        """The `k` examples most often with `cosine < 0` (`analysis.most_opposing`).
+
+        Example:
+
+        ```python
+        log.most_opposing(10).score  # fraction of their steps against the batch
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.most_opposing(self, k)
+
+    def layer_summary(
+        self, statistic: str = "layer_grad_norm", by: str = "step", reduce: str = "median"
+    ) -> "analysis.LayerSummary":
+        """A per-layer statistic reduced per step or epoch (`analysis.layer_summary`).
+
+        Example:
+
+        ```python
+        log.layer_summary("layer_cosine", by="epoch").values  # (epochs, L)
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.layer_summary(self, statistic, by, reduce)
+
+    def to_csv(self, path: str | os.PathLike[str], kind: str = "per_example") -> str:
+        """Writes one table to CSV; returns the path (`analysis.to_csv`).
+
+        Example:
+
+        ```python
+        log.to_csv("run.per_step.csv", kind="per_step")
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.to_csv(self, path, kind)
+
+    def to_parquet(self, path: str | os.PathLike[str], kind: str = "per_example") -> str:
+        """Writes one table to Parquet (needs pyarrow); returns the path (`analysis.to_parquet`).
+
+        Example:
+
+        ```python
+        log.to_parquet("run.per_example.parquet")
+        ```
+        """
+        from keras_gradtrack import analysis
+
+        return analysis.to_parquet(self, path, kind)
 
     def close(self) -> None:
         """Closes the file. Calling it again does nothing."""

@@ -1,0 +1,120 @@
+"""Plain text: the summary of a log, and the aligned tables the command line prints."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from keras_gradtrack.analysis.tables import TABLE_KINDS, layer_summary, per_layer_statistics
+
+if TYPE_CHECKING:
+    from keras_gradtrack.io.reader import GradientLog
+
+
+def summary(log: GradientLog) -> str:
+    """What a log holds (steps, examples, layers) and the range of every statistic.
+
+    Returns:
+        A few aligned plain-text tables, as `keras-gradtrack summary` prints them.
+
+    Example:
+
+    ```python
+    print(log.summary())
+    ```
+    """
+    attrs = log.attrs
+    steps, epochs = log.per_step("step"), log.per_step("epoch")
+    batch_sizes, ids = log.per_step("batch_size"), log.per_example("example_id")
+    versions = ", ".join(
+        f"{name} {attrs[key]}"
+        for name, key in (
+            ("keras_gradtrack", "library_version"),
+            ("keras", "keras_version"),
+            ("tensorflow", "tensorflow_version"),
+        )
+        if key in attrs
+    )
+    header = [
+        ("log", log.path),
+        ("model", f"{attrs.get('model_name', '?')} ({versions}; created {attrs.get('created')})"),
+        (
+            "steps",
+            f"{len(steps)} tracked: steps {_span(steps)}, epochs {_span(epochs)}, "
+            f"batch size {_span(batch_sizes)}",
+        ),
+        ("examples", f"{len(ids)} rows, {len(np.unique(ids))} distinct ids"),
+        ("layers", f"{len(log.layers)}: {', '.join(log.layers)}"),
+    ]
+    sections = [text_table(header)]
+    rows = []
+    per_layer = per_layer_statistics(log)
+    for kind in TABLE_KINDS:
+        read = log.per_example if kind == "per_example" else log.per_step
+        names = log.per_example_names if kind == "per_example" else log.per_step_names
+        for name in names:
+            values = read(name).astype(np.float64)
+            per = kind.removeprefix("per_") + (" x layer" if name in per_layer else "")
+            rows.append((name, per, *_quantiles(values), str(int(np.isnan(values).sum()))))
+    header_row = ("statistic", "per", "min", "median", "max", "NaN")
+    sections.append(text_table(rows, header=header_row))
+    layer_columns = [
+        layer_summary(log, name, by="epoch") for name in per_layer if name in log.per_example_names
+    ]
+    if layer_columns and len(epochs):
+        last_epoch = int(layer_columns[0].index[-1])
+        layer_rows = [
+            (layer, *(_number(column.values[-1, k]) for column in layer_columns))
+            for k, layer in enumerate(log.layers)
+        ]
+        titles = [f"median {column.statistic}" for column in layer_columns]
+        sections.append(
+            f"per layer, epoch {last_epoch}:\n" + text_table(layer_rows, header=("layer", *titles))
+        )
+    return "\n\n".join(sections)
+
+
+def text_table(rows: Sequence[Sequence[object]], header: Sequence[str] | None = None) -> str:
+    """Left-aligned columns separated by two spaces; a dashed rule under the header.
+
+    Example:
+
+    ```python
+    print(text_table([(1, "a"), (22, "bb")], header=("id", "name")))
+    ```
+    """
+    lines = [[str(cell) for cell in row] for row in rows]
+    if header is not None:
+        lines.insert(0, list(header))
+    if not lines:
+        return ""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    if header is not None:
+        lines.insert(1, ["-" * width for width in widths])
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines
+    )
+
+
+def _span(values: np.ndarray) -> str:
+    if len(values) == 0:
+        return "-"
+    low, high = values.min(), values.max()
+    return str(low) if low == high else f"{low}..{high}"
+
+
+def _quantiles(values: np.ndarray) -> tuple[str, str, str]:
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return ("-", "-", "-")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        low, middle, high = np.quantile(finite, [0.0, 0.5, 1.0])
+    return _number(low), _number(middle), _number(high)
+
+
+def _number(value: float) -> str:
+    return "-" if not np.isfinite(value) else f"{value:.4g}"

@@ -1,0 +1,201 @@
+"""`keras-gradtrack`: read a gradient log from the command line.
+
+```
+keras-gradtrack summary LOG                  steps, examples, layers, range of every statistic
+keras-gradtrack top LOG -k 20                most influential example ids (TracIn self-influence)
+keras-gradtrack plot LOG --out DIR           PNGs of the log (needs matplotlib)
+keras-gradtrack export LOG --format csv      the tables as CSV or Parquet files
+keras-gradtrack watch LOG --interval 2       a summary refreshed while training writes the log
+```
+
+Errors (a missing file, a file that is not a log, a missing optional dependency)
+print one line to stderr and exit with status 1; usage errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from keras_gradtrack import analysis
+from keras_gradtrack.analysis.tables import TABLE_KINDS
+from keras_gradtrack.io.reader import GradientLog
+from keras_gradtrack.version import __version__
+
+PROG = "keras-gradtrack"
+RANKINGS = ("self-influence", "negative-cosine")
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status.
+
+    Args:
+        argv: the arguments after the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        0 on success, 1 when the log cannot be read or written from.
+
+    Example:
+
+    ```python
+    from keras_gradtrack import cli
+
+    cli.main(["top", "run.h5", "-k", "20"])
+    ```
+    """
+    args = _parser().parse_args(argv)
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        return 0
+    except (OSError, ValueError, KeyError, ImportError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def watch(
+    path: str | Path,
+    interval: float = 2.0,
+    count: int | None = None,
+    stream: TextIO | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Prints the log's summary every `interval` seconds, picking up new rows each time.
+
+    On a terminal the screen is cleared before each summary. Stop with Ctrl-C.
+
+    Args:
+        path: the log, typically one `HDF5GradientLogger` is writing.
+        interval: seconds between refreshes.
+        count: stop after this many summaries (default: never).
+        stream: where to print (default: standard output).
+        sleep: the function that waits between refreshes.
+
+    Example:
+
+    ```python
+    watch("run.h5", interval=5, count=3)
+    ```
+    """
+    stream = sys.stdout if stream is None else stream
+    shown = 0
+    with GradientLog(path) as log:
+        while True:
+            log.refresh()
+            text = log.summary()
+            if stream.isatty():
+                stream.write(CLEAR_SCREEN)
+            stream.write(
+                f"{text}\n\n[{time.strftime('%H:%M:%S')}] refreshed every {interval:g} s; "
+                "Ctrl-C stops\n"
+            )
+            stream.flush()
+            shown += 1
+            if count is not None and shown >= count:
+                return
+            sleep(interval)
+
+
+def _summary(args: argparse.Namespace) -> None:
+    with GradientLog(args.log) as log:
+        print(log.summary())
+
+
+def _top(args: argparse.Namespace) -> None:
+    with GradientLog(args.log) as log:
+        if args.by == "self-influence":
+            scores = log.most_influential(args.k, learning_rate=args.learning_rate)
+        else:
+            scores = log.most_opposing(args.k)
+    rows = [
+        (rank, example_id, f"{score:.6g}", count)
+        for rank, (example_id, score, count) in enumerate(
+            zip(scores.example_id, scores.score, scores.rows), start=1
+        )
+    ]
+    print(analysis.text_table(rows, header=("rank", "example_id", scores.name, "rows")))
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from keras_gradtrack import plots
+
+    out = args.out or Path(args.log).with_suffix("").as_posix() + "_plots"
+    with GradientLog(args.log) as log:
+        for path in plots.save_plots(log, out, dpi=args.dpi):
+            print(path)
+
+
+def _export(args: argparse.Namespace) -> None:
+    out = Path(args.out) if args.out else Path(args.log).resolve().parent
+    kinds = TABLE_KINDS if args.table == "both" else (args.table,)
+    stem = Path(args.log).with_suffix("").name
+    with GradientLog(args.log) as log:
+        out.mkdir(parents=True, exist_ok=True)
+        for kind in kinds:
+            path = out / f"{stem}.{kind}.{args.format}"
+            writer = log.to_csv if args.format == "csv" else log.to_parquet
+            print(writer(path, kind=kind))
+
+
+def _watch(args: argparse.Namespace) -> None:
+    watch(args.log, interval=args.interval, count=args.count)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Read a keras_gradtrack gradient log (an HDF5 file)."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Callable[[argparse.Namespace], None], text: str) -> Any:
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("log", metavar="LOG", help="the .h5 log file")
+        sub.set_defaults(run=run)
+        return sub
+
+    command("summary", _summary, "Steps, examples, layers, statistics and ranges.")
+    top = command("top", _top, "The example ids ranked highest (most suspicious first).")
+    top.add_argument("-k", type=_positive_int, default=20, help="how many (default 20)")
+    top.add_argument(
+        "--by",
+        choices=RANKINGS,
+        default="self-influence",
+        help="self-influence: sum over steps of lr x squared gradient norm (default); "
+        "negative-cosine: fraction of steps against the batch gradient",
+    )
+    top.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="constant learning rate for logs without /per_step/learning_rate",
+    )
+    plot = command("plot", _plot, "Write the plots of the log as PNG files.")
+    plot.add_argument("--out", help="output directory (default: LOG without .h5 + '_plots')")
+    plot.add_argument("--dpi", type=_positive_int, default=110, help="resolution (default 110)")
+    export = command("export", _export, "Write the log's tables as CSV or Parquet files.")
+    export.add_argument("--format", choices=["csv", "parquet"], default="csv")
+    export.add_argument("--table", choices=[*TABLE_KINDS, "both"], default="both")
+    export.add_argument("--out", help="output directory (default: the log's directory)")
+    live = command("watch", _watch, "Print the summary again as training writes the log.")
+    live.add_argument("--interval", type=float, default=2.0, help="seconds (default 2)")
+    live.add_argument("--count", type=_positive_int, default=None, help="stop after N summaries")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

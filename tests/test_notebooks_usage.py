@@ -1,0 +1,80 @@
+"""The notebooks in notebooks/ run from top to bottom (on small sizes), so they never rot.
+
+Each notebook's cell tagged `parameters` is followed by an injected cell with smaller
+sizes; the kernel is this interpreter (a kernel spec written for the test), and the
+notebook's files go to a temporary directory.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+SMALL_SIZES = {
+    "quickstart.ipynb": "NUM_EXAMPLES = 256\nEPOCHS = 2",
+    "mislabeled_examples.ipynb": "EPOCHS = 1",
+}
+# What the last cells print, proving the notebook got to the end and computed something.
+EXPECTED_OUTPUT = {
+    "quickstart.ipynb": "most influential:",
+    "mislabeled_examples.ipynb": "negative-cosine frequency: ROC AUC",
+}
+CELL_TIMEOUT_SECONDS = 180
+
+
+@pytest.fixture
+def this_python_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A `python3` kernel spec running `sys.executable`, found before any other."""
+    spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (test)",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    return "python3"
+
+
+def test_every_notebook_is_tested_and_stored_without_outputs():
+    assert sorted(path.name for path in NOTEBOOKS.glob("*.ipynb")) == sorted(SMALL_SIZES)
+    for name in SMALL_SIZES:
+        notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+        nbformat.validate(notebook)
+        code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+        assert all(not cell.outputs and cell.execution_count is None for cell in code), name
+        assert sum("parameters" in cell.metadata.get("tags", []) for cell in code) == 1, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMALL_SIZES))
+def test_notebook_runs(name: str, tmp_path: Path, this_python_kernel: str) -> None:
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    position = next(
+        index
+        for index, cell in enumerate(notebook.cells)
+        if "parameters" in cell.metadata.get("tags", [])
+    )
+    notebook.cells.insert(position + 1, nbformat.v4.new_code_cell(SMALL_SIZES[name]))
+    client = nbclient.NotebookClient(
+        notebook,
+        kernel_name=this_python_kernel,
+        timeout=CELL_TIMEOUT_SECONDS,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    printed = "".join(
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+        if output.output_type == "stream"
+    )
+    assert EXPECTED_OUTPUT[name] in printed
