@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint typecheck bench clean
+.PHONY: install test demo docs lint typecheck bench bench-mislabeled clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ typecheck: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m keras_gradtrack.demo --out demo_output
 
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+bench-mislabeled: $(STAMP)
+	$(PY) benchmarks/mislabeled_digits.py
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache .ruff_cache .mypy_cache

@@ -12,16 +12,36 @@ kgt.GradientLog("run.h5").per_example("cosine")
 ```
 """
 
-from keras_gradtrack import autodiff, statistics
-from keras_gradtrack.callbacks import HDF5GradientLogger
-from keras_gradtrack.io.reader import GradientLog
-from keras_gradtrack.model import (
-    GradientTrackingMixin,
-    GradientTrackingModel,
-    GradientTrackingSequential,
-)
-from keras_gradtrack.output_logger import OutputGradientLogger
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
+
 from keras_gradtrack.version import __version__
+
+if TYPE_CHECKING:
+    from keras_gradtrack import autodiff, statistics
+    from keras_gradtrack.callbacks import HDF5GradientLogger
+    from keras_gradtrack.io.reader import GradientLog
+    from keras_gradtrack.model import (
+        GradientTrackingMixin,
+        GradientTrackingModel,
+        GradientTrackingSequential,
+    )
+    from keras_gradtrack.output_logger import OutputGradientLogger
+
+# Public name -> the module that defines it (None: the name is a submodule).
+# They are imported on first use, so that reading logs (GradientLog, the
+# keras-gradtrack command, analysis and plots) never imports TensorFlow.
+_LAZY = {
+    "GradientLog": "keras_gradtrack.io.reader",
+    "GradientTrackingMixin": "keras_gradtrack.model",
+    "GradientTrackingModel": "keras_gradtrack.model",
+    "GradientTrackingSequential": "keras_gradtrack.model",
+    "HDF5GradientLogger": "keras_gradtrack.callbacks",
+    "OutputGradientLogger": "keras_gradtrack.output_logger",
+    "autodiff": None,
+    "statistics": None,
+}
 
 __all__ = [
     "GradientLog",
@@ -34,3 +54,26 @@ __all__ = [
     "autodiff",
     "statistics",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'keras_gradtrack' has no attribute {name!r}")
+    module = _LAZY[name]
+    value = (
+        importlib.import_module(f"keras_gradtrack.{name}")
+        if module is None
+        else getattr(importlib.import_module(module), name)
+    )
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+# `keras.models.load_model` finds the model classes only once they are
+# registered: when Keras is already in use, register them now.
+if "keras" in sys.modules:
+    importlib.import_module("keras_gradtrack.model")
