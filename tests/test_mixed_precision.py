@@ -37,7 +37,9 @@ def build() -> Any:
     hidden = keras.layers.LayerNormalization()(hidden)
     outputs = keras.layers.Dense(4, dtype="float32")(hidden)
     model = kgt.GradientTrackingModel(inputs, outputs)
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -53,13 +55,25 @@ def test_statistics_under_mixed_precision_match_the_float32_oracle(
     model.set_weights(reference.get_weights())
     if policy == "mixed_float16":
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-    model.fit(X, Y, batch_size=16, shuffle=False, verbose=0,
-              callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")])
+    model.fit(
+        X,
+        Y,
+        batch_size=16,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")],
+    )
     rtol, cosine_atol = TOLERANCES[policy]
     with kgt.GradientLog(tmp_path / "run.h5") as log:
         for name in ("loss", "grad_norm", "layer_grad_norm"):
-            np.testing.assert_allclose(log.per_example(name), expected[name], rtol=rtol, err_msg=name)
+            np.testing.assert_allclose(
+                log.per_example(name), expected[name], rtol=rtol, err_msg=name
+            )
         for name in ("cosine", "layer_cosine"):
-            np.testing.assert_allclose(log.per_example(name), expected[name], atol=cosine_atol, err_msg=name)
+            np.testing.assert_allclose(
+                log.per_example(name), expected[name], atol=cosine_atol, err_msg=name
+            )
         # Unscaled: a loss scale of 2**15 would show here.
-        np.testing.assert_allclose(log.per_step("batch_grad_norm")[0], expected["batch_grad_norm"], rtol=rtol)
+        np.testing.assert_allclose(
+            log.per_step("batch_grad_norm")[0], expected["batch_grad_norm"], rtol=rtol
+        )
