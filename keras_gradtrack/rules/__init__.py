@@ -12,7 +12,15 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.rules import dense, einsum, embedding, normalization
+from keras_gradtrack.rules import (
+    conv,
+    conv_transpose,
+    dense,
+    einsum,
+    embedding,
+    normalization,
+    separable_conv,
+)
 from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, Rule, RuleFn
 
 RULES: dict[type, Rule] = {
@@ -20,6 +28,45 @@ RULES: dict[type, Rule] = {
         "dense", dense.dense_primitives, dense.dense_applies, gram=dense.dense_gram
     ),
     # -- convolutions --
+    keras.layers.Conv1D: Rule("conv", conv.conv_primitives, conv.conv_applies, gram=conv.conv_gram),
+    keras.layers.Conv2D: Rule("conv", conv.conv_primitives, conv.conv_applies, gram=conv.conv_gram),
+    keras.layers.Conv3D: Rule("conv", conv.conv_primitives, conv.conv_applies, gram=conv.conv_gram),
+    keras.layers.DepthwiseConv1D: Rule(
+        "depthwise_conv", conv.depthwise_primitives, conv.conv_applies, gram=conv.depthwise_gram
+    ),
+    keras.layers.DepthwiseConv2D: Rule(
+        "depthwise_conv", conv.depthwise_primitives, conv.conv_applies, gram=conv.depthwise_gram
+    ),
+    keras.layers.SeparableConv1D: Rule(
+        "separable_conv",
+        separable_conv.separable_primitives,
+        conv.conv_applies,
+        gram=separable_conv.separable_gram,
+    ),
+    keras.layers.SeparableConv2D: Rule(
+        "separable_conv",
+        separable_conv.separable_primitives,
+        conv.conv_applies,
+        gram=separable_conv.separable_gram,
+    ),
+    keras.layers.Conv1DTranspose: Rule(
+        "conv_transpose",
+        conv_transpose.conv_transpose_primitives,
+        conv_transpose.conv_transpose_applies,
+        gram=conv_transpose.conv_transpose_gram,
+    ),
+    keras.layers.Conv2DTranspose: Rule(
+        "conv_transpose",
+        conv_transpose.conv_transpose_primitives,
+        conv_transpose.conv_transpose_applies,
+        gram=conv_transpose.conv_transpose_gram,
+    ),
+    keras.layers.Conv3DTranspose: Rule(
+        "conv_transpose",
+        conv_transpose.conv_transpose_primitives,
+        conv_transpose.conv_transpose_applies,
+        gram=conv_transpose.conv_transpose_gram,
+    ),
     # -- embeddings, normalization, einsum --
     keras.layers.Embedding: Rule(
         "embedding",

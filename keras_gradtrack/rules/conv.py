@@ -1,0 +1,366 @@
+"""Rules for Conv1D/2D/3D and DepthwiseConv1D/2D, and the convolution helpers.
+
+A convolution is a Dense layer applied to every window of its input. With
+`S_ik` the input values that example i's kernel offset k sees at each output
+position (positions x input channels) and `D_i` the gradient at the
+pre-activation output (positions x filters), the kernel gradient at offset k
+is `S_ik^T D_i`, per group of channels. The windows are read as one strided
+slice of the padded input per kernel offset, so the patch tensor
+(positions x kernel size x channels) is never built as a whole.
+
+Per layer, the squared norm comes from whichever form costs less (the Dense
+rule's test): the per-example kernel gradients themselves, or the Gram form
+`<sum_k S_ik S_ik^T, D_i D_i^T>`. A depthwise convolution is the grouped one
+with one group per input channel. `channels_first` tensors are transposed to
+`channels_last` first. The separable and transposed convolutions
+(`separable_conv.py`, `conv_transpose.py`) reuse these helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.taps import LayerCall
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+
+# A static size, or a scalar tensor when the size is only known at run time.
+Size = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """How a convolution slides its kernel over the spatial axes of one example.
+
+    Attributes:
+        kernel_size: Kernel extent per spatial axis.
+        strides: Step between output positions per spatial axis.
+        dilation_rate: Step between kernel taps per spatial axis.
+        padding: `"valid"`, `"same"` (TensorFlow's rule: the extra padding goes
+            after) or `"causal"` (all padding before).
+    """
+
+    kernel_size: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilation_rate: tuple[int, ...]
+    padding: str
+
+    @classmethod
+    def of(cls, layer: Any) -> Window:
+        return cls(
+            tuple(layer.kernel_size),
+            tuple(layer.strides),
+            tuple(layer.dilation_rate),
+            layer.padding,
+        )
+
+
+def conv_applies(layer: Any) -> bool:
+    """The rules cover float layers whose kernel is a plain variable (no LoRA, no quantization)."""
+    replaced = getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
+    return not replaced
+
+
+def sizes(tensor: tf.Tensor) -> list[Size]:
+    """The tensor's shape: static sizes where known, scalar tensors elsewhere."""
+    dynamic = tf.shape(tensor)
+    return [dynamic[axis] if size is None else size for axis, size in enumerate(tensor.shape)]
+
+
+def channels_last(tensor: Any, data_format: str) -> tf.Tensor:
+    """The tensor as float32 `(B, *spatial, C)`."""
+    tensor = tf.cast(tensor, tf.float32)
+    if data_format == "channels_first":
+        rank = len(tensor.shape)
+        tensor = tf.transpose(tensor, [0, *range(2, rank), 1])
+    return tensor
+
+
+def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> list[tf.Tensor]:
+    """The input values under each kernel offset at every output position.
+
+    Args:
+        x: `(B, *spatial, C)` input of one call.
+        output_size: The spatial size of the convolution's output.
+        window: The convolution's geometry.
+
+    Returns:
+        One `(B, P, C)` tensor per kernel offset, in the kernel's row-major
+        order, with `P` the number of output positions.
+    """
+    shape = sizes(x)
+    paddings: list[list[Size]] = [[0, 0]]
+    for size, out, kernel, stride, rate in zip(
+        shape[1:-1], output_size, window.kernel_size, window.strides, window.dilation_rate
+    ):
+        extent = (kernel - 1) * rate + 1
+        if window.padding == "valid":
+            paddings.append([0, 0])
+        elif window.padding == "causal":
+            paddings.append([extent - 1, 0])
+        else:
+            total = (out - 1) * stride + extent - size
+            total = tf.maximum(total, 0) if isinstance(total, tf.Tensor) else max(total, 0)
+            paddings.append([total // 2, total - total // 2])
+    paddings.append([0, 0])
+    if any(not isinstance(amount, int) or amount for pair in paddings for amount in pair):
+        x = tf.pad(x, paddings)
+    slices = []
+    for offset in itertools.product(*(range(kernel) for kernel in window.kernel_size)):
+        index = [slice(None)]
+        for tap, out, stride, rate in zip(
+            offset, output_size, window.strides, window.dilation_rate
+        ):
+            index.append(slice(tap * rate, tap * rate + (out - 1) * stride + 1, stride))
+        index.append(slice(None))
+        slices.append(tf.reshape(x[tuple(index)], [shape[0], -1, x.shape[-1]]))
+    return slices
+
+
+def stacked_windows(
+    pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], window: Window
+) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Windows of each `source` at the positions of its `target`, all calls stacked.
+
+    Args:
+        pairs: Per call, `(source, target)`: the tensor the kernel slides over
+            and the one paired with its windows, both `(B, *spatial, channels)`.
+        window: The convolution's geometry.
+
+    Returns:
+        Per kernel offset a `(B, P, C_source)` tensor, and the `(B, P, C_target)`
+        targets, with the positions of all calls concatenated (a shared
+        layer's per-example gradient is the sum over its calls).
+    """
+    slices_per_call, targets = [], []
+    for source, target in pairs:
+        shape = sizes(target)
+        slices_per_call.append(window_slices(source, shape[1:-1], window))
+        targets.append(tf.reshape(target, [shape[0], -1, target.shape[-1]]))
+    if len(pairs) == 1:
+        return slices_per_call[0], targets[0]
+    slices = [tf.concat(list(per_offset), axis=1) for per_offset in zip(*slices_per_call)]
+    return slices, tf.concat(targets, axis=1)
+
+
+def gram_is_cheaper(positions: int | None, window_width: int, group_filters: int) -> bool:
+    """Whether `<S S^T, D D^T>` costs less than materializing `S^T D` per example."""
+    return positions is not None and positions * (window_width + group_filters) < (
+        window_width * group_filters
+    )
+
+
+def grouped_response(slices: Sequence[tf.Tensor], kernel: tf.Tensor, groups: int) -> tf.Tensor:
+    """The (bias-free) convolution output `sum_k S_k W_k`, per group: `(B, P, O)`.
+
+    Args:
+        slices: Per kernel offset, `(B, P, C)` windows.
+        kernel: `(K, C / groups, O)` kernel.
+        groups: Number of channel groups.
+    """
+    group_channels, filters = kernel.shape[1], kernel.shape[2]
+    per_offset = tf.unstack(tf.reshape(kernel, [len(slices), group_channels, groups, -1]))
+    batch = tf.shape(slices[0])[0]
+    response = tf.add_n(
+        [
+            tf.einsum("bpgc,cgo->bpgo", tf.reshape(s, [batch, -1, groups, group_channels]), w)
+            for s, w in zip(slices, per_offset)
+        ]
+    )
+    return tf.reshape(response, [batch, -1, filters])
+
+
+def per_example_kernel_gradients(
+    slices: Sequence[tf.Tensor], targets: tf.Tensor, groups: int
+) -> tf.Tensor:
+    """`g_i[k] = S_ik^T D_i` per group, flattened in the kernel's layout: `(B, n)`.
+
+    Args:
+        slices: Per kernel offset, `(B, P, C)` windows.
+        targets: `(B, P, O)`, the gradient paired with the windows.
+        groups: Number of channel groups (input channel block j meets filter block j).
+    """
+    batch = tf.shape(targets)[0]
+    if groups == 1:
+        per_offset = [tf.matmul(s, targets, transpose_a=True) for s in slices]
+    else:
+        group_channels = slices[0].shape[-1] // groups
+        grads = tf.reshape(targets, [batch, -1, groups, targets.shape[-1] // groups])
+        per_offset = [
+            tf.einsum("bpgc,bpgo->bcgo", tf.reshape(s, [batch, -1, groups, group_channels]), grads)
+            for s in slices
+        ]
+    # (B, K, C / groups, groups, O / groups) is the kernel's own layout.
+    return tf.reshape(tf.stack(per_offset, axis=1), [batch, -1])
+
+
+def grouped_kernel_primitives(
+    slices: Sequence[tf.Tensor], targets: tf.Tensor, groups: int, kernel_reference: tf.Tensor
+) -> LayerPrimitives:
+    """`||g_i||^2` and `<g_i, R>` for the kernel gradient `g_i[k] = S_ik^T D_i` per group.
+
+    Args:
+        slices: Per kernel offset, `(B, P, C)` windows.
+        targets: `(B, P, O)`, the gradient paired with the windows.
+        groups: Number of channel groups.
+        kernel_reference: `(K, C / groups, O)`, the reference in the kernel's layout.
+    """
+    group_channels = slices[0].shape[-1] // groups
+    group_filters = targets.shape[-1] // groups
+    if not gram_is_cheaper(targets.shape[1], len(slices) * group_channels, group_filters):
+        return materialized(
+            [per_example_kernel_gradients(slices, targets, groups)], [kernel_reference]
+        )
+    batch = tf.shape(targets)[0]
+    grouped = [tf.reshape(s, [batch, -1, groups, group_channels]) for s in slices]
+    grads = tf.reshape(targets, [batch, -1, groups, group_filters])
+    gram_windows = tf.add_n([tf.einsum("bpgc,bqgc->bgpq", s, s) for s in grouped])
+    gram_grads = tf.einsum("bpgo,bqgo->bgpq", grads, grads)
+    response = grouped_response(slices, kernel_reference, groups)
+    return LayerPrimitives(
+        sq_norm=tf.reduce_sum(gram_windows * gram_grads, axis=[1, 2, 3]),
+        dot=tf.reduce_sum(response * targets, axis=[1, 2]),
+    )
+
+
+def materialized(
+    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor]
+) -> LayerPrimitives:
+    """The primitives from per-example gradients `(B, n)` and their references (any shape, n values)."""
+    flat_references = [tf.reshape(reference, [-1]) for reference in references]
+    return LayerPrimitives(
+        sq_norm=tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g in per_example]),
+        dot=tf.add_n([tf.linalg.matvec(g, r) for g, r in zip(per_example, flat_references)]),
+    )
+
+
+def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
+    """`(B, B)` `<g_i, g_j>` summed over the given per-example gradients `(B, n)`."""
+    return tf.add_n([tf.matmul(g, g, transpose_b=True) for g in per_example])
+
+
+def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor | None:
+    """`(B, filters)`, the output gradient summed over positions and calls; None without a trainable bias."""
+    if layer.bias is None or not layer.bias.trainable:
+        return None
+    channel_axis = 1 if layer.data_format == "channels_first" else -1
+    per_call = []
+    for call in calls:
+        grads = tf.cast(call.output_grads[0], tf.float32)
+        rank = len(grads.shape)
+        positions = [axis for axis in range(1, rank) if axis != channel_axis % rank]
+        per_call.append(tf.reduce_sum(grads, axis=positions))
+    return tf.add_n(per_call)
+
+
+def summed(terms: Sequence[LayerPrimitives]) -> LayerPrimitives:
+    return LayerPrimitives(
+        sq_norm=tf.add_n([term.sq_norm for term in terms]),
+        dot=tf.add_n([term.dot for term in terms]),
+    )
+
+
+def with_bias(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn, terms: list[LayerPrimitives]
+) -> LayerPrimitives:
+    """The layer's primitives: the given kernel terms plus the bias term."""
+    bias_grad = per_example_bias_gradient(layer, calls)
+    if bias_grad is not None:
+        terms = [*terms, materialized([bias_grad], [reference(layer.bias)])]
+    if not terms:  # every variable of the layer is frozen
+        zeros = tf.zeros([tf.shape(calls[0].output_grads[0])[0]], tf.float32)
+        return LayerPrimitives(sq_norm=zeros, dot=zeros)
+    return summed(terms)
+
+
+def gram_with_bias(
+    layer: Any, calls: Sequence[LayerCall], per_example: list[tf.Tensor]
+) -> tf.Tensor:
+    """The layer's Gram matrix: the given per-example kernel gradients plus the bias'."""
+    bias_grad = per_example_bias_gradient(layer, calls)
+    if bias_grad is not None:
+        per_example = [*per_example, bias_grad]
+    if not per_example:
+        batch = tf.shape(calls[0].output_grads[0])[0]
+        return tf.zeros([batch, batch], tf.float32)
+    return gram_of(per_example)
+
+
+def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Windows of the layer inputs at the output positions, and the output gradients."""
+    pairs = [
+        (
+            channels_last(call.inputs, layer.data_format),
+            channels_last(call.output_grads[0], layer.data_format),
+        )
+        for call in calls
+    ]
+    return stacked_windows(pairs, Window.of(layer))
+
+
+def conv_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example squared norm and dot with the reference for Conv1D/2D/3D.
+
+    Example:
+
+    ```python
+    # windows S_ik (P, C / groups) per kernel offset k and group, D_i (P, filters):
+    # g_i[k] = S_ik^T D_i,  ||g_i||^2 = sum_k ||S_ik^T D_i||^2 or <sum_k S_ik S_ik^T, D_i D_i^T>
+    ```
+    """
+    terms = []
+    if layer.kernel.trainable:
+        slices, targets = input_windows(layer, calls)
+        kernel_reference = tf.reshape(
+            reference(layer.kernel), [len(slices), -1, layer.kernel.shape[-1]]
+        )
+        terms.append(grouped_kernel_primitives(slices, targets, layer.groups, kernel_reference))
+    return with_bias(layer, calls, reference, terms)
+
+
+def conv_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
+    """`(B, B)` Gram matrix of a Conv1D/2D/3D layer's per-example gradients (materialized)."""
+    per_example = []
+    if layer.kernel.trainable:
+        slices, targets = input_windows(layer, calls)
+        per_example.append(per_example_kernel_gradients(slices, targets, layer.groups))
+    return gram_with_bias(layer, calls, per_example)
+
+
+def depthwise_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example squared norm and dot with the reference for DepthwiseConv1D/2D.
+
+    A depthwise kernel `(*kernel_size, C, M)` is a grouped one of layout
+    `(K, 1, C * M)` with C groups: output channel `c * M + m` sees input channel c only.
+
+    Example:
+
+    ```python
+    # g_i[k, c, m] = sum_p S_ik[p, c] D_i[p, c * M + m]
+    ```
+    """
+    terms = []
+    if layer.kernel.trainable:
+        slices, targets = input_windows(layer, calls)
+        kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), 1, -1])
+        channels = layer.kernel.shape[-2]
+        terms.append(grouped_kernel_primitives(slices, targets, channels, kernel_reference))
+    return with_bias(layer, calls, reference, terms)
+
+
+def depthwise_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
+    """`(B, B)` Gram matrix of a DepthwiseConv1D/2D layer's per-example gradients."""
+    per_example = []
+    if layer.kernel.trainable:
+        slices, targets = input_windows(layer, calls)
+        channels = layer.kernel.shape[-2]
+        per_example.append(per_example_kernel_gradients(slices, targets, channels))
+    return gram_with_bias(layer, calls, per_example)

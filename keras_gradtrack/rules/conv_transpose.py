@@ -1,0 +1,80 @@
+"""Rule for Conv1DTranspose, Conv2DTranspose and Conv3DTranspose.
+
+A transposed convolution with kernel `W` (`*kernel_size, filters, C_in`) is the
+adjoint of the convolution `conv(., W)` from its output space to its input
+space (same strides, padding and dilation): `<conv_transpose(x, W), d> =
+<x, conv(d, W)>`. Example i's kernel gradient is therefore that convolution's
+filter gradient with the roles swapped: the windows slide over the output
+gradient `D_i` at the positions of the input `x_i`, `g_i[k] = S_k(D_i)^T x_i`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.taps import LayerCall
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.conv import (
+    Window,
+    channels_last,
+    conv_applies,
+    gram_with_bias,
+    grouped_kernel_primitives,
+    per_example_kernel_gradients,
+    stacked_windows,
+    with_bias,
+)
+
+
+def conv_transpose_applies(layer: Any) -> bool:
+    """As for convolutions, but not dilated: TensorFlow runs those on CPU only under
+    XLA, so the rule has no oracle check for them (the fallback is exact)."""
+    return conv_applies(layer) and all(rate == 1 for rate in layer.dilation_rate)
+
+
+def output_grad_windows(
+    layer: Any, calls: Sequence[LayerCall]
+) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Windows of the output gradients at the input positions, and the inputs."""
+    pairs = [
+        (
+            channels_last(call.output_grads[0], layer.data_format),
+            channels_last(call.inputs, layer.data_format),
+        )
+        for call in calls
+    ]
+    return stacked_windows(pairs, Window.of(layer))
+
+
+def conv_transpose_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+) -> LayerPrimitives:
+    """Per-example squared norm and dot with the reference for Conv1D/2D/3DTranspose.
+
+    Example:
+
+    ```python
+    # windows S_ik of D_i (P_in, filters) at the input's P_in positions, x_i (P_in, C_in):
+    # g_i[k] = S_ik^T x_i,  ||g_i||^2 = sum_k ||S_ik^T x_i||^2 or <sum_k S_ik S_ik^T, x_i x_i^T>
+    ```
+    """
+    terms = []
+    if layer.kernel.trainable:
+        slices, targets = output_grad_windows(layer, calls)
+        kernel_reference = tf.reshape(
+            reference(layer.kernel), [len(slices), *layer.kernel.shape[-2:]]
+        )
+        terms.append(grouped_kernel_primitives(slices, targets, 1, kernel_reference))
+    return with_bias(layer, calls, reference, terms)
+
+
+def conv_transpose_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
+    """`(B, B)` Gram matrix of a transposed convolution's per-example gradients."""
+    per_example = []
+    if layer.kernel.trainable:
+        slices, targets = output_grad_windows(layer, calls)
+        per_example.append(per_example_kernel_gradients(slices, targets, 1))
+    return gram_with_bias(layer, calls, per_example)
