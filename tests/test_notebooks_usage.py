@@ -19,11 +19,28 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SMALL_SIZES = {
     "quickstart.ipynb": "NUM_EXAMPLES = 256\nEPOCHS = 2",
     "mislabeled_examples.ipynb": "EPOCHS = 1",
+    # NUM_FEATURES not a multiple of CHUNK_SIZE: the padded last chunk runs too.
+    "autodiff_1_output_feature_gradients.ipynb": (
+        "BATCH_SIZE = 2\nSEQUENCE_LENGTH = 8\nINPUT_CHANNELS = 3\nFILTERS = 8\n"
+        "NUM_FEATURES = 5\nCHUNK_SIZE = 2"
+    ),
+    "autodiff_2_per_example_vs_batch.ipynb": (
+        "BATCH_SIZE = 16\nINPUT_DIM = 8\nHIDDEN_UNITS = 16\nREPEATS = 1"
+    ),
+    "autodiff_3_input_vjp_jvp.ipynb": "BATCH_SIZE = 4\nINPUT_DIM = 32\nHIDDEN_UNITS = 16\nREPEATS = 1",
+    "autodiff_4_grad_like_torch.ipynb": (
+        "BATCH_SIZE = 4\nINPUT_DIM = 16\nHIDDEN_UNITS = 8\nREPEATS = 1"
+    ),
 }
 # What the last cells print, proving the notebook got to the end and computed something.
 EXPECTED_OUTPUT = {
     "quickstart.ipynb": "most influential:",
     "mislabeled_examples.ipynb": "negative-cosine frequency: ROC AUC",
+    # The autodiff notebooks compare keras_gradtrack with the naive version last.
+    "autodiff_1_output_feature_gradients.ipynb": "agree: True",
+    "autodiff_2_per_example_vs_batch.ipynb": "agree: True",
+    "autodiff_3_input_vjp_jvp.ipynb": "agree: True",
+    "autodiff_4_grad_like_torch.ipynb": "agree: True",
 }
 CELL_TIMEOUT_SECONDS = 180
 
