@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -56,3 +57,18 @@ class Rule:
     applies: Callable[[Any], bool]
     split_activation: bool = True
     gram: GramFn | None = None
+
+
+def reshape_per_example(tensor: tf.Tensor, dims: Sequence[int]) -> tf.Tensor:
+    """Reshapes to `(B, *dims)` keeping every static size static.
+
+    At most one of `dims` is -1. `fit` usually traces with an unknown batch
+    size; a plain `tf.reshape(t, [B, -1, d])` would then lose the static size
+    of the -1 axis, and the rules choose their cheapest form from static sizes.
+    """
+    dims = list(dims)
+    known = tensor.shape[1:]
+    if -1 in dims and known.is_fully_defined():
+        others = math.prod(d for d in dims if d != -1)
+        dims[dims.index(-1)] = math.prod(known) // others
+    return tf.reshape(tensor, [tf.shape(tensor)[0], *dims])

@@ -26,7 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
 
 # A static size, or a scalar tensor when the size is only known at run time.
 Size = Any
@@ -117,7 +117,7 @@ def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> 
         ):
             index.append(slice(tap * rate, tap * rate + (out - 1) * stride + 1, stride))
         index.append(slice(None))
-        slices.append(tf.reshape(x[tuple(index)], [shape[0], -1, x.shape[-1]]))
+        slices.append(reshape_per_example(x[tuple(index)], [-1, x.shape[-1]]))
     return slices
 
 
@@ -140,7 +140,7 @@ def stacked_windows(
     for source, target in pairs:
         shape = sizes(target)
         slices_per_call.append(window_slices(source, shape[1:-1], window))
-        targets.append(tf.reshape(target, [shape[0], -1, target.shape[-1]]))
+        targets.append(reshape_per_example(target, [-1, target.shape[-1]]))
     if len(pairs) == 1:
         return slices_per_call[0], targets[0]
     slices = [tf.concat(list(per_offset), axis=1) for per_offset in zip(*slices_per_call)]

@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
 
 
 def dense_applies(layer: Any) -> bool:
@@ -32,9 +32,8 @@ def as_sequences(calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
     for call in calls:
         a = tf.cast(call.inputs, tf.float32)
         d = tf.cast(call.output_grads[0], tf.float32)
-        batch = tf.shape(a)[0]
-        inputs.append(tf.reshape(a, [batch, -1, a.shape[-1]]))
-        grads.append(tf.reshape(d, [batch, -1, d.shape[-1]]))
+        inputs.append(reshape_per_example(a, [-1, a.shape[-1]]))
+        grads.append(reshape_per_example(d, [-1, d.shape[-1]]))
     if len(calls) == 1:
         return inputs[0], grads[0]
     return tf.concat(inputs, axis=1), tf.concat(grads, axis=1)

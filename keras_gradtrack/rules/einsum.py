@@ -28,7 +28,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
 
 EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
@@ -132,11 +132,10 @@ def canonical_operands(
         b, s, t = roles.batch, roles.shared, roles.steps
         x = tf.einsum(f"{roles.input}->{b}{s}{t}{roles.contracted}", x)
         d = tf.einsum(f"{roles.output}->{b}{s}{t}{roles.produced}", d)
-        batch = tf.shape(x)[0]
         contracted = math.prod(sizes[c] for c in roles.contracted)
         produced = math.prod(sizes[c] for c in roles.produced)
-        inputs.append(tf.reshape(x, [batch, shared, -1, contracted]))
-        grads.append(tf.reshape(d, [batch, shared, -1, produced]))
+        inputs.append(reshape_per_example(x, [shared, -1, contracted]))
+        grads.append(reshape_per_example(d, [shared, -1, produced]))
     assert roles is not None
     if len(calls) == 1:
         return roles, inputs[0], grads[0]

@@ -16,7 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
 
 # Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
 # matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
@@ -54,9 +54,8 @@ def as_token_sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tenso
     for call in calls:
         call_ids = tf.cast(token_ids(layer, call), tf.int64)
         d = tf.cast(call.output_grads[0], tf.float32)
-        batch = tf.shape(call_ids)[0]
-        ids.append(tf.reshape(call_ids, [batch, -1]))
-        grads.append(tf.reshape(d, [batch, -1, d.shape[-1]]))
+        ids.append(reshape_per_example(call_ids, [-1]))
+        grads.append(reshape_per_example(d, [-1, d.shape[-1]]))
     if len(calls) == 1:
         return ids[0], grads[0]
     return tf.concat(ids, axis=1), tf.concat(grads, axis=1)
