@@ -1,8 +1,11 @@
 """`LogWriter`: streams per-example and per-step statistics into an HDF5 log."""
 
+import contextlib
 import errno
 import operator
 import os
+import re
+import secrets
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -11,6 +14,15 @@ import h5py
 import numpy as np
 
 from keras_gradtrack.io import schema
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
+
+# h5py objects of logs that could not be closed after a write error: never freed,
+# as freeing them crashes HDF5 (see `_close_without_writing`).
+_UNCLOSABLE: list[tuple[h5py.File, object]] = []
 
 
 class LogWriter:
@@ -141,7 +153,8 @@ class LogWriter:
                     "to continue it pass append=True."
                 )
             _check_writable_file(path)
-        else:
+        if overwrite or not os.path.exists(path):
+            # A new log, replacing one or not, is made beside `path` and moved there.
             _check_writable_directory(directory)
 
     def open(self) -> None:
@@ -161,12 +174,6 @@ class LogWriter:
             file = self._open_existing()
         else:
             file = self._create()
-        try:
-            # SWMR readers need every dataset to exist before the switch.
-            file.swmr_mode = True
-        except BaseException:
-            file.close()
-            raise
         self._file = file
         # Looking datasets up by name costs more than writing a small block.
         self._datasets = {
@@ -236,35 +243,73 @@ class LogWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Writes the buffered steps as one block and flushes the file to disk."""
+        """Writes the buffered steps as one block and flushes the file to disk.
+
+        Raises:
+            OSError: if the block cannot be written (a full disk, say). The file then
+                keeps the rows of every block written before; the block stays buffered,
+                so a later `flush()` may retry it.
+        """
         file = self._require_open()
         if not self._pending_steps:
             return
-        for table, columns in self._pending.items():
-            datasets = self._datasets[table]
-            # Every dataset of the table starts at the same row, so a block that failed
-            # half-way is overwritten, not duplicated, by the next attempt.
-            start = min(dataset.shape[0] for dataset in datasets.values())
-            for name, parts in columns.items():
-                dataset = datasets[name]
-                block = np.concatenate(parts).astype(dataset.dtype, copy=False)
-                if len(block):
-                    dataset.resize(start + len(block), axis=0)
-                    dataset[start:] = block
+        # Every dataset of a table starts at the same row, so a block that failed
+        # half-way is overwritten, not duplicated, by the next attempt.
+        starts = {
+            table: min(dataset.shape[0] for dataset in datasets.values())
+            for table, datasets in self._datasets.items()
+        }
+        try:
+            for table, columns in self._pending.items():
+                for name, parts in columns.items():
+                    dataset = self._datasets[table][name]
+                    block = np.concatenate(parts).astype(dataset.dtype, copy=False)
+                    if len(block):
+                        dataset.resize(starts[table] + len(block), axis=0)
+                        dataset[starts[table] :] = block
+            file.flush()
+        except (OSError, RuntimeError) as error:
+            self._roll_back(starts)
+            raise _io_error(
+                "Cannot write the gradient log",
+                self.path,
+                error,
+                "The file keeps every block written before this one.",
+            ) from error
         self._pending = self._empty_buffer()
         self._pending_steps = 0
-        file.flush()
+
+    def _roll_back(self, lengths: Mapping[str, int]) -> None:
+        # HDF5 writes the new lengths even when the rows' data could not be written;
+        # readers would see the block as rows of fill values. Cut them off again.
+        with contextlib.suppress(OSError, RuntimeError):
+            for table, datasets in self._datasets.items():
+                for dataset in datasets.values():
+                    dataset.resize(lengths[table], axis=0)
+            self._require_open().flush()
 
     def close(self) -> None:
-        """Flushes and closes the file. Calling it again does nothing."""
+        """Flushes and closes the file. Calling it again does nothing.
+
+        Raises:
+            OSError: if the buffered steps cannot be written; the file is closed anyway
+                and keeps every block written before.
+        """
         if self._file is None:
             return
+        file = self._file
         try:
             self.flush()
+        except OSError:
+            _close_without_writing(file, self._datasets)
+            raise
+        except BaseException:
+            file.close()
+            raise
+        else:
+            file.close()
         finally:
-            self._file.close()
-            self._file = None
-            self._datasets = {}
+            self._file, self._datasets = None, {}
 
     def __enter__(self) -> "LogWriter":
         if self._file is None:
@@ -293,11 +338,29 @@ class LogWriter:
         }
 
     def _create(self) -> h5py.File:
-        file = _open_h5py_file(self.path, "w" if self.overwrite else "x")
+        # Until it is in SWMR mode, a file killed half-made opens neither with nor
+        # without swmr=True; so it is made under a hidden name and moved into place
+        # only then. `path` is thus always absent, the old file, or a readable log.
+        directory, name = os.path.split(os.path.abspath(self.path))
+        staging = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
         try:
-            schema.create_log(file, self.layout, self.attrs, self.compression)
-        except BaseException:
-            file.close()
+            file = _open_h5py_file(staging, "x")
+            try:
+                schema.create_log(file, self.layout, self.attrs, self.compression)
+                # SWMR readers need every dataset to exist before the switch.
+                file.swmr_mode = True
+                _move_into_place(staging, self.path, replace=self.overwrite)
+            except BaseException:
+                # The staging file is removed: nothing HDF5 still holds needs writing.
+                _close_without_writing(file, {})
+                raise
+        except BaseException as error:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(staging)
+            if isinstance(error, OSError | RuntimeError) and not isinstance(error, FileExistsError):
+                raise _io_error(
+                    "Cannot create the gradient log", self.path, error, "No file was written."
+                ) from error
             raise
         self._next_step = 0
         return file
@@ -307,10 +370,14 @@ class LogWriter:
             raise ValueError(
                 f"Cannot append to '{self.path}': it is not a keras_gradtrack log (not an HDF5 file)."
             )
-        file = _open_h5py_file(self.path, "r+")
-        try:
+        # Checked read-only first, so a file that is not a matching log is left as it is.
+        with _open_h5py_file(self.path, "r") as file:
             found = schema.read_layout(file, self.path)
-            _check_same_layout(self.path, found=found, given=self.layout)
+        _check_same_layout(self.path, found=found, given=self.layout)
+        # Opened in SWMR mode at once: a file opened for writing without it, if killed
+        # before the switch, opens neither with nor without swmr=True.
+        file = _open_h5py_file(self.path, "r+", swmr=True)
+        try:
             num_steps = _drop_incomplete_rows(file)
             steps = file[schema.PER_STEP_GROUP]["step"]
             self._next_step = int(steps[num_steps - 1]) + 1 if num_steps else 0
@@ -366,8 +433,74 @@ def _drop_incomplete_rows(file: h5py.File) -> int:
     return num_steps
 
 
-def _open_h5py_file(path: str, mode: str) -> h5py.File:
+def _move_into_place(staging: str, path: str, *, replace: bool) -> None:
+    if replace:
+        os.replace(staging, path)
+        return
     try:
+        # A hard link, unlike a rename, fails if `path` appeared since check_path.
+        os.link(staging, path)
+    except FileExistsError as error:
+        raise FileExistsError(
+            f"The log file '{path}' already exists. To replace it pass overwrite=True; "
+            "to continue it pass append=True."
+        ) from error
+    except OSError:
+        # Some file systems have no hard links; check_path saw no file a moment ago.
+        os.rename(staging, path)
+        return
+    os.remove(staging)
+
+
+def _close_without_writing(file: h5py.File, datasets: object) -> None:
+    """Closes `file`, discarding what HDF5 still holds to write; leaves the file as is.
+
+    After a failed write (a full disk, say) HDF5 keeps the chunks it could not write
+    and retries them when closing, which fails again: the datasets stay open and
+    print errors when garbage-collected. The file on disk already holds every block
+    before the failed one (`flush` rolled that back), so HDF5's last writes go to a
+    file in memory instead. The log stays marked as open for writing, like that of a
+    killed writer: readers open it with swmr=True.
+    """
+    if hasattr(os, "memfd_create"):  # Linux: an anonymous file in memory
+        discard = os.memfd_create("keras_gradtrack-discarded")
+    else:
+        discard = os.open(os.devnull, os.O_RDWR)
+    # A file size limit (ulimit -f) would refuse the memory file too: lift it meanwhile.
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE) if resource else None
+    try:
+        if size_limit:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size_limit[1], size_limit[1]))
+        os.dup2(discard, file.id.get_vfd_handle())
+        file.close()
+    except (OSError, RuntimeError, ValueError):
+        # HDF5 objects left half-closed crash the process when garbage-collected.
+        _UNCLOSABLE.append((file, datasets))
+    finally:
+        if size_limit:
+            resource.setrlimit(resource.RLIMIT_FSIZE, size_limit)
+        os.close(discard)
+
+
+def _io_error(failed: str, path: str, error: BaseException, outcome: str) -> OSError:
+    """An OSError naming the log and the system's reason, from an h5py error."""
+    # h5py raises RuntimeError or OSError with HDF5's message, which holds the errno.
+    found = re.search(r"errno = (\d+)", str(error))
+    code = int(found.group(1)) if found else getattr(error, "errno", None)
+    reason = os.strerror(code) if code else str(error)
+    message = f"{failed} '{path}': {reason}. {outcome}"
+    return OSError(code, message) if code else OSError(message)
+
+
+def _open_h5py_file(path: str, mode: str, *, swmr: bool = False) -> h5py.File:
+    try:
+        if swmr:
+            # h5py only opens files for reading in SWMR mode; the low-level call can write.
+            access = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+            bounds = {"v110": h5py.h5f.LIBVER_V110, "latest": h5py.h5f.LIBVER_LATEST}
+            access.set_libver_bounds(*(bounds[bound] for bound in schema.LIBVER))
+            flags = h5py.h5f.ACC_RDWR | h5py.h5f.ACC_SWMR_WRITE
+            return h5py.File(h5py.h5f.open(os.fsencode(path), flags, fapl=access))
         return h5py.File(path, mode, libver=schema.LIBVER)
     except OSError as error:
         if "lock" not in str(error) and "already open" not in str(error):
@@ -402,6 +535,9 @@ def _check_writable_directory(directory: str) -> None:
     except OSError as error:
         if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise PermissionError(message) from error
-        raise
+        # Not the probe's name (the user never asked for it): the directory and why.
+        raise OSError(
+            error.errno, f"Cannot create the log file in '{directory}': {error.strerror}"
+        ) from error
     os.close(descriptor)
     os.remove(probe)
