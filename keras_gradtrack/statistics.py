@@ -159,7 +159,8 @@ class NoiseScale(Statistic):
         mean_sq_norm = tf.reduce_sum(primitives.sum_sq_norm) / tf.square(batch)
         total_sq_norm = tf.reduce_sum(primitives.grad_sq_norm)
         trace = (total_sq_norm - batch * mean_sq_norm) / (batch - 1.0)
-        return trace / mean_sq_norm
+        # One example has no spread: NaN by definition, whatever the rounding of 0/0.
+        return tf.where(batch > 1.0, trace / mean_sq_norm, float("nan"))
 
 
 class MeanCosine(Statistic):
