@@ -353,7 +353,7 @@ def _chunked_basis_vjps(tape, y, sources, axes, chunk_size):
     chunk_size = num_rows if chunk_size is None else min(chunk_size, num_rows)
     num_chunks = -(-num_rows // chunk_size)
     flat_sources = tf.nest.flatten(sources)
-    chunks = tf.map_fn(
+    chunks = _map_fn(
         lambda start: _basis_vjps(
             tape, y, flat_sources, axes, start + tf.range(chunk_size), "x", True
         ),
@@ -395,9 +395,25 @@ def _basis_vjps(tape, y, sources, axes, indices, sources_name, vectorized):
         return tf.cond(index < num_rows, lambda: vjp_of_basis_cotangent(index), lambda: zeros)
 
     signature = [tf.TensorSpec(s.shape, s.dtype) for s in sources]
-    return tf.map_fn(
+    return _map_fn(
         vjp_unless_past_the_end, indices, fn_output_signature=signature, parallel_iterations=1
     )
+
+
+def _map_fn(fn, elems, **kwargs):
+    """`tf.map_fn` that leaves the variable scope as it found it, even when `fn` raises.
+
+    `tf.map_fn` sets a caching device on the current variable scope and resets it
+    only on success; left set, it breaks every later `tf.distribute` strategy
+    scope in the process ("Caching devices is not yet supported when eager
+    execution is enabled").
+    """
+    scope = tf.compat.v1.get_variable_scope()
+    caching_device = scope.caching_device
+    try:
+        return tf.map_fn(fn, elems, **kwargs)
+    finally:
+        scope.set_caching_device(caching_device)
 
 
 @functools.cache

@@ -300,3 +300,14 @@ def test_grad_vjp_jvp_reuse_their_trace():
         autodiff.vjp(counted, x, x)
         autodiff.jvp(counted, x, x)
     assert counted.traces == 3
+
+
+def test_a_failing_map_leaves_the_variable_scope_clean() -> None:
+    """A regression: an error inside the chunked map once broke every later
+    tf.distribute strategy scope in the process."""
+    w = tf.Variable([1.0, 2.0])
+    with pytest.raises(ValueError):
+        autodiff.jacobian(lambda x: tf.stack([w[0] * 2.0, w[1]]), tf.constant([1.0, 2.0]))
+    assert tf.compat.v1.get_variable_scope().caching_device is None
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        pass
