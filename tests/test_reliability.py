@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -501,18 +502,27 @@ def test_a_directory_that_takes_no_new_file_is_refused_before_training(
 
 
 @contextlib.contextmanager
-def mounted(target: Path, *commands: list[str]) -> Iterator[Path]:
-    """Runs `mount` commands onto `target` for a test; skips where mounting is refused."""
-    target.mkdir(exist_ok=True)
-    for command in commands:
-        result = subprocess.run(["mount", *command, str(target)], capture_output=True, text=True)
-        if result.returncode != 0:
-            subprocess.run(["umount", str(target)], capture_output=True)
-            pytest.skip(f"cannot mount here (needs root): {result.stderr.strip()}")
+def mounted(name: str, *commands: list[str]) -> Iterator[Path]:
+    """Runs `mount` commands onto a fresh directory; skips where mounting is refused.
+
+    The mount point lives outside pytest's temporary tree, and is detached lazily:
+    a mount left behind there would break pytest's own clean-up in later sessions.
+    """
+    target = Path(tempfile.mkdtemp(prefix=f"kgt-{name}-"))
     try:
-        yield target
+        for command in commands:
+            result = subprocess.run(
+                ["mount", *command, str(target)], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                subprocess.run(["umount", "-l", str(target)], capture_output=True)
+                pytest.skip(f"cannot mount here (needs root): {result.stderr.strip()}")
+        try:
+            yield target
+        finally:
+            subprocess.run(["umount", "-l", str(target)], check=True)
     finally:
-        subprocess.run(["umount", str(target)], check=True)
+        target.rmdir()
 
 
 @pytest.mark.skipif(shutil.which("mount") is None, reason="needs mount")
@@ -521,7 +531,7 @@ def test_a_read_only_file_system_is_refused_before_training(tmp_path: Path) -> N
     source.mkdir()
     small_model().fit(X, Y, verbose=0, callbacks=[kgt.HDF5GradientLogger(source / "old.h5")])
     bind = ["--bind", str(source)]
-    with mounted(tmp_path / "read_only", bind, ["-o", "remount,ro,bind"]) as directory:
+    with mounted("read-only", bind, ["-o", "remount,ro,bind"]) as directory:
         for name, flags in (("new.h5", {}), ("old.h5", {"append": True})):
             logger = kgt.HDF5GradientLogger(directory / name, **flags)
             fit_fails_before_training(small_model(), logger, PermissionError, "not writable")
@@ -558,7 +568,7 @@ def test_a_full_disk_ends_fit_with_a_clear_error_and_keeps_the_log(
             if epoch == 0:
                 fill_up(directory)
 
-    with mounted(tmp_path / "disk", ["-t", "tmpfs", "-o", "size=256k", "tmpfs"]) as directory:
+    with mounted("disk", ["-t", "tmpfs", "-o", "size=256k", "tmpfs"]) as directory:
         path = directory / "run.h5"
         logger = kgt.HDF5GradientLogger(path, flush_every=2)
         model = small_model()
