@@ -13,21 +13,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import autodiff
+from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.version import __version__
 
 OUTPUT_GRADIENTS_SCHEMA_VERSION = 1
-
-
-def layers_with_own_variables(model: keras.Model) -> list[tuple[str, list[Any]]]:
-    """`(layer name, its own trainable variables)` for every layer that has some."""
-    trainable_ids = {id(v) for v in model.trainable_variables}
-    groups = []
-    for layer in model._flatten_layers(include_self=False):
-        own = [v for v in layer._trainable_variables if id(v) in trainable_ids]
-        if own:
-            groups.append((layer.name, own))
-    return groups
 
 
 class OutputGradientLogger(keras.callbacks.Callback):
@@ -90,7 +80,7 @@ class OutputGradientLogger(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         LogWriter.check_path(self.path, overwrite=self.overwrite, append=False)
         self._step = 0
-        self._groups = layers_with_own_variables(self.model)
+        self._groups = [(layer.name, own) for layer, own in layers_with_own_variables(self.model)]
         self._variables = [v for _, group in self._groups for v in group]
         output = self.model(self.x)
         rank = len(output.shape)

@@ -59,6 +59,17 @@ def refuse_example_mixing_layers(model: keras.Model) -> None:
             )
 
 
+def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]:
+    """`(layer, its own trainable variables)` for every layer that has some, in model order."""
+    trainable_ids = {id(v) for v in model.trainable_variables}
+    groups = []
+    for layer in model._flatten_layers(include_self=False):
+        own = [v for v in layer._trainable_variables if id(v) in trainable_ids]
+        if own:
+            groups.append((layer, own))
+    return groups
+
+
 def build_plan(model: keras.Model) -> list[TrackedLayer]:
     """Lists the model's layers that own trainable variables, in column order.
 
@@ -83,10 +94,7 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
         )
     plan: list[TrackedLayer] = []
     used_names: set[str] = set()
-    for layer in model._flatten_layers(include_self=False):
-        own = [v for v in layer._trainable_variables if id(v) in trainable_ids]
-        if not own:
-            continue
+    for layer, own in layers_with_own_variables(model):
         rule = rule_for(layer)
         name = unique_name(layer.name, used_names)
         tap = LayerTap(layer, split_activation=rule.split_activation if rule else False)
