@@ -36,6 +36,8 @@ class GradientTrackingState:
         self.requested = False
         self.latest: dict[str, Any] | None = None
         self.batch_size: Any = None
+        # The plan of the last traced tracked step, with each layer's form.
+        self.traced_plan: list[TrackedLayer] | None = None
 
     def statistics(self) -> list[Statistic]:
         """The union of the subscribed statistics, by name, in subscription order."""
@@ -106,16 +108,26 @@ class GradientTrackingMixin:
     def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
         """Prints (and returns) which path computes each layer's per-example gradients.
 
+        The `form` column says, once a tracked step has been traced, whether the
+        rule builds the layer's per-example gradients (`materialized`: the batch
+        gradient of the layer is then their sum, and the backward pass skips it)
+        or computes the statistics without them (`direct`); `-` before the first
+        tracked step, `jacobian` on the fallback path.
+
         Example:
 
         ```python
         model.gradient_tracking_summary()
-        # column  layer   class  params  path
-        # ------  ------  -----  ------  ----------
-        # 0       hidden  Dense  8256    rule:dense
+        # column  layer   class  params  path        form
+        # ------  ------  -----  ------  ----------  ------
+        # 0       hidden  Dense  8256    rule:dense  direct
         ```
         """
-        text = format_summary(self.gradient_tracking_plan())
+        plan = self.gradient_tracking_plan()
+        traced = self.gradient_tracking.traced_plan
+        if traced is not None and [t.name for t in traced] == [t.name for t in plan]:
+            plan = traced
+        text = format_summary(plan)
         (print_fn or print)(text)
         return text
 
@@ -222,7 +234,9 @@ class GradientTrackingMixin:
             # whose first step would build it is built here, from this batch.
             self._symbolic_build(data_batch=data)
         plan = build_plan(self)
-        return tracked_train_step(self, data, plan, statistics, apply_update=apply_update)
+        outputs = tracked_train_step(self, data, plan, statistics, apply_update=apply_update)
+        self.gradient_tracking.traced_plan = plan
+        return outputs
 
     def make_train_function(self, force: bool = False) -> Any:
         if self.train_function is not None and not force:  # type: ignore[has-type]

@@ -19,3 +19,16 @@ tf.config.set_logical_device_configuration(
 @pytest.fixture(autouse=True)
 def seeded() -> None:
     keras.utils.set_random_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def two_cpu_strategy() -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy over the two logical CPUs for the whole session.
+
+    A second MirroredStrategy in the same process reuses collective instance keys
+    and its all-reduces fail with "Shape mismatch in the collective instance"
+    (plain Keras models too; tensorflow/tensorflow#62790).
+    """
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    return strategy

@@ -34,12 +34,13 @@ def build() -> Any:
     return model
 
 
-def test_mirrored_strategy_on_two_cpus_logs_what_one_device_logs(tmp_path: Path) -> None:
+def test_mirrored_strategy_on_two_cpus_logs_what_one_device_logs(
+    tmp_path: Path, two_cpu_strategy: tf.distribute.MirroredStrategy
+) -> None:
     x = rng.normal(size=(40, 10)).astype("float32")
     y = rng.integers(0, 3, 40)
     ids = np.arange(100, 140)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    assert strategy.num_replicas_in_sync == 2
+    strategy = two_cpu_strategy
     with strategy.scope():
         distributed = build()
     single = build()

@@ -54,11 +54,15 @@ def mlp_sum_reduction() -> Case:
 
 
 def binary_crossentropy_regularized() -> Case:
+    # Two regularized variables: with one, a sum of the penalties is the penalty
+    # itself, which once hid a sum taken outside the tape.
     inputs = keras.Input((5,))
     hidden = keras.layers.Dense(
         8, activation="relu", kernel_regularizer=keras.regularizers.L2(0.05)
     )(inputs)
-    outputs = keras.layers.Dense(1, activation="sigmoid")(hidden)
+    outputs = keras.layers.Dense(
+        1, activation="sigmoid", bias_regularizer=keras.regularizers.L1(0.02)
+    )(hidden)
     model = compiled(kgt.GradientTrackingModel(inputs, outputs), "binary_crossentropy")
     return model, rng.normal(size=(18, 5)), rng.integers(0, 2, (18, 1)).astype("float32"), None
 

@@ -28,6 +28,8 @@ class TrackedLayer:
         variables: The layer's own trainable variables (not its sublayers').
         rule: The rule computing its primitives, or None for the fallback.
         tap: The trace-time tap installed on the layer.
+        materialized: Set while a step is traced: whether the rule builds the
+            layer's per-example gradients (and the batch gradient is their sum).
     """
 
     name: str
@@ -35,6 +37,17 @@ class TrackedLayer:
     variables: list[Any]
     rule: Rule | None
     tap: LayerTap
+    materialized: bool | None = None
+
+    @property
+    def form(self) -> str:
+        """`materialized`, `direct` (the rule's primitives), `jacobian` (the fallback),
+        or `-` before the first traced step."""
+        if self.rule is None:
+            return "jacobian"
+        if self.materialized is None:
+            return "-"
+        return "materialized" if self.materialized else "direct"
 
     @property
     def path(self) -> str:
@@ -120,7 +133,7 @@ def unique_name(name: str, used: set[str]) -> str:
 
 def format_summary(plan: Sequence[TrackedLayer]) -> str:
     """A table of the tracked layers: column, class, parameters, path."""
-    rows = [("column", "layer", "class", "params", "path")]
+    rows = [("column", "layer", "class", "params", "path", "form")]
     for index, tracked in enumerate(plan):
         rows.append(
             (
@@ -129,6 +142,7 @@ def format_summary(plan: Sequence[TrackedLayer]) -> str:
                 type(tracked.layer).__name__,
                 str(tracked.num_parameters),
                 tracked.path,
+                tracked.form,
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -23,6 +23,7 @@ from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import TrackedLayer
 from keras_gradtrack.engine.primitives import StepPrimitives
 from keras_gradtrack.engine.taps import installed
+from keras_gradtrack.rules.base import flat_per_example, gram_of, materialized
 from keras_gradtrack.statistics import Statistic
 
 PAYLOAD_KEY = "__gradtrack__"
@@ -52,13 +53,32 @@ def per_example_loss_error(model: Any) -> ValueError:
     )
 
 
-def layer_primitives(tracked: TrackedLayer, reference: Any) -> tuple[tf.Tensor, tf.Tensor]:
+def layer_primitives(
+    tracked: TrackedLayer, reference: Any, per_example: dict[int, tf.Tensor]
+) -> tuple[tf.Tensor, tf.Tensor]:
     calls = tracked.tap.calls
-    if tracked.rule is not None:
+    if id(tracked.variables[0]) in per_example:
+        grads = [per_example[id(v)] for v in tracked.variables]
+        result = materialized(grads, [reference(v) for v in tracked.variables])
+    elif tracked.rule is not None:
         result = tracked.rule.primitives(tracked.layer, calls, reference)
     else:
         result = fallback_primitives(tracked.tap, tracked.variables, calls, reference)
     return result.sq_norm, result.dot
+
+
+def layer_per_example(tracked: TrackedLayer) -> dict[int, tf.Tensor]:
+    """`{id(variable): (B, n) d l_i / d variable}` from the layer's rule (after the backward pass)."""
+    assert tracked.rule is not None and tracked.rule.per_example is not None
+    pairs = tracked.rule.per_example(tracked.layer, tracked.tap.calls)
+    grads = {id(variable): flat_per_example(grad) for variable, grad in pairs}
+    if set(grads) != {id(v) for v in tracked.variables}:
+        raise ValueError(
+            f"Rule {tracked.rule.name!r} returned per-example gradients for "
+            f"{[v.path for v, _ in pairs]} on layer {tracked.layer.name!r}, whose trainable "
+            f"variables are {[v.path for v in tracked.variables]}."
+        )
+    return grads
 
 
 def float_inputs(x: Any) -> list[tf.Tensor]:
@@ -74,10 +94,14 @@ def float_inputs(x: Any) -> list[tf.Tensor]:
     return floats
 
 
-def layer_gram(tracked: TrackedLayer) -> tf.Tensor:
+def layer_gram(tracked: TrackedLayer, per_example: dict[int, tf.Tensor]) -> tf.Tensor:
     calls = tracked.tap.calls
+    if id(tracked.variables[0]) in per_example:
+        return gram_of([per_example[id(v)] for v in tracked.variables])
     if tracked.rule is not None and tracked.rule.gram is not None:
         return tracked.rule.gram(tracked.layer, calls)
+    if tracked.rule is not None and tracked.rule.per_example is not None:
+        return gram_of(list(layer_per_example(tracked).values()))
     return fallback_gram(tracked.tap, tracked.variables, calls)
 
 
@@ -137,12 +161,24 @@ def tracked_train_step(
             scaled_loss = model.optimizer.scale_loss(loss)
             loss_scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
 
+    # Layers whose rule builds per-example gradients anyway: their batch gradient
+    # is the sum of those, so the backward pass skips it.
+    for tracked in plan:
+        rule = tracked.rule
+        tracked.materialized = rule is not None and rule.derives_gradients(
+            tracked.layer, tracked.tap.calls
+        )
+    deriving = [tracked for tracked in plan if tracked.materialized]
+    derived_ids = {id(v) for tracked in deriving for v in tracked.variables}
+    backward_weights = [v for v in trainable_weights if id(v) not in derived_ids]
     tapped = [t for tap in taps for call in tap.calls for t in call.tapped]
-    gradients = tape.gradient(scaled_loss, [*trainable_weights, *tapped, probe, *watched_inputs])
-    weight_gradients = gradients[: len(trainable_weights)]
-    tap_gradients = gradients[len(trainable_weights) : len(trainable_weights) + len(tapped)]
-    probe_gradient = gradients[len(trainable_weights) + len(tapped)]
-    input_gradients = gradients[len(trainable_weights) + len(tapped) + 1 :]
+    targets = [*backward_weights, *tapped, probe, *watched_inputs]
+    gradients = tape.gradient(scaled_loss, targets)
+    count = len(backward_weights)
+    backward_gradients = dict(zip(map(id, backward_weights), gradients[:count]))
+    tap_gradients = gradients[count : count + len(tapped)]
+    probe_gradient = gradients[count + len(tapped)]
+    input_gradients = gradients[count + len(tapped) + 1 :]
     if probe_gradient is None:
         raise per_example_loss_error(model)
 
@@ -159,20 +195,33 @@ def tracked_train_step(
                 grad = tf.zeros_like(tensor) if grad is None else grad
                 call.output_grads.append(tf.cast(grad, tf.float32) * unscale)
 
+    per_example: dict[int, tf.Tensor] = {}
+    for tracked in deriving:
+        per_example.update(layer_per_example(tracked))
+
     # G: what the optimizer receives, unscaled, summed over replicas.
     # S = sum_i g_i: each replica's data part (its gradient less its share of
     # the weight regularizers, which Keras divides among the replicas) over its
-    # own reduction constant, summed over replicas.
-    local_gradients = [
-        tf.zeros(v.shape, tf.float32)
-        if g is None
-        else tf.cast(tf.convert_to_tensor(g), tf.float32) / loss_scale
-        for v, g in zip(trainable_weights, weight_gradients)
-    ]
+    # own reduction constant, summed over replicas. For the derived variables the
+    # other way round: S from the per-example gradients, G from S.
     regularization = weight_regularization_gradients(trainable_weights)
     replicas = distribute.num_replicas()
-    local_sums = [
-        (g - regularization.get(id(v), 0.0) / replicas) / constant
+    local_gradients, local_sums = [], []
+    for v in trainable_weights:
+        penalty = regularization.get(id(v), 0.0) / replicas
+        if id(v) in per_example:
+            local_sum = tf.reshape(tf.reduce_sum(per_example[id(v)], axis=0), v.shape)
+            local_gradients.append(constant * local_sum + penalty)
+            local_sums.append(local_sum)
+            continue
+        g = backward_gradients[id(v)]
+        g = tf.zeros(v.shape) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+        local_gradients.append(g / loss_scale)
+        local_sums.append((g / loss_scale - penalty) / constant)
+    # What the optimizer receives: the backward pass' gradients (scaled), with
+    # the derived ones scaled the same way.
+    weight_gradients = [
+        tf.cast(g * loss_scale, v.dtype) if id(v) in per_example else backward_gradients[id(v)]
         for v, g in zip(trainable_weights, local_gradients)
     ]
     reduced = distribute.all_reduce_sum(local_gradients + local_sums)
@@ -188,7 +237,7 @@ def tracked_train_step(
 
     sq_norms, dots = [], []
     for tracked in plan:
-        sq_norm, dot = layer_primitives(tracked, reference)
+        sq_norm, dot = layer_primitives(tracked, reference, per_example)
         sq_norms.append(tf.maximum(sq_norm, 0.0))
         dots.append(dot)
     gram = None
@@ -199,7 +248,7 @@ def tracked_train_step(
                 "pairwise_cosine) pair examples across replicas and are not available "
                 f"under a tf.distribute strategy. Received: {[s.name for s in statistics]}"
             )
-        gram = tf.add_n([layer_gram(tracked) for tracked in plan])
+        gram = tf.add_n([layer_gram(tracked, per_example) for tracked in plan])
     rows = {
         "loss": tf.cast(probe_gradient, tf.float32) * unscale,
         "sq_norm": tf.stack(sq_norms, axis=1),
@@ -272,8 +321,9 @@ def weight_regularization_gradients(trainable_weights: list[Any]) -> dict[int, t
     if not regularized:
         return {}
     with tf.GradientTape() as tape:
-        penalties = [tf.cast(v.regularizer(v), tf.float32) for v in regularized]
-    gradients = tape.gradient(tf.add_n(penalties), regularized)
+        # The sum inside the tape: a sum taken after it would not be recorded.
+        penalty = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
+    gradients = tape.gradient(penalty, regularized)
     return {
         id(v): tf.cast(tf.convert_to_tensor(g), tf.float32)
         for v, g in zip(regularized, gradients)

@@ -1,8 +1,10 @@
 """Per-layer rules, registered per layer class in one place.
 
 A rule turns one layer's taps (its inputs and the per-example gradients at its
-pre-activation output) into the per-example primitives without building
-per-example gradient tensors. Layers without a rule use the engine's exact,
+pre-activation output) into the per-example primitives: without building
+per-example gradient tensors, or, where those are as cheap as the batch gradient
+(small parameters, long sequences, convolutions), by building them and taking
+the batch gradient as their sum. Layers without a rule use the engine's exact,
 vectorized per-layer fallback; `model.gradient_tracking_summary()` says which.
 """
 
@@ -21,79 +23,102 @@ from keras_gradtrack.rules import (
     normalization,
     separable_conv,
 )
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, Rule, RuleFn
+from keras_gradtrack.rules.base import (
+    LayerPrimitives,
+    PerExampleFn,
+    ReferenceFn,
+    Rule,
+    RuleFn,
+    primitives_of,
+)
+
+CONV = Rule(
+    "conv",
+    conv.conv_primitives,
+    conv.conv_applies,
+    per_example=conv.conv_per_example,
+    materializes=conv.conv_materializes,
+)
+DEPTHWISE_CONV = Rule(
+    "depthwise_conv",
+    conv.depthwise_primitives,
+    conv.conv_applies,
+    per_example=conv.depthwise_per_example,
+    materializes=conv.depthwise_materializes,
+)
+SEPARABLE_CONV = Rule(
+    "separable_conv",
+    separable_conv.separable_primitives,
+    conv.conv_applies,
+    per_example=separable_conv.separable_per_example,
+    materializes=separable_conv.separable_materializes,
+)
+CONV_TRANSPOSE = Rule(
+    "conv_transpose",
+    conv_transpose.conv_transpose_primitives,
+    conv_transpose.conv_transpose_applies,
+    per_example=conv_transpose.conv_transpose_per_example,
+    materializes=conv_transpose.conv_transpose_materializes,
+)
+
+
+def normalization_rule(name: str, per_example: PerExampleFn, applies: Any) -> Rule:
+    """Normalization parameters are as small per example as in total: always materialized."""
+    return Rule(
+        name,
+        primitives_of(per_example),
+        applies,
+        split_activation=False,
+        per_example=per_example,
+    )
+
 
 RULES: dict[type, Rule] = {
     keras.layers.Dense: Rule(
-        "dense", dense.dense_primitives, dense.dense_applies, gram=dense.dense_gram
+        "dense",
+        dense.dense_primitives,
+        dense.dense_applies,
+        gram=dense.dense_gram,
+        per_example=dense.dense_per_example,
+        materializes=dense.dense_materializes,
     ),
-    # -- convolutions --
-    keras.layers.Conv1D: Rule("conv", conv.conv_primitives, conv.conv_applies, gram=conv.conv_gram),
-    keras.layers.Conv2D: Rule("conv", conv.conv_primitives, conv.conv_applies, gram=conv.conv_gram),
-    keras.layers.Conv3D: Rule("conv", conv.conv_primitives, conv.conv_applies, gram=conv.conv_gram),
-    keras.layers.DepthwiseConv1D: Rule(
-        "depthwise_conv", conv.depthwise_primitives, conv.conv_applies, gram=conv.depthwise_gram
-    ),
-    keras.layers.DepthwiseConv2D: Rule(
-        "depthwise_conv", conv.depthwise_primitives, conv.conv_applies, gram=conv.depthwise_gram
-    ),
-    keras.layers.SeparableConv1D: Rule(
-        "separable_conv",
-        separable_conv.separable_primitives,
-        conv.conv_applies,
-        gram=separable_conv.separable_gram,
-    ),
-    keras.layers.SeparableConv2D: Rule(
-        "separable_conv",
-        separable_conv.separable_primitives,
-        conv.conv_applies,
-        gram=separable_conv.separable_gram,
-    ),
-    keras.layers.Conv1DTranspose: Rule(
-        "conv_transpose",
-        conv_transpose.conv_transpose_primitives,
-        conv_transpose.conv_transpose_applies,
-        gram=conv_transpose.conv_transpose_gram,
-    ),
-    keras.layers.Conv2DTranspose: Rule(
-        "conv_transpose",
-        conv_transpose.conv_transpose_primitives,
-        conv_transpose.conv_transpose_applies,
-        gram=conv_transpose.conv_transpose_gram,
-    ),
-    keras.layers.Conv3DTranspose: Rule(
-        "conv_transpose",
-        conv_transpose.conv_transpose_primitives,
-        conv_transpose.conv_transpose_applies,
-        gram=conv_transpose.conv_transpose_gram,
-    ),
-    # -- embeddings, normalization, einsum --
+    keras.layers.Conv1D: CONV,
+    keras.layers.Conv2D: CONV,
+    keras.layers.Conv3D: CONV,
+    keras.layers.DepthwiseConv1D: DEPTHWISE_CONV,
+    keras.layers.DepthwiseConv2D: DEPTHWISE_CONV,
+    keras.layers.SeparableConv1D: SEPARABLE_CONV,
+    keras.layers.SeparableConv2D: SEPARABLE_CONV,
+    keras.layers.Conv1DTranspose: CONV_TRANSPOSE,
+    keras.layers.Conv2DTranspose: CONV_TRANSPOSE,
+    keras.layers.Conv3DTranspose: CONV_TRANSPOSE,
     keras.layers.Embedding: Rule(
         "embedding",
         embedding.embedding_primitives,
         embedding.embedding_applies,
         split_activation=False,
     ),
-    keras.layers.LayerNormalization: Rule(
+    keras.layers.LayerNormalization: normalization_rule(
         "layer_normalization",
-        normalization.layer_normalization_primitives,
+        normalization.layer_normalization_per_example,
         normalization.layer_normalization_applies,
-        split_activation=False,
     ),
-    keras.layers.GroupNormalization: Rule(
+    keras.layers.GroupNormalization: normalization_rule(
         "group_normalization",
-        normalization.group_normalization_primitives,
+        normalization.group_normalization_per_example,
         normalization.group_normalization_applies,
-        split_activation=False,
     ),
-    keras.layers.RMSNormalization: Rule(
+    keras.layers.RMSNormalization: normalization_rule(
         "rms_normalization",
-        normalization.rms_normalization_primitives,
+        normalization.rms_normalization_per_example,
         normalization.rms_normalization_applies,
-        split_activation=False,
     ),
     keras.layers.EinsumDense: Rule(
-        "einsum_dense", einsum.einsum_dense_primitives, einsum.einsum_dense_applies
+        "einsum_dense",
+        einsum.einsum_dense_primitives,
+        einsum.einsum_dense_applies,
+        per_example=einsum.einsum_dense_per_example,
+        materializes=einsum.einsum_dense_materializes,
     ),
 }
 

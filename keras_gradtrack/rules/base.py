@@ -34,8 +34,22 @@ class LayerPrimitives(NamedTuple):
 RuleFn = Callable[[Any, Sequence[LayerCall], ReferenceFn], LayerPrimitives]
 
 # Optional: (layer, calls) -> (B, B) Gram matrix <g_i^(k), g_j^(k)>. Rules
-# without one get the layer's Gram matrix from the exact per-layer fallback.
+# without one (and without `per_example`) get the layer's Gram matrix from the
+# exact per-layer fallback.
 GramFn = Callable[[Any, Sequence[LayerCall]], tf.Tensor]
+
+# Optional: (layer, calls) -> [(variable, (B, ...) per-example gradient)], one
+# pair per trainable variable of the layer, each `d l_i / d variable`.
+PerExampleFn = Callable[[Any, Sequence[LayerCall]], list[tuple[Any, tf.Tensor]]]
+
+# (layer, calls) -> whether `per_example` is the cheaper form for the calls'
+# static shapes. Called after the forward pass, before the backward pass: only
+# the shapes of `tapped` and the inputs are known, not `output_grads`.
+ShapeTest = Callable[[Any, Sequence[LayerCall]], bool]
+
+
+def always(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +64,13 @@ class Rule:
         split_activation: Whether the tap records the pre-activation output
             (the rule then receives `d l_i / d z_i` before the activation).
         gram: Optional Gram-matrix function (for `pairwise_cosine`).
+        per_example: Optional per-example gradients of the layer's variables.
+            When `materializes` holds for a step's shapes, the engine uses them
+            instead of `primitives`, and takes the batch gradient of these
+            variables as their sum rather than from the backward pass, so the
+            per-example gradients replace work the step does anyway.
+        materializes: Whether `per_example` is the cheaper form for the calls'
+            shapes (only read when `per_example` is set).
     """
 
     name: str
@@ -57,6 +78,50 @@ class Rule:
     applies: Callable[[Any], bool]
     split_activation: bool = True
     gram: GramFn | None = None
+    per_example: PerExampleFn | None = None
+    materializes: ShapeTest = always
+
+    def derives_gradients(self, layer: Any, calls: Sequence[LayerCall]) -> bool:
+        """Whether this step takes the layer's gradients from `per_example`."""
+        return self.per_example is not None and self.materializes(layer, calls)
+
+
+def materialized(
+    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor]
+) -> LayerPrimitives:
+    """The primitives from per-example gradients `(B, n)` and their references (any shape, n values)."""
+    flat_references = [tf.reshape(reference, [-1]) for reference in references]
+    return LayerPrimitives(
+        sq_norm=tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g in per_example]),
+        dot=tf.add_n([tf.linalg.matvec(g, r) for g, r in zip(per_example, flat_references)]),
+    )
+
+
+def primitives_of(per_example: PerExampleFn) -> RuleFn:
+    """The rule function computing a layer's primitives from its per-example gradients."""
+
+    def primitives(
+        layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    ) -> LayerPrimitives:
+        pairs = per_example(layer, calls)
+        if not pairs:
+            raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
+        return materialized(
+            [flat_per_example(grad) for _, grad in pairs],
+            [reference(variable) for variable, _ in pairs],
+        )
+
+    return primitives
+
+
+def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
+    """`(B, B)` `<g_i, g_j>` summed over the given per-example gradients `(B, n)`."""
+    return tf.add_n([tf.matmul(g, g, transpose_b=True) for g in per_example])
+
+
+def flat_per_example(tensor: tf.Tensor) -> tf.Tensor:
+    """`(B, ...)` as `(B, n)`, keeping n static when it is known."""
+    return reshape_per_example(tensor, [-1])
 
 
 def reshape_per_example(tensor: tf.Tensor, dims: Sequence[int]) -> tf.Tensor:

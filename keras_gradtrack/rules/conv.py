@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
+from keras_gradtrack.rules.base import (
+    LayerPrimitives,
+    ReferenceFn,
+    materialized,
+    reshape_per_example,
+)
 
 # A static size, or a scalar tensor when the size is only known at run time.
 Size = Any
@@ -227,22 +233,6 @@ def grouped_kernel_primitives(
     )
 
 
-def materialized(
-    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor]
-) -> LayerPrimitives:
-    """The primitives from per-example gradients `(B, n)` and their references (any shape, n values)."""
-    flat_references = [tf.reshape(reference, [-1]) for reference in references]
-    return LayerPrimitives(
-        sq_norm=tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g in per_example]),
-        dot=tf.add_n([tf.linalg.matvec(g, r) for g, r in zip(per_example, flat_references)]),
-    )
-
-
-def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
-    """`(B, B)` `<g_i, g_j>` summed over the given per-example gradients `(B, n)`."""
-    return tf.add_n([tf.matmul(g, g, transpose_b=True) for g in per_example])
-
-
 def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor | None:
     """`(B, filters)`, the output gradient summed over positions and calls; None without a trainable bias."""
     if layer.bias is None or not layer.bias.trainable:
@@ -275,19 +265,6 @@ def with_bias(
         zeros = tf.zeros([tf.shape(calls[0].output_grads[0])[0]], tf.float32)
         return LayerPrimitives(sq_norm=zeros, dot=zeros)
     return summed(terms)
-
-
-def gram_with_bias(
-    layer: Any, calls: Sequence[LayerCall], per_example: list[tf.Tensor]
-) -> tf.Tensor:
-    """The layer's Gram matrix: the given per-example kernel gradients plus the bias'."""
-    bias_grad = per_example_bias_gradient(layer, calls)
-    if bias_grad is not None:
-        per_example = [*per_example, bias_grad]
-    if not per_example:
-        batch = tf.shape(calls[0].output_grads[0])[0]
-        return tf.zeros([batch, batch], tf.float32)
-    return gram_of(per_example)
 
 
 def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
@@ -324,13 +301,51 @@ def conv_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
-def conv_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
-    """`(B, B)` Gram matrix of a Conv1D/2D/3D layer's per-example gradients (materialized)."""
-    per_example = []
+def output_positions(layer: Any, calls: Sequence[LayerCall]) -> int | None:
+    """Output positions per example, over all calls; None if a size is unknown."""
+    total = 0
+    for call in calls:
+        shape = call.tapped[0].shape
+        spatial = shape[2:] if layer.data_format == "channels_first" else shape[1:-1]
+        if not spatial.is_fully_defined():
+            return None
+        total += math.prod(spatial)
+    return total
+
+
+def kernel_materializes(
+    layer: Any, calls: Sequence[LayerCall], group_channels: int, group_filters: int
+) -> bool:
+    """Whether per-example kernel gradients cost less than the Gram form."""
+    if not layer.kernel.trainable:
+        return True  # only the bias, (B, filters)
+    window_width = math.prod(layer.kernel_size) * group_channels
+    return not gram_is_cheaper(output_positions(layer, calls), window_width, group_filters)
+
+
+def kernel_and_bias_per_example(
+    layer: Any, calls: Sequence[LayerCall], groups: int
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of a (grouped) convolution's kernel and bias."""
+    pairs = []
     if layer.kernel.trainable:
         slices, targets = input_windows(layer, calls)
-        per_example.append(per_example_kernel_gradients(slices, targets, layer.groups))
-    return gram_with_bias(layer, calls, per_example)
+        pairs.append((layer.kernel, per_example_kernel_gradients(slices, targets, groups)))
+    bias_grad = per_example_bias_gradient(layer, calls)
+    if bias_grad is not None:
+        pairs.append((layer.bias, bias_grad))
+    return pairs
+
+
+def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    # Kernel (*kernel_size, C / groups, filters).
+    channels, filters = layer.kernel.shape[-2:]
+    return kernel_materializes(layer, calls, channels, filters // layer.groups)
+
+
+def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of a Conv1D/2D/3D layer's kernel and bias."""
+    return kernel_and_bias_per_example(layer, calls, layer.groups)
 
 
 def depthwise_primitives(
@@ -356,11 +371,11 @@ def depthwise_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
-def depthwise_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
-    """`(B, B)` Gram matrix of a DepthwiseConv1D/2D layer's per-example gradients."""
-    per_example = []
-    if layer.kernel.trainable:
-        slices, targets = input_windows(layer, calls)
-        channels = layer.kernel.shape[-2]
-        per_example.append(per_example_kernel_gradients(slices, targets, channels))
-    return gram_with_bias(layer, calls, per_example)
+def depthwise_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    # Kernel (*kernel_size, C, M): C groups of one channel, M filters each.
+    return kernel_materializes(layer, calls, 1, layer.kernel.shape[-1])
+
+
+def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of a DepthwiseConv1D/2D layer's kernel and bias."""
+    return kernel_and_bias_per_example(layer, calls, layer.kernel.shape[-2])

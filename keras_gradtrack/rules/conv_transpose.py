@@ -10,6 +10,7 @@ gradient `D_i` at the positions of the input `x_i`, `g_i[k] = S_k(D_i)^T x_i`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,8 +22,9 @@ from keras_gradtrack.rules.conv import (
     Window,
     channels_last,
     conv_applies,
-    gram_with_bias,
+    gram_is_cheaper,
     grouped_kernel_primitives,
+    per_example_bias_gradient,
     per_example_kernel_gradients,
     stacked_windows,
     with_bias,
@@ -71,10 +73,36 @@ def conv_transpose_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
-def conv_transpose_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
-    """`(B, B)` Gram matrix of a transposed convolution's per-example gradients."""
-    per_example = []
+def input_positions(layer: Any, calls: Sequence[LayerCall]) -> int | None:
+    """Input positions per example, over all calls; None if a size is unknown."""
+    total = 0
+    for call in calls:
+        shape = tf.convert_to_tensor(call.inputs).shape
+        spatial = shape[2:] if layer.data_format == "channels_first" else shape[1:-1]
+        if not spatial.is_fully_defined():
+            return None
+        total += math.prod(spatial)
+    return total
+
+
+def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    """Whether per-example kernel gradients cost less than the Gram form."""
+    if not layer.kernel.trainable:
+        return True
+    filters, channels = layer.kernel.shape[-2:]
+    window_width = math.prod(layer.kernel_size) * filters
+    return not gram_is_cheaper(input_positions(layer, calls), window_width, channels)
+
+
+def conv_transpose_per_example(
+    layer: Any, calls: Sequence[LayerCall]
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of a transposed convolution's kernel and bias."""
+    pairs = []
     if layer.kernel.trainable:
         slices, targets = output_grad_windows(layer, calls)
-        per_example.append(per_example_kernel_gradients(slices, targets, 1))
-    return gram_with_bias(layer, calls, per_example)
+        pairs.append((layer.kernel, per_example_kernel_gradients(slices, targets, 1)))
+    bias_grad = per_example_bias_gradient(layer, calls)
+    if bias_grad is not None:
+        pairs.append((layer.bias, bias_grad))
+    return pairs

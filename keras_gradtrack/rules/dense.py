@@ -8,6 +8,7 @@ folded into T; several calls of a shared layer are stacked along T as well).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,14 +40,15 @@ def as_sequences(calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
     return tf.concat(inputs, axis=1), tf.concat(grads, axis=1)
 
 
-def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
-    """`||A_i^T D_i||_F^2` per example, by whichever form costs less.
+def gram_is_cheaper(steps: int | None, d_in: int, d_out: int) -> bool:
+    """Whether `||A_i^T D_i||^2` costs less as `<A_i A_i^T, D_i D_i^T>` (`T^2 (d_in + d_out)`)
+    than by materializing `A_i^T D_i` (`T d_in d_out`)."""
+    return steps is not None and steps * (d_in + d_out) < d_in * d_out
 
-    The Gram form `<A_i A_i^T, D_i D_i^T>` costs `T^2 (d_in + d_out)`;
-    materializing `A_i^T D_i` costs `T d_in d_out`.
-    """
-    steps, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
-    if steps is not None and steps * (d_in + d_out) < d_in * d_out:
+
+def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+    """`||A_i^T D_i||_F^2` per example, by whichever form costs less (`gram_is_cheaper`)."""
+    if gram_is_cheaper(a.shape[1], a.shape[2], d.shape[2]):
         gram_a = tf.einsum("btd,bsd->bts", a, a)
         gram_d = tf.einsum("bte,bse->bts", d, d)
         return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
@@ -106,3 +108,31 @@ def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     if layer.bias is not None and layer.bias.trainable:
         gram += bias_gram
     return gram
+
+
+def steps_of(calls: Sequence[LayerCall]) -> int | None:
+    """T: the positions per example over all calls (leading axes folded); None if unknown."""
+    total = 0
+    for call in calls:
+        positions = tf.convert_to_tensor(call.inputs).shape[1:-1]
+        if not positions.is_fully_defined():
+            return None
+        total += math.prod(positions)
+    return total
+
+
+def dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    """On sequences, when `A_i^T D_i` costs less than the Gram form (never on 2-D inputs,
+    where `||a_i||^2 ||d_i||^2` costs nothing)."""
+    steps = steps_of(calls)
+    d_in, d_out = layer.kernel.shape
+    return steps != 1 and not gram_is_cheaper(steps, d_in, d_out)
+
+
+def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of a Dense layer's kernel `A_i^T D_i` and bias `sum_t D_i`."""
+    a, d = as_sequences(calls)
+    pairs = [(layer.kernel, tf.einsum("btd,bte->bde", a, d))]
+    if layer.bias is not None and layer.bias.trainable:
+        pairs.append((layer.bias, tf.reduce_sum(d, axis=1)))
+    return pairs

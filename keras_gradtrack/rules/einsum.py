@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
+from keras_gradtrack.rules.dense import gram_is_cheaper
 
 EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
@@ -155,6 +156,13 @@ def bias_gradient(d: tf.Tensor, bias_shape: Sequence[int]) -> tf.Tensor:
     return tf.reshape(summed, [tf.shape(d)[0], -1])
 
 
+def bias_sum(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
+    """`(B, bias size)`: the bias gradient of every call, summed."""
+    return tf.add_n(
+        [bias_gradient(tf.cast(c.output_grads[0], tf.float32), layer.bias.shape) for c in calls]
+    )
+
+
 def einsum_dense_primitives(
     layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
 ) -> LayerPrimitives:
@@ -177,8 +185,7 @@ def einsum_dense_primitives(
             reference(layer.kernel),
         )
         kernel_ref = tf.reshape(kernel_ref, [x.shape[1], x.shape[3], d.shape[3]])
-        steps, contracted, produced = x.shape[2], x.shape[3], d.shape[3]
-        if steps is not None and steps * (contracted + produced) < contracted * produced:
+        if gram_is_cheaper(x.shape[2], x.shape[3], d.shape[3]):
             gram_x = tf.einsum("bstk,bsuk->bstu", x, x)
             gram_d = tf.einsum("bsto,bsuo->bstu", d, d)
             sq_norm += tf.reduce_sum(gram_x * gram_d, axis=[1, 2, 3])
@@ -188,9 +195,44 @@ def einsum_dense_primitives(
             sq_norm += tf.reduce_sum(tf.square(per_example_kernel), axis=[1, 2, 3])
             dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
     if layer.bias is not None and layer.bias.trainable:
-        bias_grad = tf.add_n(
-            [bias_gradient(tf.cast(c.output_grads[0], tf.float32), layer.bias.shape) for c in calls]
-        )
+        bias_grad = bias_sum(layer, calls)
         sq_norm += tf.reduce_sum(tf.square(bias_grad), axis=1)
         dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+
+
+def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    """When the per-example kernel gradients `X_is^T D_is` cost less than the Gram form."""
+    if not layer.kernel.trainable:
+        return True  # only the bias
+    steps: int | None = 0
+    for call in calls:
+        shape = tf.convert_to_tensor(call.inputs).shape
+        roles = einsum_roles(layer.equation, shape.rank)
+        if roles is None:
+            return False  # the primitives explain the equation
+        positions = [shape[roles.input.index(c)] for c in roles.steps]
+        if steps is not None:
+            steps = None if None in positions else steps + math.prod(positions)
+    sizes = dict(zip(roles.kernel, layer.kernel.shape))
+    contracted = math.prod(sizes[c] for c in roles.contracted)
+    produced = math.prod(sizes[c] for c in roles.produced)
+    return not gram_is_cheaper(steps, contracted, produced)
+
+
+def einsum_dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of an EinsumDense layer's kernel (in its own layout) and bias."""
+    pairs = []
+    if layer.kernel.trainable:
+        roles, x, d = canonical_operands(layer, calls)
+        per_example = tf.einsum("bstk,bsto->bsko", x, d)
+        sizes = dict(zip(roles.kernel, layer.kernel.shape))
+        canonical = roles.shared + roles.contracted + roles.produced
+        per_example = reshape_per_example(per_example, [sizes[c] for c in canonical])
+        per_example = tf.einsum(
+            f"{roles.batch}{canonical}->{roles.batch}{roles.kernel}", per_example
+        )
+        pairs.append((layer.kernel, per_example))
+    if layer.bias is not None and layer.bias.trainable:
+        pairs.append((layer.bias, bias_sum(layer, calls)))
+    return pairs

@@ -18,7 +18,6 @@ import keras
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
 
 # Maps the layer input (float32) to `n(x)`, the factor that multiplies gamma.
 NormalizeFn = Callable[[tf.Tensor], tf.Tensor]
@@ -58,21 +57,17 @@ def epsilon_of(layer: Any) -> float:
     return keras.config.epsilon() if layer.epsilon is None else layer.epsilon
 
 
-def affine_primitives(
-    layer: Any,
+def affine_per_example(
     calls: Sequence[LayerCall],
-    reference: ReferenceFn,
     normalize: NormalizeFn,
     param_axes: Callable[[int], list[int]],
     scale: Any,
     offset: Any,
-) -> LayerPrimitives:
-    """Primitives of `y = normalize(x) * scale + offset`, both optional.
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of `y = normalize(x) * scale + offset`, both optional.
 
     Args:
-        layer: The normalization layer.
-        calls: Its calls in this step.
-        reference: Maps each variable to its reference vector.
+        calls: The layer's calls in this step.
         normalize: Computes `n(x)` from the float32 input.
         param_axes: Maps the input rank to the sorted input axes that the
             parameters span (the others are summed over, per example).
@@ -91,19 +86,10 @@ def affine_primitives(
             scale_grads.append(tf.reduce_sum(d * normalize(x), axis=summed))
         if offset is not None:
             offset_grads.append(tf.reduce_sum(d, axis=summed))
-    sq_norm, dot = None, None
-    for variable, grads in ((scale, scale_grads), (offset, offset_grads)):
-        if variable is None:
-            continue
-        grad = tf.add_n(grads)
-        flat = tf.reshape(grad, [tf.shape(grad)[0], -1])
-        var_sq_norm = tf.reduce_sum(tf.square(flat), axis=1)
-        var_dot = tf.linalg.matvec(flat, tf.reshape(reference(variable), [-1]))
-        sq_norm = var_sq_norm if sq_norm is None else sq_norm + var_sq_norm
-        dot = var_dot if dot is None else dot + var_dot
-    if sq_norm is None:
-        raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
-    return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+    pairs = [(scale, tf.add_n(scale_grads))] if scale is not None else []
+    if offset is not None:
+        pairs.append((offset, tf.add_n(offset_grads)))
+    return pairs
 
 
 def layer_normalization_applies(layer: Any) -> bool:
@@ -111,10 +97,10 @@ def layer_normalization_applies(layer: Any) -> bool:
     return excludes_batch_axis(layer, layer.axis)
 
 
-def layer_normalization_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
-) -> LayerPrimitives:
-    """Per-example primitives of LayerNormalization (also with `rms_scaling=True`).
+def layer_normalization_per_example(
+    layer: Any, calls: Sequence[LayerCall]
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of LayerNormalization (also with `rms_scaling=True`).
 
     Example:
 
@@ -134,10 +120,8 @@ def layer_normalization_primitives(
         inverse = tf.math.rsqrt(variance + epsilon)
         return x * inverse - mean * inverse
 
-    return affine_primitives(
-        layer,
+    return affine_per_example(
         calls,
-        reference,
         normalize,
         lambda rank: normalized_axes(layer, layer.axis, rank),
         scale=layer.gamma,
@@ -150,10 +134,10 @@ def group_normalization_applies(layer: Any) -> bool:
     return excludes_batch_axis(layer, layer.axis)
 
 
-def group_normalization_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
-) -> LayerPrimitives:
-    """Per-example primitives of GroupNormalization.
+def group_normalization_per_example(
+    layer: Any, calls: Sequence[LayerCall]
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of GroupNormalization.
 
     The input is normalized over every non-batch axis within each group of
     channels; gamma and beta span the channel axis.
@@ -179,10 +163,8 @@ def group_normalization_primitives(
         inverse = tf.math.rsqrt(variance + epsilon)
         return tf.reshape(grouped * inverse - mean * inverse, shape)
 
-    return affine_primitives(
-        layer,
+    return affine_per_example(
         calls,
-        reference,
         normalize,
         lambda rank: normalized_axes(layer, layer.axis, rank),
         scale=layer.gamma,
@@ -206,10 +188,10 @@ def rms_normalization_applies(layer: Any) -> bool:
     return 0 not in resolved and resolved == list(range(rank - len(resolved), rank))
 
 
-def rms_normalization_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
-) -> LayerPrimitives:
-    """Per-example primitives of RMSNormalization.
+def rms_normalization_per_example(
+    layer: Any, calls: Sequence[LayerCall]
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of RMSNormalization.
 
     Example:
 
@@ -224,10 +206,8 @@ def rms_normalization_primitives(
         mean_square = tf.reduce_mean(tf.square(x), axis=axes, keepdims=True)
         return x * tf.math.rsqrt(mean_square + epsilon)
 
-    return affine_primitives(
-        layer,
+    return affine_per_example(
         calls,
-        reference,
         normalize,
         lambda rank: normalized_axes(layer, layer.axis, rank),
         scale=layer.scale,

@@ -11,6 +11,7 @@ depthwise kernel's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,10 +20,12 @@ import tensorflow as tf
 from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
 from keras_gradtrack.rules.conv import (
-    gram_with_bias,
+    gram_is_cheaper,
     grouped_kernel_primitives,
     grouped_response,
     input_windows,
+    output_positions,
+    per_example_bias_gradient,
     per_example_kernel_gradients,
     with_bias,
 )
@@ -81,18 +84,30 @@ def separable_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
-def separable_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
-    """`(B, B)` Gram matrix of a SeparableConv1D/2D layer's per-example gradients."""
+def separable_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    """Whether both kernels' per-example gradients cost less than their Gram forms."""
+    positions = output_positions(layer, calls)
+    channels, multiplier = layer.depthwise_kernel.shape[-2:]
+    filters = layer.pointwise_kernel.shape[-1]
+    window_width = math.prod(layer.kernel_size)
+    return not (
+        gram_is_cheaper(positions, window_width, multiplier)
+        or gram_is_cheaper(positions, channels * multiplier, filters)
+    )
+
+
+def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of a SeparableConv1D/2D layer's kernels and bias."""
     slices, targets = input_windows(layer, calls)
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
-    per_example = []
+    pairs = []
+    if depthwise.trainable:
+        grads = depthwise_output_grads(layer, targets)
+        pairs.append((depthwise, per_example_kernel_gradients(slices, grads, depthwise.shape[-2])))
     if pointwise.trainable:
         per_pointwise = tf.einsum("bpc,bpf->bcf", depthwise_output(layer, slices), targets)
-        per_example.append(tf.reshape(per_pointwise, [tf.shape(targets)[0], -1]))
-    if depthwise.trainable:
-        per_example.append(
-            per_example_kernel_gradients(
-                slices, depthwise_output_grads(layer, targets), depthwise.shape[-2]
-            )
-        )
-    return gram_with_bias(layer, calls, per_example)
+        pairs.append((pointwise, per_pointwise))
+    bias_grad = per_example_bias_gradient(layer, calls)
+    if bias_grad is not None:
+        pairs.append((layer.bias, bias_grad))
+    return pairs
