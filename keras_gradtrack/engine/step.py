@@ -182,7 +182,11 @@ def tracked_train_step(
     if probe_gradient is None:
         raise per_example_loss_error(model)
 
-    # The tape holds c * s * d l_i / d z_i; the engine wants d l_i / d z_i.
+    # The tape holds c * s * d l_i / d z_i (reduction constant, loss scale). The
+    # rules are homogeneous in the output gradients (per-example gradients and
+    # dots of degree 1, squared norms and Gram matrices of degree 2), so the
+    # factor is divided out of their results, not out of every activation-sized
+    # gradient.
     constant = reduction_constant(model, batch_size)
     unscale = 1.0 / (constant * loss_scale)
     position = 0
@@ -193,7 +197,7 @@ def tracked_train_step(
                 grad = tap_gradients[position]
                 position += 1
                 grad = tf.zeros_like(tensor) if grad is None else grad
-                call.output_grads.append(tf.cast(grad, tf.float32) * unscale)
+                call.output_grads.append(tf.cast(grad, tf.float32))
 
     per_example: dict[int, tf.Tensor] = {}
     for tracked in deriving:
@@ -210,7 +214,7 @@ def tracked_train_step(
     for v in trainable_weights:
         penalty = regularization.get(id(v), 0.0) / replicas
         if id(v) in per_example:
-            local_sum = tf.reshape(tf.reduce_sum(per_example[id(v)], axis=0), v.shape)
+            local_sum = tf.reshape(tf.reduce_sum(per_example[id(v)], axis=0) * unscale, v.shape)
             local_gradients.append(constant * local_sum + penalty)
             local_sums.append(local_sum)
             continue
@@ -238,8 +242,8 @@ def tracked_train_step(
     sq_norms, dots = [], []
     for tracked in plan:
         sq_norm, dot = layer_primitives(tracked, reference, per_example)
-        sq_norms.append(tf.maximum(sq_norm, 0.0))
-        dots.append(dot)
+        sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
+        dots.append(dot * unscale)
     gram = None
     if any(statistic.needs_gram for statistic in statistics):
         if distribute.num_replicas() > 1:
@@ -249,6 +253,7 @@ def tracked_train_step(
                 f"under a tf.distribute strategy. Received: {[s.name for s in statistics]}"
             )
         gram = tf.add_n([layer_gram(tracked, per_example) for tracked in plan])
+        gram *= tf.square(unscale)
     rows = {
         "loss": tf.cast(probe_gradient, tf.float32) * unscale,
         "sq_norm": tf.stack(sq_norms, axis=1),

@@ -32,7 +32,8 @@ class LayerCall:
         tapped: The tensors whose gradient the engine takes: the pre-activation
             output (one tensor) when the activation is split off, else the
             flattened float outputs of the call.
-        output_grads: Per-example gradients of the loss at `tapped`, filled in
+        output_grads: Per-example gradients of the loss at `tapped` (times one
+            positive scalar the engine divides out of the results), filled in
             after the backward pass (same structure as `tapped`).
     """
 

@@ -30,7 +30,11 @@ class LayerPrimitives(NamedTuple):
 
 # A rule's one fixed signature: (layer, calls, reference) -> LayerPrimitives.
 # `calls` holds every call of the layer in this step (more than one for a
-# shared layer); each call's `output_grads[0]` is `d l_i / d z_i` per example.
+# shared layer); each call's `output_grads[0]` is `a * d l_i / d z_i` per
+# example, for one positive scalar `a` the engine divides out afterwards. Every
+# rule must therefore be homogeneous in the output gradients: per-example
+# gradients and `dot` of degree 1, `sq_norm` and Gram matrices of degree 2
+# (true of every formula built from products with the output gradients).
 RuleFn = Callable[[Any, Sequence[LayerCall], ReferenceFn], LayerPrimitives]
 
 # Optional: (layer, calls) -> (B, B) Gram matrix <g_i^(k), g_j^(k)>. Rules
