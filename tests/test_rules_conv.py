@@ -22,7 +22,7 @@ import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
 from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules import RULES
-from keras_gradtrack.rules.conv import gram_is_cheaper
+from keras_gradtrack.rules.conv import FEW_CHANNELS, gram_is_cheaper
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
 
 rng = np.random.default_rng(5)
@@ -136,6 +136,12 @@ def frozen_kernels() -> Case:
 
 CASES = [
     single_layer("conv1d_relu", lambda: L.Conv1D(4, 3, activation="relu"), (9, 2)),
+    # More channels than FEW_CHANNELS (8 inputs; 6 output-gradient channels under the
+    # transposed windows): one product per kernel offset (the others: one product).
+    single_layer("conv2d_many_channels", lambda: L.Conv2D(5, 3, padding="same"), (6, 6, 8)),
+    single_layer(
+        "conv1d_transpose_many_filters", lambda: L.Conv1DTranspose(6, 3, strides=2), (5, 3)
+    ),
     single_layer(
         "conv1d_causal_dilated",
         lambda: L.Conv1D(3, 3, padding="causal", dilation_rate=2, use_bias=False),
@@ -283,6 +289,10 @@ def random_reference(layer: keras.layers.Layer) -> Callable[[Any], tf.Tensor]:
 
 def channels_first_twin(layer: keras.layers.Layer) -> keras.layers.Layer:
     return type(layer).from_config({**layer.get_config(), "data_format": "channels_first"})
+
+
+def test_the_many_channel_cases_take_the_per_offset_products() -> None:
+    assert FEW_CHANNELS < 6 < 8
 
 
 @pytest.mark.parametrize(
