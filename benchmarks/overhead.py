@@ -333,6 +333,8 @@ def run_timing_child(spec: dict[str, Any]) -> None:
     name = spec["model"]
     tracked = compile_default(build_model(name, kgt.GradientTrackingModel))
     plain = compile_default(build_model(name, keras.Model))
+    x, y = synthetic_batches(name, 32, num_batches=1)
+    tracked.gradient_statistics(x, y)  # traces one tracked step: the summary shows each form
     emit(
         {
             "summary": tracked.gradient_tracking_summary(print_fn=lambda _: None),
@@ -574,7 +576,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", type=model_names, default=list(MODELS), help="comma-separated")
     parser.add_argument("--batch-sizes", type=batch_sizes, help="default 32,128,512")
     parser.add_argument("--steps", type=int, help="timed fit steps per variant per round (30)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (3)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (5)")
     parser.add_argument(
         "--static-batch",
         action="store_true",
@@ -590,7 +592,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.batch_sizes = args.batch_sizes or ([32] if args.quick else list(BATCH_SIZES))
     args.steps = args.steps or (10 if args.quick else 30)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     return args
 
 

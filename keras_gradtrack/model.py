@@ -52,9 +52,11 @@ class GradientTrackingMixin:
     """Adds per-example gradient tracking to a `keras.Model` (TensorFlow backend).
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
-    The weight update is exactly Keras' own; on the steps a gradient callback
-    (`HDF5GradientLogger`) asks for, the same backward pass also yields the
-    per-example statistics. Other steps run Keras' untracked step unchanged.
+    The weight update is Keras' own (for layers whose rule builds per-example
+    gradients, the batch gradient is their sum: equal up to float32 rounding).
+    On the steps a gradient callback (`HDF5GradientLogger`) asks for, the same
+    backward pass also yields the per-example statistics. Other steps run
+    Keras' untracked step unchanged.
 
     When `x` is a dict holding `"example_id"`, the ids are removed before the
     model is called (if exactly one other entry remains, its value is the
