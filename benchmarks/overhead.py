@@ -51,6 +51,8 @@ VARIANTS = ("plain", "tracked", "tracked_every_10", "tape_loop", "jacobian")
 WARMUP_STEPS = 2  # dropped at the start of every timed `fit` (iterator start-up)
 SECONDS_PER_ROUND = 4.0  # a slow variant times fewer steps per round (at least 3)
 JACOBIAN_BUDGET_GIB = 6.0
+SLOW_BASELINES = ("tape_loop", "jacobian")
+BASELINE_ROUNDS = 3  # the slow baselines are timed in the first rounds only
 MESSAGE_PREFIX = "@@overhead "  # marks the child's JSON lines among library output
 
 
@@ -313,6 +315,8 @@ def time_batch_size(name: str, batch_size: int, spec: dict[str, Any], log_dir: s
         for variant_name, variant in variants.items():
             if variant.failure:
                 continue
+            if variant_name in SLOW_BASELINES and round_index >= BASELINE_ROUNDS:
+                continue
             emit({"stage": [batch_size, variant_name, round_index]})
             try:
                 if round_index < 0:
@@ -322,9 +326,14 @@ def time_batch_size(name: str, batch_size: int, spec: dict[str, Any], log_dir: s
             except Exception as error:
                 variant.failure = cell_failure(error)
         gc.collect()
-    row: dict[str, Any] = {"batch_size": batch_size}
+    row: dict[str, Any] = {"batch_size": batch_size, "ratios": {}}
+    plain_rounds = variants["plain"].rounds
     for variant_name, variant in variants.items():
         row[variant_name] = variant.failure or statistics.median(variant.rounds) * 1e3
+        if not variant.failure and plain_rounds and variant.rounds:
+            # Paired: each round's time over plain's in the same round, then the median.
+            paired = [t / p for t, p in zip(variant.rounds, plain_rounds)]
+            row["ratios"][variant_name] = statistics.median(paired)
     row["steps"] = "/".join(str(variant.steps or "-") for variant in variants.values())
     return row
 
@@ -492,7 +501,9 @@ def number(value: Any) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
-def ratio(value: Any, reference: Any) -> str:
+def ratio(value: Any, reference: Any, paired: float | None = None) -> str:
+    if paired is not None:
+        return number(paired) + "x"
     if not all(isinstance(v, (int, float)) for v in (value, reference)) or reference <= 0:
         return "-"
     return number(value / reference) + "x"
@@ -514,7 +525,8 @@ def table_row(name: str, row: dict[str, Any], memory: dict[Any, Any]) -> str:
         return f"| {name} | {row['batch_size']} | {row['failure']} |" + " |" * 12
     cells = [name, str(row["batch_size"]), number(row["plain"])]
     for variant in VARIANTS[1:]:
-        cells += [number(row[variant]), ratio(row[variant], row["plain"])]
+        paired = row.get("ratios", {}).get(variant)
+        cells += [number(row[variant]), ratio(row[variant], row["plain"], paired)]
     growth = []
     for variant in ("plain", "tracked"):
         measured = memory.get((name, row["batch_size"], variant), "-")
@@ -537,8 +549,10 @@ def report(args: argparse.Namespace, results: dict[str, Any], memory: dict[Any, 
     lines.append(
         f"{args.rounds} interleaved rounds; per round up to {args.steps} fit steps per "
         f"variant (after {WARMUP_STEPS} dropped), fewer for steps slower than "
-        f"{SECONDS_PER_ROUND:.0f} s per round; the median step per round (every-10: the mean), "
-        "then the median over rounds. Peak MiB: growth of peak RSS during fit over the RSS "
+        f"{SECONDS_PER_ROUND:.0f} s per round (the loop and jacobian: the first "
+        f"{BASELINE_ROUNDS} rounds only); the median step per round (every-10: the mean), "
+        "then the median over rounds. Ratios: the median over rounds of each round's time "
+        "over plain's in the same round (paired, so load drift between rounds cancels). Peak MiB: growth of peak RSS during fit over the RSS "
         "after build and one warm-up step, each in a fresh process. The fit steps are traced "
         + ("with a static batch size." if args.static_batch else "with an unknown batch size.")
     )
@@ -576,7 +590,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", type=model_names, default=list(MODELS), help="comma-separated")
     parser.add_argument("--batch-sizes", type=batch_sizes, help="default 32,128,512")
     parser.add_argument("--steps", type=int, help="timed fit steps per variant per round (30)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (5)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (7)")
     parser.add_argument(
         "--static-batch",
         action="store_true",
@@ -592,7 +606,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.batch_sizes = args.batch_sizes or ([32] if args.quick else list(BATCH_SIZES))
     args.steps = args.steps or (10 if args.quick else 30)
-    args.rounds = args.rounds or (1 if args.quick else 5)
+    args.rounds = args.rounds or (1 if args.quick else 7)
     return args
 
 

@@ -164,6 +164,39 @@ def test_activity_regularization_is_refused(tmp_path: Path) -> None:
     fit_fails_without_touching_weights(model, logger, ValueError, "activity regularization")
 
 
+class TiedProjection(keras.layers.Layer):
+    """Projects with the transpose of another layer's kernel (weight tying)."""
+
+    def __init__(self, source: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.source = source
+
+    def call(self, x: Any) -> Any:
+        return keras.ops.matmul(x, keras.ops.transpose(self.source.kernel))
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["direct_rule", "materialized_rule"])
+def test_tied_weights_are_refused_before_training(tmp_path: Path, sequence: bool) -> None:
+    """A variable read outside its layer would get per-example gradients (and, for a
+    materialized layer, a batch gradient) missing that use: refused, not wrong."""
+    shape = (7, 6) if sequence else (6,)
+    inputs = keras.Input(shape)
+    encoder = keras.layers.Dense(4, activation="tanh")
+    outputs = TiedProjection(encoder)(encoder(inputs))
+    model = kgt.GradientTrackingModel(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    x = rng.normal(size=(8, *shape)).astype("float32")
+    before = [w.copy() for w in model.get_weights()]
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
+    with pytest.raises(ValueError, match="tied weights"):
+        model.fit(x, x, batch_size=8, verbose=0, callbacks=[logger])
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+    with pytest.raises(ValueError, match=f"{encoder.name}/kernel"):
+        model.gradient_statistics(x, x)
+    model.fit(x, x, batch_size=8, verbose=0)  # untracked steps are plain Keras
+
+
 def test_a_user_statistic_from_the_primitives_lands_in_the_file(tmp_path: Path) -> None:
     class MaxLayerNorm(kgt.statistics.Statistic):
         name = "max_layer_grad_norm"

@@ -166,6 +166,15 @@ def multi_input_multi_output() -> Case:
     return model, x, y, None
 
 
+def sequence_regression() -> Case:
+    """A loss per position and no sample weights: `l_i` is the mean over positions."""
+    inputs = keras.Input((7, 5))
+    hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(3)(hidden)
+    model = compiled(kgt.GradientTrackingModel(inputs, outputs), "mse")
+    return model, rng.normal(size=(9, 7, 5)), rng.normal(size=(9, 7, 3)), None
+
+
 def sequential_model() -> Case:
     model = kgt.GradientTrackingSequential(
         [keras.Input((4,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(2)]
@@ -187,6 +196,7 @@ CASES = [
     nested_subclassed_model,
     multi_input_multi_output,
     sequential_model,
+    sequence_regression,
 ]
 
 

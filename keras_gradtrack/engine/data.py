@@ -58,15 +58,23 @@ def batch_size_of(x: Any) -> tf.Tensor:
     return tf.shape(first)[0]
 
 
-def probe_sample_weight(sample_weight: Any, probe: tf.Tensor) -> Any:
+def probe_sample_weight(sample_weight: Any, probe: tf.Tensor, y_pred: Any = None) -> Any:
     """Multiplies the sample weights by a watched all-ones `(B,)` probe.
 
     Keras reduces a loss linearly in the sample weights, so the gradient of the
     reduced loss with respect to the probe is `c * l_i` for the batch constant
     `c` of the reduction: this yields every per-example loss from the same
     backward pass, whatever the loss, reduction or loss weights.
+
+    Without sample weights and with one output of rank 3 or more (a loss per
+    position, such as a sequence regression), the probe is shaped
+    `(B, 1, ...)` to broadcast over the positions: Keras does not expand a
+    `(B,)` weight by more than one axis.
     """
     if sample_weight is None:
+        rank = y_pred.shape.rank if isinstance(y_pred, tf.Tensor) else None
+        if rank is not None and rank > 2:
+            return tf.reshape(probe, [-1] + [1] * (rank - 2))
         return probe
 
     def weighted(weight: Any) -> Any:

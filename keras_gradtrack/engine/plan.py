@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerTap
 from keras_gradtrack.rules import Rule, rule_for
@@ -120,6 +121,71 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
             "Create them inside a keras.layers.Layer."
         )
     return plan
+
+
+def captured_handle(graph: Any, variable: Any) -> Any:
+    """The tensor standing for the variable's resource handle inside `graph`, or None.
+
+    A function graph captures either the handle itself or, when nested, the
+    tensor that stands for it in an enclosing function graph.
+    """
+    value = getattr(variable, "_value", variable)  # the tf.Variable under a Keras one
+    handle = getattr(value, "handle", None)
+
+    def inside(graph: Any) -> Any:
+        if handle is None or not hasattr(graph, "captures"):
+            return None
+        candidates = [handle]
+        outer = inside(getattr(graph, "outer_graph", None))
+        if outer is not None:
+            candidates.append(outer)
+        for external, internal in graph.captures:
+            if any(external is candidate for candidate in candidates):
+                return internal
+        return None
+
+    return inside(graph)
+
+
+def refuse_tied_variables(plan: Sequence[TrackedLayer], forward: range) -> None:
+    """Raises when a tracked layer's variable is used in the forward pass outside that layer.
+
+    Args:
+        plan: The tracking plan, its taps holding this trace's calls.
+        forward: Positions of the forward pass' operations in the graph being
+            traced (empty when run eagerly: nothing is checked).
+
+    The rules and the fallback see a layer's variables only through the
+    layer's own calls; a variable also read elsewhere (weight tying) would get
+    per-example gradients that miss that use.
+    """
+    if not forward:
+        return
+    graph = tf.compat.v1.get_default_graph()
+    owners: dict[str, tuple[TrackedLayer, Any]] = {}
+    for tracked in plan:
+        for variable in tracked.variables:
+            handle = captured_handle(graph, variable)
+            if handle is not None:
+                owners[handle.name] = (tracked, variable)
+    own_ops = {
+        id(tracked): {index for call in tracked.tap.calls for index in call.graph_ops}
+        for tracked in plan
+    }
+    operations = graph.get_operations()
+    for index in forward:
+        op = operations[index]
+        for tensor in op.inputs:
+            owner = owners.get(tensor.name)
+            if owner is not None and index not in own_ops[id(owner[0])]:
+                tracked, variable = owner
+                raise ValueError(
+                    f"Variable {variable.path!r} of layer {tracked.layer.name!r} is also used "
+                    f"outside that layer's call (by operation {op.name!r}): tied weights. "
+                    "Per-example gradients are computed per layer, from each layer's own "
+                    "calls, so they would miss that use. Give each use its own variable, "
+                    "or call the owning layer for every use."
+                )
 
 
 def unique_name(name: str, used: set[str]) -> str:

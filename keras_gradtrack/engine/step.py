@@ -20,9 +20,9 @@ from keras.src.losses import loss as loss_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
-from keras_gradtrack.engine.plan import TrackedLayer
+from keras_gradtrack.engine.plan import TrackedLayer, refuse_tied_variables
 from keras_gradtrack.engine.primitives import StepPrimitives
-from keras_gradtrack.engine.taps import installed
+from keras_gradtrack.engine.taps import graph_ops_recorded, installed
 from keras_gradtrack.rules.base import flat_per_example, gram_of, materialized
 from keras_gradtrack.statistics import Statistic
 
@@ -138,7 +138,7 @@ def tracked_train_step(
         probe = tf.ones([batch_size], dtype=tf.float32)
         tape.watch(probe)
         tape.watch(watched_inputs)
-        with installed(taps):
+        with installed(taps), graph_ops_recorded() as forward:
             if model._call_has_training_arg:
                 y_pred = model(x, training=True)
             else:
@@ -147,7 +147,7 @@ def tracked_train_step(
             x=x,
             y=y,
             y_pred=y_pred,
-            sample_weight=batch_data.probe_sample_weight(sample_weight, probe),
+            sample_weight=batch_data.probe_sample_weight(sample_weight, probe, y_pred),
             training=True,
         )
         if apply_update:
@@ -155,6 +155,7 @@ def tracked_train_step(
                 loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
             )
         refuse_activation_losses(model)
+        refuse_tied_variables(plan, forward.range)
         loss_scale = tf.constant(1.0)
         scaled_loss = loss
         if model.optimizer is not None:

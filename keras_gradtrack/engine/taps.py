@@ -35,12 +35,15 @@ class LayerCall:
         output_grads: Per-example gradients of the loss at `tapped` (times one
             positive scalar the engine divides out of the results), filled in
             after the backward pass (same structure as `tapped`).
+        graph_ops: Positions, in the traced graph's operations, of the ops the
+            call created (empty when run eagerly).
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     tapped: list[tf.Tensor] = dataclasses.field(default_factory=list)
     output_grads: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    graph_ops: range = range(0)
 
     @property
     def inputs(self) -> tf.Tensor:
@@ -83,6 +86,12 @@ class LayerTap:
         self._original_call = None
 
     def _recording_call(self, *args: Any, **kwargs: Any) -> Any:
+        with graph_ops_recorded() as ops:
+            outputs = self._record(*args, **kwargs)
+        self.calls[-1].graph_ops = ops.range
+        return outputs
+
+    def _record(self, *args: Any, **kwargs: Any) -> Any:
         assert self._original_call is not None
         record = LayerCall(args=args, kwargs=kwargs)
         if not self.split_activation:
@@ -124,3 +133,25 @@ def installed(taps: list[LayerTap]) -> Iterator[list[LayerTap]]:
     finally:
         for tap in taps:
             tap.uninstall()
+
+
+class OpRange:
+    """Positions of the graph operations created inside a `graph_ops_recorded` block."""
+
+    def __init__(self) -> None:
+        self.range = range(0)
+
+
+@contextlib.contextmanager
+def graph_ops_recorded() -> Iterator[OpRange]:
+    """Records which operations of the graph being traced the block creates."""
+    recorded = OpRange()
+    if tf.executing_eagerly():
+        yield recorded
+        return
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    try:
+        yield recorded
+    finally:
+        recorded.range = range(start, len(graph.get_operations()))
