@@ -206,6 +206,7 @@ def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     if not layer.kernel.trainable:
         return True  # only the bias
     steps: int | None = 0
+    roles = None
     for call in calls:
         shape = tf.convert_to_tensor(call.inputs).shape
         roles = einsum_roles(layer.equation, shape.rank)
@@ -214,6 +215,8 @@ def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
         positions = [shape[roles.input.index(c)] for c in roles.steps]
         if steps is not None:
             steps = None if None in positions else steps + math.prod(positions)
+    if roles is None:  # no calls
+        return False
     sizes = dict(zip(roles.kernel, layer.kernel.shape))
     contracted = math.prod(sizes[c] for c in roles.contracted)
     produced = math.prod(sizes[c] for c in roles.produced)
