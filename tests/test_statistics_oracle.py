@@ -175,6 +175,19 @@ def sequence_regression() -> Case:
     return model, rng.normal(size=(9, 7, 5)), rng.normal(size=(9, 7, 3)), None
 
 
+def unrolled_recurrent_layers() -> Case:
+    """LSTM (whose cell returns `h, [h, c]`, with `h` computed from `c`) and GRU cells,
+    called once per step: the fallback must count each output's gradient from outside
+    the call only."""
+    inputs = keras.Input((4, 3))
+    hidden = keras.layers.Bidirectional(keras.layers.LSTM(3, unroll=True))(inputs)
+    sequence = keras.layers.GRU(2, return_sequences=True, unroll=True)(inputs)
+    merged = keras.layers.Concatenate()([hidden, keras.layers.Flatten()(sequence)])
+    outputs = keras.layers.Dense(2)(merged)
+    model = compiled(kgt.GradientTrackingModel(inputs, outputs), sparse_ce())
+    return model, rng.normal(size=(7, 4, 3)), rng.integers(0, 2, 7), None
+
+
 def sequential_model() -> Case:
     model = kgt.GradientTrackingSequential(
         [keras.Input((4,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(2)]
@@ -197,6 +210,7 @@ CASES = [
     multi_input_multi_output,
     sequential_model,
     sequence_regression,
+    unrolled_recurrent_layers,
 ]
 
 

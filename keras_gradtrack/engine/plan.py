@@ -123,6 +123,21 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
     return plan
 
 
+# Operations that run another function graph and receive variable handles for it.
+FUNCTION_CALL_OPS = frozenset(
+    {
+        "While",
+        "StatelessWhile",
+        "If",
+        "StatelessIf",
+        "Case",
+        "StatelessCase",
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+    }
+)
+
+
 def captured_handle(graph: Any, variable: Any) -> Any:
     """The tensor standing for the variable's resource handle inside `graph`, or None.
 
@@ -145,6 +160,24 @@ def captured_handle(graph: Any, variable: Any) -> Any:
         return None
 
     return inside(graph)
+
+
+def refuse_calls_inside_loops(plan: Sequence[TrackedLayer], graph: Any) -> None:
+    """Raises when a tracked layer ran inside a loop or function body of the traced step.
+
+    A Keras RNN layer runs its cell in a `tf.while_loop`; the cell's inputs and
+    outputs there exist only inside the loop, out of the backward pass' reach.
+    """
+    for tracked in plan:
+        for call in tracked.tap.calls:
+            if graph is not None and call.graph is not graph:
+                raise ValueError(
+                    f"Layer {tracked.layer.name!r} ({type(tracked.layer).__name__}) runs "
+                    "inside a loop of the traced step (a Keras RNN layer runs its cell in "
+                    "a tf.while_loop), where its per-example gradients cannot be taken. "
+                    "Pass unroll=True to the RNN layer: its cell is then called once per "
+                    "time step and tracked exactly (on the fallback path)."
+                )
 
 
 def refuse_tied_variables(plan: Sequence[TrackedLayer], forward: range) -> None:
@@ -175,6 +208,10 @@ def refuse_tied_variables(plan: Sequence[TrackedLayer], forward: range) -> None:
     operations = graph.get_operations()
     for index in forward:
         op = operations[index]
+        if op.type in FUNCTION_CALL_OPS:
+            # Its body (a loop of an RNN layer, say) is another graph, where the calls
+            # of the layers inside were recorded: no use here to attribute.
+            continue
         for tensor in op.inputs:
             owner = owners.get(tensor.name)
             if owner is not None and index not in own_ops[id(owner[0])]:

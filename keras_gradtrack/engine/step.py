@@ -20,7 +20,11 @@ from keras.src.losses import loss as loss_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
-from keras_gradtrack.engine.plan import TrackedLayer, refuse_tied_variables
+from keras_gradtrack.engine.plan import (
+    TrackedLayer,
+    refuse_calls_inside_loops,
+    refuse_tied_variables,
+)
 from keras_gradtrack.engine.primitives import StepPrimitives
 from keras_gradtrack.engine.taps import graph_ops_recorded, installed
 from keras_gradtrack.rules.base import flat_per_example, gram_of, materialized
@@ -155,6 +159,7 @@ def tracked_train_step(
                 loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
             )
         refuse_activation_losses(model)
+        refuse_calls_inside_loops(plan, forward.graph)
         refuse_tied_variables(plan, forward.range)
         loss_scale = tf.constant(1.0)
         scaled_loss = loss
@@ -194,10 +199,15 @@ def tracked_train_step(
     for tap in taps:
         for call in tap.calls:
             call.output_grads = []
+            seen: set[int] = set()
             for tensor in call.tapped:
                 grad = tap_gradients[position]
                 position += 1
-                grad = tf.zeros_like(tensor) if grad is None else grad
+                if grad is None or id(tensor) in seen:
+                    # A tensor returned twice (an LSTM cell's `h, [h, c]`) has one
+                    # gradient, the total: count it once.
+                    grad = tf.zeros_like(tensor)
+                seen.add(id(tensor))
                 call.output_grads.append(tf.cast(grad, tf.float32))
 
     per_example: dict[int, tf.Tensor] = {}

@@ -37,6 +37,7 @@ class LayerCall:
             after the backward pass (same structure as `tapped`).
         graph_ops: Positions, in the traced graph's operations, of the ops the
             call created (empty when run eagerly).
+        graph: The graph the call was traced in (None when run eagerly).
     """
 
     args: tuple[Any, ...]
@@ -44,6 +45,7 @@ class LayerCall:
     tapped: list[tf.Tensor] = dataclasses.field(default_factory=list)
     output_grads: list[tf.Tensor] = dataclasses.field(default_factory=list)
     graph_ops: range = range(0)
+    graph: Any = None
 
     @property
     def inputs(self) -> tf.Tensor:
@@ -89,13 +91,17 @@ class LayerTap:
         with graph_ops_recorded() as ops:
             outputs = self._record(*args, **kwargs)
         self.calls[-1].graph_ops = ops.range
+        self.calls[-1].graph = ops.graph
         return outputs
 
     def _record(self, *args: Any, **kwargs: Any) -> Any:
         assert self._original_call is not None
         record = LayerCall(args=args, kwargs=kwargs)
         if not self.split_activation:
-            outputs = self._original_call(*args, **kwargs)
+            # Fresh copies: the gradient at a copy is what reaches it from outside the
+            # call. At the call's own tensors it would also include paths inside the
+            # call (an LSTM cell's `h` is computed from its `c`), counted twice.
+            outputs = tree.map_structure(fresh_float_copy, self._original_call(*args, **kwargs))
             record.tapped = [
                 t for t in tree.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating
             ]
@@ -135,11 +141,18 @@ def installed(taps: list[LayerTap]) -> Iterator[list[LayerTap]]:
             tap.uninstall()
 
 
+def fresh_float_copy(value: Any) -> Any:
+    if isinstance(value, tf.Tensor) and value.dtype.is_floating:
+        return tf.identity(value)
+    return value
+
+
 class OpRange:
     """Positions of the graph operations created inside a `graph_ops_recorded` block."""
 
     def __init__(self) -> None:
         self.range = range(0)
+        self.graph: Any = None
 
 
 @contextlib.contextmanager
@@ -150,6 +163,7 @@ def graph_ops_recorded() -> Iterator[OpRange]:
         yield recorded
         return
     graph = tf.compat.v1.get_default_graph()
+    recorded.graph = graph
     start = len(graph.get_operations())
     try:
         yield recorded
