@@ -128,6 +128,26 @@ def flat_per_example(tensor: tf.Tensor) -> tf.Tensor:
     return reshape_per_example(tensor, [-1])
 
 
+def gram_is_cheaper(positions: int | None, width_in: int, width_out: int) -> bool:
+    """Whether `||X_i^T D_i||^2` costs less as `<X_i X_i^T, D_i D_i^T>` (`P^2 (in + out)`)
+    than by materializing `X_i^T D_i` (`P in out`), for `P` positions per example of
+    `X_i` (P x in) and `D_i` (P x out). False when P is unknown."""
+    return positions is not None and positions * (width_in + width_out) < width_in * width_out
+
+
+def positions_per_example(tensors: Sequence[Any], channels_first: bool = False) -> int | None:
+    """Positions per example (every axis but the batch and channel axes), summed over
+    the tensors; None if a size is not static."""
+    total = 0
+    for tensor in tensors:
+        shape = tf.convert_to_tensor(tensor).shape
+        positions = shape[2:] if channels_first else shape[1:-1]
+        if not positions.is_fully_defined():
+            return None
+        total += math.prod(positions)
+    return total
+
+
 def reshape_per_example(tensor: tf.Tensor, dims: Sequence[int]) -> tf.Tensor:
     """Reshapes to `(B, *dims)` keeping every static size static.
 

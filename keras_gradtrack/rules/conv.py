@@ -30,7 +30,9 @@ from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules.base import (
     LayerPrimitives,
     ReferenceFn,
+    gram_is_cheaper,
     materialized,
+    positions_per_example,
     reshape_per_example,
 )
 
@@ -206,13 +208,6 @@ def stacked_windows(
     return slices, tf.concat(targets, axis=1)
 
 
-def gram_is_cheaper(positions: int | None, window_width: int, group_filters: int) -> bool:
-    """Whether `<S S^T, D D^T>` costs less than materializing `S^T D` per example."""
-    return positions is not None and positions * (window_width + group_filters) < (
-        window_width * group_filters
-    )
-
-
 def grouped_response(slices: Sequence[tf.Tensor], kernel: tf.Tensor, groups: int) -> tf.Tensor:
     """The (bias-free) convolution output `sum_k S_k W_k`, per group: `(B, P, O)`.
 
@@ -382,14 +377,8 @@ def conv_primitives(
 
 def output_positions(layer: Any, calls: Sequence[LayerCall]) -> int | None:
     """Output positions per example, over all calls; None if a size is unknown."""
-    total = 0
-    for call in calls:
-        shape = call.tapped[0].shape
-        spatial = shape[2:] if layer.data_format == "channels_first" else shape[1:-1]
-        if not spatial.is_fully_defined():
-            return None
-        total += math.prod(spatial)
-    return total
+    tapped = [call.tapped[0] for call in calls]
+    return positions_per_example(tapped, layer.data_format == "channels_first")
 
 
 def kernel_materializes(

@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, positions_per_example
 from keras_gradtrack.rules.conv import (
     Pairs,
     Window,
@@ -78,25 +78,15 @@ def conv_transpose_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
-def input_positions(layer: Any, calls: Sequence[LayerCall]) -> int | None:
-    """Input positions per example, over all calls; None if a size is unknown."""
-    total = 0
-    for call in calls:
-        shape = tf.convert_to_tensor(call.inputs).shape
-        spatial = shape[2:] if layer.data_format == "channels_first" else shape[1:-1]
-        if not spatial.is_fully_defined():
-            return None
-        total += math.prod(spatial)
-    return total
-
-
 def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     """Whether per-example kernel gradients cost less than the Gram form."""
     if not layer.kernel.trainable:
         return True
     filters, channels = layer.kernel.shape[-2:]
     window_width = math.prod(layer.kernel_size) * filters
-    return not gram_is_cheaper(input_positions(layer, calls), window_width, channels)
+    inputs = [call.inputs for call in calls]
+    positions = positions_per_example(inputs, layer.data_format == "channels_first")
+    return not gram_is_cheaper(positions, window_width, channels)
 
 
 def conv_transpose_per_example(

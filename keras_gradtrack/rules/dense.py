@@ -8,14 +8,19 @@ folded into T; several calls of a shared layer are stacked along T as well).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
+from keras_gradtrack.rules.base import (
+    LayerPrimitives,
+    ReferenceFn,
+    gram_is_cheaper,
+    positions_per_example,
+    reshape_per_example,
+)
 
 
 def dense_applies(layer: Any) -> bool:
@@ -38,12 +43,6 @@ def as_sequences(calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
     if len(calls) == 1:
         return inputs[0], grads[0]
     return tf.concat(inputs, axis=1), tf.concat(grads, axis=1)
-
-
-def gram_is_cheaper(steps: int | None, d_in: int, d_out: int) -> bool:
-    """Whether `||A_i^T D_i||^2` costs less as `<A_i A_i^T, D_i D_i^T>` (`T^2 (d_in + d_out)`)
-    than by materializing `A_i^T D_i` (`T d_in d_out`)."""
-    return steps is not None and steps * (d_in + d_out) < d_in * d_out
 
 
 def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
@@ -110,21 +109,10 @@ def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     return gram
 
 
-def steps_of(calls: Sequence[LayerCall]) -> int | None:
-    """T: the positions per example over all calls (leading axes folded); None if unknown."""
-    total = 0
-    for call in calls:
-        positions = tf.convert_to_tensor(call.inputs).shape[1:-1]
-        if not positions.is_fully_defined():
-            return None
-        total += math.prod(positions)
-    return total
-
-
 def dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     """On sequences, when `A_i^T D_i` costs less than the Gram form (never on 2-D inputs,
     where `||a_i||^2 ||d_i||^2` costs nothing)."""
-    steps = steps_of(calls)
+    steps = positions_per_example([call.inputs for call in calls])
     d_in, d_out = layer.kernel.shape
     return steps != 1 and not gram_is_cheaper(steps, d_in, d_out)
 

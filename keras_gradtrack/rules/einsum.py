@@ -28,8 +28,12 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
-from keras_gradtrack.rules.dense import gram_is_cheaper
+from keras_gradtrack.rules.base import (
+    LayerPrimitives,
+    ReferenceFn,
+    gram_is_cheaper,
+    reshape_per_example,
+)
 
 EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
