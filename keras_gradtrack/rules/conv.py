@@ -392,14 +392,21 @@ def kernel_materializes(
 
 
 def kernel_and_bias_per_example(
-    layer: Any, calls: Sequence[LayerCall], groups: int
+    layer: Any, calls: Sequence[LayerCall], windowed: Pairs, groups: int
 ) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of a (grouped) convolution's kernel and bias."""
+    """Per-example gradients of a (grouped) convolution's kernel and bias.
+
+    Args:
+        layer: The layer (its kernel, bias, geometry).
+        calls: Its calls in this step.
+        windowed: Per call, `(source, target)`: the kernel's windows slide over
+            the source at the target's positions (`input_pairs`, or the swapped
+            roles of a transposed convolution).
+        groups: Number of channel groups.
+    """
     pairs = []
     if layer.kernel.trainable:
-        kernel_grad = per_example_filter_gradients(
-            input_pairs(layer, calls), Window.of(layer), groups
-        )
+        kernel_grad = per_example_filter_gradients(windowed, Window.of(layer), groups)
         pairs.append((layer.kernel, kernel_grad))
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
@@ -415,7 +422,7 @@ def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
 
 def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a Conv1D/2D/3D layer's kernel and bias."""
-    return kernel_and_bias_per_example(layer, calls, layer.groups)
+    return kernel_and_bias_per_example(layer, calls, input_pairs(layer, calls), layer.groups)
 
 
 def depthwise_primitives(
@@ -448,4 +455,5 @@ def depthwise_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
 
 def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a DepthwiseConv1D/2D layer's kernel and bias."""
-    return kernel_and_bias_per_example(layer, calls, layer.kernel.shape[-2])
+    channels = layer.kernel.shape[-2]
+    return kernel_and_bias_per_example(layer, calls, input_pairs(layer, calls), channels)

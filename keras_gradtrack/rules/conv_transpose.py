@@ -25,8 +25,7 @@ from keras_gradtrack.rules.conv import (
     conv_applies,
     gram_is_cheaper,
     grouped_kernel_primitives,
-    per_example_bias_gradient,
-    per_example_filter_gradients,
+    kernel_and_bias_per_example,
     stacked_windows,
     with_bias,
 )
@@ -93,13 +92,4 @@ def conv_transpose_per_example(
     layer: Any, calls: Sequence[LayerCall]
 ) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a transposed convolution's kernel and bias."""
-    pairs = []
-    if layer.kernel.trainable:
-        kernel_grad = per_example_filter_gradients(
-            output_grad_pairs(layer, calls), Window.of(layer), 1
-        )
-        pairs.append((layer.kernel, kernel_grad))
-    bias_grad = per_example_bias_gradient(layer, calls)
-    if bias_grad is not None:
-        pairs.append((layer.bias, bias_grad))
-    return pairs
+    return kernel_and_bias_per_example(layer, calls, output_grad_pairs(layer, calls), 1)
