@@ -61,7 +61,7 @@ def layer_primitives(
     tracked: TrackedLayer, reference: Any, per_example: dict[int, tf.Tensor]
 ) -> tuple[tf.Tensor, tf.Tensor]:
     calls = tracked.tap.calls
-    if id(tracked.variables[0]) in per_example:
+    if tracked.materialized:
         grads = [per_example[id(v)] for v in tracked.variables]
         result = materialized(grads, [reference(v) for v in tracked.variables])
     elif tracked.rule is not None:
@@ -100,7 +100,7 @@ def float_inputs(x: Any) -> list[tf.Tensor]:
 
 def layer_gram(tracked: TrackedLayer, per_example: dict[int, tf.Tensor]) -> tf.Tensor:
     calls = tracked.tap.calls
-    if id(tracked.variables[0]) in per_example:
+    if tracked.materialized:
         return gram_of([per_example[id(v)] for v in tracked.variables])
     if tracked.rule is not None and tracked.rule.gram is not None:
         return tracked.rule.gram(tracked.layer, calls)
@@ -199,15 +199,10 @@ def tracked_train_step(
     for tap in taps:
         for call in tap.calls:
             call.output_grads = []
-            seen: set[int] = set()
             for tensor in call.tapped:
                 grad = tap_gradients[position]
                 position += 1
-                if grad is None or id(tensor) in seen:
-                    # A tensor returned twice (an LSTM cell's `h, [h, c]`) has one
-                    # gradient, the total: count it once.
-                    grad = tf.zeros_like(tensor)
-                seen.add(id(tensor))
+                grad = tf.zeros_like(tensor) if grad is None else grad
                 call.output_grads.append(tf.cast(grad, tf.float32))
 
     per_example: dict[int, tf.Tensor] = {}

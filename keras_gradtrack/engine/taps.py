@@ -98,9 +98,10 @@ class LayerTap:
         assert self._original_call is not None
         record = LayerCall(args=args, kwargs=kwargs)
         if not self.split_activation:
-            # Fresh copies: the gradient at a copy is what reaches it from outside the
-            # call. At the call's own tensors it would also include paths inside the
-            # call (an LSTM cell's `h` is computed from its `c`), counted twice.
+            # Fresh copies, one per output position: the gradient at a copy is what
+            # reaches it from outside the call. At the call's own tensors it would also
+            # include paths inside the call (an LSTM cell returns `h, [h, c]` with `h`
+            # computed from `c`), counted twice.
             outputs = tree.map_structure(fresh_float_copy, self._original_call(*args, **kwargs))
             record.tapped = [
                 t for t in tree.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating
