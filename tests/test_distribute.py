@@ -25,6 +25,9 @@ def build() -> Any:
     inputs = keras.Input((10,), name="pixels")
     hidden = keras.layers.Dense(12, activation="relu", kernel_regularizer=REGULARIZER)(inputs)
     hidden = keras.layers.LayerNormalization()(hidden)
+    # Wide enough that one device takes its dots from the Gram matrix on small
+    # batches: with two replicas the batch gradient is not the local sum.
+    hidden = keras.layers.Dense(32, activation="tanh")(hidden)
     outputs = keras.layers.Dense(3)(hidden)
     model = kgt.GradientTrackingModel(inputs, outputs)
     model.compile(

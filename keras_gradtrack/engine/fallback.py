@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack.engine.taps import LayerCall, LayerTap
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.base import LayerPrimitives, Reference
 
 
 def per_example_output_products(tap: LayerTap, calls: Sequence[LayerCall]) -> tf.Tensor:
@@ -68,7 +68,7 @@ def per_example_gradients(
 
 
 def fallback_primitives(
-    tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall], reference: ReferenceFn
+    tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference, from a local Jacobian.
 

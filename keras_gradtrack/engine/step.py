@@ -27,7 +27,7 @@ from keras_gradtrack.engine.plan import (
 )
 from keras_gradtrack.engine.primitives import StepPrimitives
 from keras_gradtrack.engine.taps import graph_ops_recorded, installed
-from keras_gradtrack.rules.base import flat_per_example, gram_of, materialized
+from keras_gradtrack.rules.base import Reference, flat_per_example, gram_of, materialized
 from keras_gradtrack.statistics import Statistic
 
 PAYLOAD_KEY = "__gradtrack__"
@@ -58,7 +58,7 @@ def per_example_loss_error(model: Any) -> ValueError:
 
 
 def layer_primitives(
-    tracked: TrackedLayer, reference: Any, per_example: dict[int, tf.Tensor]
+    tracked: TrackedLayer, reference: Reference, per_example: dict[int, tf.Tensor]
 ) -> tuple[tf.Tensor, tf.Tensor]:
     calls = tracked.tap.calls
     if tracked.materialized:
@@ -209,47 +209,74 @@ def tracked_train_step(
     for tracked in deriving:
         per_example.update(layer_per_example(tracked))
 
-    # G: what the optimizer receives, unscaled, summed over replicas.
-    # S = sum_i g_i: each replica's data part (its gradient less its share of
-    # the weight regularizers, which Keras divides among the replicas) over its
-    # own reduction constant, summed over replicas. For the derived variables the
-    # other way round: S from the per-example gradients, G from S.
+    # Weight-sized tensors stay in the tape's scale: `raw` is what the optimizer
+    # receives (s * G on this replica, s the loss scale), `data` its data part
+    # (less this replica's share of the weight regularizers, which Keras divides
+    # among the replicas), so S = sum over replicas of `data * unscale`. The
+    # scale factors are applied to the (B,) and (L,) results, never elementwise
+    # to a weight-sized tensor; without regularizers `data` is `raw` and each
+    # variable's squared norm is taken once.
     regularization = weight_regularization_gradients(trainable_weights)
     replicas = distribute.num_replicas()
-    local_gradients, local_sums = [], []
+    raw: dict[int, tf.Tensor] = {}
+    data: dict[int, tf.Tensor] = {}
     for v in trainable_weights:
-        penalty = regularization.get(id(v), 0.0) / replicas
+        penalty = regularization.get(id(v))
         if id(v) in per_example:
-            local_sum = tf.reshape(tf.reduce_sum(per_example[id(v)], axis=0) * unscale, v.shape)
-            local_gradients.append(constant * local_sum + penalty)
-            local_sums.append(local_sum)
+            data[id(v)] = tf.reshape(tf.reduce_sum(per_example[id(v)], axis=0), v.shape)
+            raw[id(v)] = data[id(v)]
+            if penalty is not None:
+                raw[id(v)] += penalty * (loss_scale / replicas)
             continue
         g = backward_gradients[id(v)]
-        g = tf.zeros(v.shape) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
-        local_gradients.append(g / loss_scale)
-        local_sums.append((g / loss_scale - penalty) / constant)
-    # What the optimizer receives: the backward pass' gradients (scaled), with
-    # the derived ones scaled the same way.
+        raw[id(v)] = (
+            tf.zeros(v.shape) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+        )
+        data[id(v)] = raw[id(v)]
+        if penalty is not None:
+            data[id(v)] -= penalty * (loss_scale / replicas)
+    # What the optimizer receives: the backward pass' gradients, and the sums
+    # of the derived ones (in the same scale).
     weight_gradients = [
-        tf.cast(g * loss_scale, v.dtype) if id(v) in per_example else backward_gradients[id(v)]
-        for v, g in zip(trainable_weights, local_gradients)
+        tf.cast(raw[id(v)], v.dtype) if id(v) in per_example else backward_gradients[id(v)]
+        for v in trainable_weights
     ]
-    reduced = distribute.all_reduce_sum(local_gradients + local_sums)
-    count = len(trainable_weights)
-    batch_gradient = {id(v): g for v, g in zip(trainable_weights, reduced[:count])}
-    gradient_sum = {id(v): s for v, s in zip(trainable_weights, reduced[count:])}
+    if replicas == 1:
+        batch_raw, sums, sum_scale = raw, data, unscale
+    else:
+        ids = [id(v) for v in trainable_weights]
+        reduced = distribute.all_reduce_sum(
+            [raw[i] for i in ids] + [data[i] * unscale for i in ids]
+        )
+        batch_raw = dict(zip(ids, reduced[: len(ids)]))
+        sums = dict(zip(ids, reduced[len(ids) :]))
+        sum_scale = tf.constant(1.0)
 
-    def reference(variable: Any) -> tf.Tensor:
-        return batch_gradient[id(variable)]
+    reference = Reference(
+        batch_raw,
+        frozenset(
+            id(v) for v in trainable_weights if replicas == 1 and id(v) not in regularization
+        ),
+    )
+
+    squares: dict[int, tf.Tensor] = {}
 
     def squared_norm(gradients: dict[int, tf.Tensor], tracked: TrackedLayer) -> tf.Tensor:
-        return tf.add_n([tf.reduce_sum(tf.square(gradients[id(v)])) for v in tracked.variables])
+        terms = []
+        for v in tracked.variables:
+            tensor = gradients[id(v)]
+            if id(tensor) not in squares:
+                squares[id(tensor)] = tf.reduce_sum(tf.square(tensor))
+            terms.append(squares[id(tensor)])
+        return tf.add_n(terms)
 
+    # The rules see `c * s * d l_i / d z_i` and `s * G`.
+    dot_scale = unscale / loss_scale
     sq_norms, dots = [], []
     for tracked in plan:
         sq_norm, dot = layer_primitives(tracked, reference, per_example)
         sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
-        dots.append(dot * unscale)
+        dots.append(dot * dot_scale)
     gram = None
     if any(statistic.needs_gram for statistic in statistics):
         if distribute.num_replicas() > 1:
@@ -285,8 +312,9 @@ def tracked_train_step(
         loss=rows["loss"],
         sq_norm=rows["sq_norm"],
         dot=rows["dot"],
-        reference_sq_norm=tf.stack([squared_norm(batch_gradient, t) for t in plan]),
-        sum_sq_norm=tf.stack([squared_norm(gradient_sum, t) for t in plan]),
+        reference_sq_norm=tf.stack([squared_norm(batch_raw, t) for t in plan])
+        / tf.square(loss_scale),
+        sum_sq_norm=tf.stack([squared_norm(sums, t) for t in plan]) * tf.square(sum_scale),
         batch_size=tf.cast(global_batch_size, tf.float32),
         gram=gram,
         input_sq_norm=rows.get("input_sq_norm"),
@@ -300,13 +328,14 @@ def tracked_train_step(
         return {PAYLOAD_KEY: payload}
     # Read before the update: the rate this step uses (schedules move with it).
     payload["learning_rate"] = tf.cast(model.optimizer.learning_rate, tf.float32)
-    # The statistics read the weights' old values (the fallback re-runs layers):
-    # order the update after them.
-    with tf.control_dependencies(tree.flatten(payload)):
-        if trainable_weights:
-            model.optimizer.apply_gradients(zip(weight_gradients, trainable_weights))
-        else:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+    # No explicit ordering against the statistics: inside the compiled step,
+    # reads and writes of a variable run in program order, so a layer re-run by
+    # the fallback reads the weights before this update, and the update is free
+    # to overlap with the rest of the statistics.
+    if trainable_weights:
+        model.optimizer.apply_gradients(zip(weight_gradients, trainable_weights))
+    else:
+        warnings.warn("The model does not have any trainable weights.", stacklevel=2)
     metrics = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     return {**metrics, PAYLOAD_KEY: payload}
 

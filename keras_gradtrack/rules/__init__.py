@@ -26,7 +26,7 @@ from keras_gradtrack.rules import (
 from keras_gradtrack.rules.base import (
     LayerPrimitives,
     PerExampleFn,
-    ReferenceFn,
+    Reference,
     Rule,
     RuleFn,
     primitives_of,
@@ -131,4 +131,4 @@ def rule_for(layer: Any) -> Rule | None:
     return rule
 
 
-__all__ = ["RULES", "LayerPrimitives", "ReferenceFn", "Rule", "RuleFn", "rule_for"]
+__all__ = ["RULES", "LayerPrimitives", "Reference", "Rule", "RuleFn", "rule_for"]

@@ -4,16 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
 
-# Maps one of the layer's variables to the reference vector R restricted to it
-# (the batch gradient G, float32, dense, same shape as the variable).
-ReferenceFn = Callable[[Any], tf.Tensor]
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The reference vector R (the batch gradient G) restricted to each variable.
+
+    `reference(variable)` is R on that variable: float32, dense, the variable's
+    shape, in the rules' scale (see `RuleFn`).
+
+    Attributes:
+        values: `{id(variable): R restricted to it}`.
+        batch_sums: Ids of the variables on which R is exactly the sum of this
+            step's per-example gradients as the rules see them (one replica, no
+            weight regularizer). There `<g_i, R> = sum_j <g_i, g_j>`, which a rule
+            may take from the Gram matrix when that costs less.
+    """
+
+    values: Mapping[int, tf.Tensor]
+    batch_sums: frozenset[int] = frozenset()
+
+    def __call__(self, variable: Any) -> tf.Tensor:
+        return self.values[id(variable)]
+
+    def is_batch_sum(self, variables: Sequence[Any]) -> bool:
+        """Whether R is the sum of the per-example gradients on all of `variables`."""
+        return all(id(variable) in self.batch_sums for variable in variables)
 
 
 class LayerPrimitives(NamedTuple):
@@ -35,7 +57,7 @@ class LayerPrimitives(NamedTuple):
 # rule must therefore be homogeneous in the output gradients: per-example
 # gradients and `dot` of degree 1, `sq_norm` and Gram matrices of degree 2
 # (true of every formula built from products with the output gradients).
-RuleFn = Callable[[Any, Sequence[LayerCall], ReferenceFn], LayerPrimitives]
+RuleFn = Callable[[Any, Sequence[LayerCall], Reference], LayerPrimitives]
 
 # Optional: (layer, calls) -> (B, B) Gram matrix <g_i^(k), g_j^(k)>. Rules
 # without one (and without `per_example`) get the layer's Gram matrix from the
@@ -104,9 +126,7 @@ def materialized(
 def primitives_of(per_example: PerExampleFn) -> RuleFn:
     """The rule function computing a layer's primitives from its per-example gradients."""
 
-    def primitives(
-        layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
-    ) -> LayerPrimitives:
+    def primitives(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> LayerPrimitives:
         pairs = per_example(layer, calls)
         if not pairs:
             raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")

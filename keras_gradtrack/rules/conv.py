@@ -29,7 +29,7 @@ import tensorflow as tf
 from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules.base import (
     LayerPrimitives,
-    ReferenceFn,
+    Reference,
     gram_is_cheaper,
     materialized,
     positions_per_example,
@@ -308,7 +308,7 @@ def summed(terms: Sequence[LayerPrimitives]) -> LayerPrimitives:
 
 
 def with_bias(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn, terms: list[LayerPrimitives]
+    layer: Any, calls: Sequence[LayerCall], reference: Reference, terms: list[LayerPrimitives]
 ) -> LayerPrimitives:
     """The layer's primitives: the given kernel terms plus the bias term."""
     bias_grad = per_example_bias_gradient(layer, calls)
@@ -354,7 +354,7 @@ def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> t
 
 
 def conv_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for Conv1D/2D/3D.
 
@@ -426,7 +426,7 @@ def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, 
 
 
 def depthwise_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for DepthwiseConv1D/2D.
 

@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, positions_per_example
+from keras_gradtrack.rules.base import LayerPrimitives, Reference, positions_per_example
 from keras_gradtrack.rules.conv import (
     Pairs,
     Window,
@@ -56,7 +56,7 @@ def output_grad_windows(
 
 
 def conv_transpose_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for Conv1D/2D/3DTranspose.
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules.base import (
     LayerPrimitives,
-    ReferenceFn,
+    Reference,
     gram_is_cheaper,
     positions_per_example,
     reshape_per_example,
@@ -56,7 +56,7 @@ def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
 
 
 def dense_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for a Dense layer.
 
@@ -68,21 +68,62 @@ def dense_primitives(
     ```
     """
     a, d = as_sequences(calls)
-    kernel_ref = reference(layer.kernel)
+    has_bias = layer.bias is not None and layer.bias.trainable
     if a.shape[1] == 1:
-        a2, d2 = a[:, 0, :], d[:, 0, :]
-        d_sq = tf.reduce_sum(tf.square(d2), axis=1)
-        sq_norm = tf.reduce_sum(tf.square(a2), axis=1) * d_sq
-        dot = tf.reduce_sum(tf.matmul(a2, kernel_ref) * d2, axis=1)
-        bias_grad = d2
-    else:
-        sq_norm = sequence_kernel_sq_norm(a, d)
-        dot = tf.reduce_sum(tf.einsum("btd,de->bte", a, kernel_ref) * d, axis=[1, 2])
+        variables = [layer.kernel, layer.bias] if has_bias else [layer.kernel]
+        return dense_2d_primitives(a[:, 0, :], d[:, 0, :], variables, reference)
+    sq_norm = sequence_kernel_sq_norm(a, d)
+    dot = tf.reduce_sum(tf.einsum("btd,de->bte", a, reference(layer.kernel)) * d, axis=[1, 2])
+    if has_bias:
         bias_grad = tf.reduce_sum(d, axis=1)
-    if layer.bias is not None and layer.bias.trainable:
         sq_norm += tf.reduce_sum(tf.square(bias_grad), axis=1)
         dot += tf.linalg.matvec(bias_grad, reference(layer.bias))
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+
+
+def dense_2d_primitives(
+    a: tf.Tensor, d: tf.Tensor, variables: Sequence[Any], reference: Reference
+) -> LayerPrimitives:
+    """The primitives of a Dense layer on 2-D inputs `a` (B, d_in), `d` (B, d_out).
+
+    `variables` is the kernel, then the bias if it is trained. Directly:
+    `||g_i||^2 = (||a_i||^2 + 1) ||d_i||^2` and `<g_i, R> = (a_i^T R_kernel + R_bias) . d_i`,
+    one product the size of the layer's forward pass. Where R is the sum of the
+    per-example gradients, from the Gram matrix `<g_i, g_j> = (a_i . a_j + 1)(d_i . d_j)`
+    instead (its row sums are the dots) when `B (d_in + d_out) < d_in d_out`; for an
+    unknown batch size the step chooses at run time.
+    """
+    has_bias = len(variables) == 2
+
+    def direct() -> tuple[tf.Tensor, tf.Tensor]:
+        a_sq = tf.reduce_sum(tf.square(a), axis=1)
+        projected = tf.matmul(a, reference(variables[0]))
+        if has_bias:
+            a_sq += 1.0
+            projected = tf.nn.bias_add(projected, reference(variables[1]))
+        return a_sq * tf.reduce_sum(tf.square(d), axis=1), tf.reduce_sum(projected * d, axis=1)
+
+    def from_gram() -> tuple[tf.Tensor, tf.Tensor]:
+        gram = dense_2d_gram(a, d, has_bias)
+        return tf.linalg.diag_part(gram), tf.reduce_sum(gram, axis=1)
+
+    d_in, d_out = a.shape[-1], d.shape[-1]
+    if not reference.is_batch_sum(variables):
+        sq_norm, dot = direct()
+    elif a.shape[0] is not None:
+        sq_norm, dot = from_gram() if gram_is_cheaper(a.shape[0], d_in, d_out) else direct()
+    else:
+        batch = tf.shape(a)[0]
+        sq_norm, dot = tf.cond(batch * (d_in + d_out) < d_in * d_out, from_gram, direct)
+    return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+
+
+def dense_2d_gram(a: tf.Tensor, d: tf.Tensor, has_bias: bool) -> tf.Tensor:
+    """`(B, B)` `<g_i, g_j> = (a_i . a_j (+ 1 with a bias)) (d_i . d_j)`."""
+    gram_a = tf.matmul(a, a, transpose_b=True)
+    if has_bias:
+        gram_a += 1.0
+    return gram_a * tf.matmul(d, d, transpose_b=True)
 
 
 def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
@@ -92,20 +133,16 @@ def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     on sequences the per-example kernel gradients are materialized.
     """
     a, d = as_sequences(calls)
+    has_bias = layer.bias is not None and layer.bias.trainable
     if a.shape[1] == 1:
-        a2, d2 = a[:, 0, :], d[:, 0, :]
-        d_gram = tf.matmul(d2, d2, transpose_b=True)
-        gram = tf.matmul(a2, a2, transpose_b=True) * d_gram
-        bias_gram = d_gram
-    else:
-        per_example_kernel = tf.einsum("btd,bte->bde", a, d)
-        batch = tf.shape(a)[0]
-        flat = tf.reshape(per_example_kernel, [batch, -1])
-        gram = tf.matmul(flat, flat, transpose_b=True)
+        return dense_2d_gram(a[:, 0, :], d[:, 0, :], has_bias)
+    per_example_kernel = tf.einsum("btd,bte->bde", a, d)
+    batch = tf.shape(a)[0]
+    flat = tf.reshape(per_example_kernel, [batch, -1])
+    gram = tf.matmul(flat, flat, transpose_b=True)
+    if has_bias:
         bias_grad = tf.reduce_sum(d, axis=1)
-        bias_gram = tf.matmul(bias_grad, bias_grad, transpose_b=True)
-    if layer.bias is not None and layer.bias.trainable:
-        gram += bias_gram
+        gram += tf.matmul(bias_grad, bias_grad, transpose_b=True)
     return gram
 
 

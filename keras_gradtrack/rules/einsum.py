@@ -30,7 +30,7 @@ import tensorflow as tf
 from keras_gradtrack.engine.taps import LayerCall
 from keras_gradtrack.rules.base import (
     LayerPrimitives,
-    ReferenceFn,
+    Reference,
     gram_is_cheaper,
     reshape_per_example,
 )
@@ -168,7 +168,7 @@ def bias_sum(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
 
 
 def einsum_dense_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for an EinsumDense layer.
 

@@ -16,7 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn, reshape_per_example
+from keras_gradtrack.rules.base import LayerPrimitives, Reference, reshape_per_example
 
 # Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
 # matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
@@ -89,7 +89,7 @@ def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
 
 
 def embedding_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for an Embedding layer.
 

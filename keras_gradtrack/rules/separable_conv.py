@@ -18,7 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, ReferenceFn
+from keras_gradtrack.rules.base import LayerPrimitives, Reference
 from keras_gradtrack.rules.conv import (
     gram_is_cheaper,
     grouped_kernel_primitives,
@@ -47,7 +47,7 @@ def depthwise_output_grads(layer: Any, targets: tf.Tensor) -> tf.Tensor:
 
 
 def separable_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: ReferenceFn
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for SeparableConv1D/2D.
 
