@@ -19,6 +19,7 @@ from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.plan import TrackedLayer, build_plan, format_summary
 from keras_gradtrack.engine.step import PAYLOAD_KEY, tracked_train_step
+from keras_gradtrack.rules.base import compiled_with_xla
 from keras_gradtrack.statistics import Statistic
 
 
@@ -236,7 +237,8 @@ class GradientTrackingMixin:
             # whose first step would build it is built here, from this batch.
             self._symbolic_build(data_batch=data)
         plan = build_plan(self)
-        outputs = tracked_train_step(self, data, plan, statistics, apply_update=apply_update)
+        with compiled_with_xla(bool(getattr(self, "jit_compile", False))):
+            outputs = tracked_train_step(self, data, plan, statistics, apply_update=apply_update)
         self.gradient_tracking.traced_plan = plan
         return outputs
 

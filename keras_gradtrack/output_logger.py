@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_gradtrack import autodiff
 from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io.writer import LogWriter
+from keras_gradtrack.rules.base import sum_of_squares
 from keras_gradtrack.version import __version__
 
 OUTPUT_GRADIENTS_SCHEMA_VERSION = 1
@@ -189,8 +190,7 @@ class OutputGradientLogger(keras.callbacks.Callback):
                 layer_grads = grads[position : position + len(group)]
                 position += len(group)
                 squares = [
-                    tf.reduce_sum(tf.square(tf.reshape(g, [len(features), -1])), axis=1)
-                    for g in layer_grads
+                    sum_of_squares(tf.reshape(g, [len(features), -1]), axis=1) for g in layer_grads
                 ]
                 norms[features, column] = np.sqrt(np.asarray(tf.add_n(squares)))
                 if self.save_tensors:

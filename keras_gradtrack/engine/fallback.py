@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack.engine.taps import LayerCall, LayerTap
-from keras_gradtrack.rules.base import LayerPrimitives, Reference
+from keras_gradtrack.rules.base import LayerPrimitives, Reference, sum_of_squares
 
 
 def per_example_output_products(tap: LayerTap, calls: Sequence[LayerCall]) -> tf.Tensor:
@@ -84,7 +84,7 @@ def fallback_primitives(
     gradients = per_example_gradients(tap, variables, calls)
     flat_reference = tf.concat([tf.reshape(reference(v), [-1]) for v in variables], axis=0)
     return LayerPrimitives(
-        sq_norm=tf.reduce_sum(tf.square(gradients), axis=1),
+        sq_norm=sum_of_squares(gradients, axis=1),
         dot=tf.linalg.matvec(gradients, flat_reference),
     )
 

@@ -27,7 +27,13 @@ from keras_gradtrack.engine.plan import (
 )
 from keras_gradtrack.engine.primitives import StepPrimitives
 from keras_gradtrack.engine.taps import graph_ops_recorded, installed
-from keras_gradtrack.rules.base import Reference, flat_per_example, gram_of, materialized
+from keras_gradtrack.rules.base import (
+    Reference,
+    flat_per_example,
+    gram_of,
+    materialized,
+    sum_of_squares,
+)
 from keras_gradtrack.statistics import Statistic
 
 PAYLOAD_KEY = "__gradtrack__"
@@ -266,7 +272,7 @@ def tracked_train_step(
         for v in tracked.variables:
             tensor = gradients[id(v)]
             if id(tensor) not in squares:
-                squares[id(tensor)] = tf.reduce_sum(tf.square(tensor))
+                squares[id(tensor)] = sum_of_squares(tensor)
             terms.append(squares[id(tensor)])
         return tf.add_n(terms)
 
@@ -297,10 +303,8 @@ def tracked_train_step(
     if watched_inputs:
         rows["input_sq_norm"] = tf.add_n(
             [
-                tf.reduce_sum(
-                    tf.reshape(tf.square(tf.cast(g, tf.float32) * unscale), [batch_size, -1]),
-                    axis=1,
-                )
+                sum_of_squares(tf.reshape(tf.cast(g, tf.float32), [batch_size, -1]), axis=1)
+                * tf.square(unscale)
                 for g in input_gradients
                 if g is not None
             ]

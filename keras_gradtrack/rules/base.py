@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
@@ -118,7 +120,7 @@ def materialized(
     """The primitives from per-example gradients `(B, n)` and their references (any shape, n values)."""
     flat_references = [tf.reshape(reference, [-1]) for reference in references]
     return LayerPrimitives(
-        sq_norm=tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g in per_example]),
+        sq_norm=tf.add_n([sum_of_squares(g, axis=1) for g in per_example]),
         dot=tf.add_n([tf.linalg.matvec(g, r) for g, r in zip(per_example, flat_references)]),
     )
 
@@ -136,6 +138,29 @@ def primitives_of(per_example: PerExampleFn) -> RuleFn:
         )
 
     return primitives
+
+
+# Whether `sum_of_squares` may use TensorFlow's one-pass EuclideanNorm kernel,
+# which XLA cannot compile (XLA fuses square and sum by itself).
+_ONE_PASS_NORMS = contextvars.ContextVar("one_pass_norms", default=True)
+
+
+@contextlib.contextmanager
+def compiled_with_xla(jit_compile: bool) -> Iterator[None]:
+    """Rules traced inside use only operations XLA compiles when `jit_compile` is true."""
+    token = _ONE_PASS_NORMS.set(not jit_compile)
+    try:
+        yield
+    finally:
+        _ONE_PASS_NORMS.reset(token)
+
+
+def sum_of_squares(tensor: tf.Tensor, axis: Any = None) -> tf.Tensor:
+    """`sum x^2` over `axis` (every axis by default) in one pass over the tensor
+    (`square` then `reduce_sum` writes and reads a tensor as large as the input)."""
+    if _ONE_PASS_NORMS.get():
+        return tf.square(tf.math.reduce_euclidean_norm(tensor, axis=axis))
+    return tf.reduce_sum(tf.square(tensor), axis=axis)
 
 
 def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:

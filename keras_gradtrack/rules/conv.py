@@ -241,9 +241,14 @@ def per_example_kernel_gradients(
     batch = tf.shape(targets)[0]
     if groups == 1 and slices[0].shape[-1] is not None and slices[0].shape[-1] <= FEW_CHANNELS:
         # Few channels (an image input): one product over all offsets' windows
-        # side by side beats one product per offset with a tiny inner size.
-        windows = tf.concat(list(slices), axis=-1)  # (B, P, K * C), the kernel's order
-        return tf.reshape(tf.matmul(windows, targets, transpose_a=True), [batch, -1])
+        # beats one product per offset with a tiny inner size. Stacked as
+        # (B, K, P, C), each offset's windows are one contiguous copy (for one
+        # channel, 2x faster than interleaving them as (B, P, K * C)).
+        windows = tf.stack(list(slices), axis=1)
+        if windows.shape[-1] != 1:
+            windows = tf.transpose(windows, [0, 1, 3, 2])
+        windows = tf.reshape(windows, [batch, -1, tf.shape(targets)[1]])  # (B, K * C, P)
+        return tf.reshape(tf.matmul(windows, targets), [batch, -1])
     if groups == 1:
         per_offset = [tf.matmul(s, targets, transpose_a=True) for s in slices]
     else:

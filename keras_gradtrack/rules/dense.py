@@ -20,6 +20,7 @@ from keras_gradtrack.rules.base import (
     gram_is_cheaper,
     positions_per_example,
     reshape_per_example,
+    sum_of_squares,
 )
 
 
@@ -52,7 +53,7 @@ def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
         gram_d = tf.einsum("bte,bse->bts", d, d)
         return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
     per_example_kernel = tf.einsum("btd,bte->bde", a, d)
-    return tf.reduce_sum(tf.square(per_example_kernel), axis=[1, 2])
+    return sum_of_squares(per_example_kernel, axis=[1, 2])
 
 
 def dense_primitives(
@@ -76,7 +77,7 @@ def dense_primitives(
     dot = tf.reduce_sum(tf.einsum("btd,de->bte", a, reference(layer.kernel)) * d, axis=[1, 2])
     if has_bias:
         bias_grad = tf.reduce_sum(d, axis=1)
-        sq_norm += tf.reduce_sum(tf.square(bias_grad), axis=1)
+        sq_norm += sum_of_squares(bias_grad, axis=1)
         dot += tf.linalg.matvec(bias_grad, reference(layer.bias))
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 
@@ -96,12 +97,12 @@ def dense_2d_primitives(
     has_bias = len(variables) == 2
 
     def direct() -> tuple[tf.Tensor, tf.Tensor]:
-        a_sq = tf.reduce_sum(tf.square(a), axis=1)
+        a_sq = sum_of_squares(a, axis=1)
         projected = tf.matmul(a, reference(variables[0]))
         if has_bias:
             a_sq += 1.0
             projected = tf.nn.bias_add(projected, reference(variables[1]))
-        return a_sq * tf.reduce_sum(tf.square(d), axis=1), tf.reduce_sum(projected * d, axis=1)
+        return a_sq * sum_of_squares(d, axis=1), tf.reduce_sum(projected * d, axis=1)
 
     def from_gram() -> tuple[tf.Tensor, tf.Tensor]:
         gram = dense_2d_gram(a, d, has_bias)

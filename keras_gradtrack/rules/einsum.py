@@ -33,6 +33,7 @@ from keras_gradtrack.rules.base import (
     Reference,
     gram_is_cheaper,
     reshape_per_example,
+    sum_of_squares,
 )
 
 EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
@@ -196,11 +197,11 @@ def einsum_dense_primitives(
             dot += tf.reduce_sum(tf.einsum("bstk,sko->bsto", x, kernel_ref) * d, axis=[1, 2, 3])
         else:
             per_example_kernel = tf.einsum("bstk,bsto->bsko", x, d)
-            sq_norm += tf.reduce_sum(tf.square(per_example_kernel), axis=[1, 2, 3])
+            sq_norm += sum_of_squares(per_example_kernel, axis=[1, 2, 3])
             dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
     if layer.bias is not None and layer.bias.trainable:
         bias_grad = bias_sum(layer, calls)
-        sq_norm += tf.reduce_sum(tf.square(bias_grad), axis=1)
+        sq_norm += sum_of_squares(bias_grad, axis=1)
         dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 

@@ -16,7 +16,12 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, Reference, reshape_per_example
+from keras_gradtrack.rules.base import (
+    LayerPrimitives,
+    Reference,
+    reshape_per_example,
+    sum_of_squares,
+)
 
 # Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
 # matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
@@ -85,7 +90,7 @@ def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
     sums = tf.math.unsorted_segment_sum(
         tf.reshape(sorted_d, [-1, dim]), tf.reshape(group, [-1]), batch * steps
     )
-    return tf.reduce_sum(tf.reshape(tf.square(sums), [batch, -1]), axis=1)
+    return sum_of_squares(tf.reshape(sums, [batch, -1]), axis=1)
 
 
 def embedding_primitives(
