@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.io.writer import LogWriter
+from keras_gradtrack.io.writer import LogWriter, check_flush_seconds
 from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
 
@@ -55,8 +55,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     The file follows schema version 1 (see the docs): `/per_example/<stat>`
     holds one row per example seen, `/per_step/<stat>` one row per tracked
     step (plus `/per_step/learning_rate`, the rate the optimizer used at that
-    step), `/layers` the per-layer column names. Rows are written in blocks of
-    `flush_every` tracked steps; the file is opened in SWMR mode, so
+    step), `/layers` the per-layer column names. Rows are written in blocks:
+    every `flush_every` tracked steps, or sooner once `flush_seconds` have
+    passed since the last block. The file is opened in SWMR mode, so
     `GradientLog` can read it while training runs.
 
     Args:
@@ -65,7 +66,11 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             built-in statistics except the opt-in ones.
         every_n_steps: Track one step in every `every_n_steps`; the other steps
             run Keras' untracked train step at plain `fit` cost.
-        flush_every: Number of tracked steps buffered before a block is written.
+        flush_every: Most tracked steps buffered before a block is written.
+        flush_seconds: A block is also written at the first tracked step this
+            many seconds after the previous block, so a crash loses at most
+            that much training time and a live reader lags at most that much;
+            `None` writes blocks of exactly `flush_every` steps.
         append: Continue an existing log (step numbers continue after its last).
         overwrite: Replace an existing file.
         compression: HDF5 compression filter (`"gzip"`, `"lzf"` or None).
@@ -91,7 +96,8 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         path: str | os.PathLike[str],
         statistics: Iterable[str | Statistic] | None = None,
         every_n_steps: int = 1,
-        flush_every: int = 10,
+        flush_every: int = 100,
+        flush_seconds: float | None = 1.0,
         append: bool = False,
         overwrite: bool = False,
         compression: str | None = "gzip",
@@ -105,6 +111,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         for name, value in (("every_n_steps", every_n_steps), ("flush_every", flush_every)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
+        check_flush_seconds(flush_seconds)
         self.path = os.fspath(path)
         self.statistics = statistics_module.resolve(statistics)
         square = [
@@ -119,6 +126,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             )
         self.every_n_steps = every_n_steps
         self.flush_every = flush_every
+        self.flush_seconds = flush_seconds
         self.append = append
         self.overwrite = overwrite
         self.compression = compression
@@ -216,6 +224,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             overwrite=self.overwrite,
             append=self.append,
             flush_every=self.flush_every,
+            flush_seconds=self.flush_seconds,
             compression=self.compression,
         )
         self.writer.open()

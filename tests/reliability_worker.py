@@ -90,7 +90,7 @@ def train(args: argparse.Namespace) -> None:
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    logger = kgt.HDF5GradientLogger(args.path, flush_every=args.flush_every)
+    logger = kgt.HDF5GradientLogger(args.path, flush_every=args.flush_every, flush_seconds=None)
     try:
         model.fit(
             x,

@@ -51,6 +51,7 @@ def test_unknown_statistic_lists_the_valid_names_at_construction(tmp_path: Path)
         ({"append": True, "overwrite": True}, "at most one of `append` and `overwrite`"),
         ({"every_n_steps": 0}, "every_n_steps"),
         ({"flush_every": -1}, "flush_every"),
+        ({"flush_seconds": -0.5}, "flush_seconds"),
         ({"statistics": "cosine"}, "must be a list"),
         ({"statistics": ["cosine", "cosine"]}, "duplicates"),
         ({"statistics": ["pairwise_cosine"]}, "gradient_statistics"),

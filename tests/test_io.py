@@ -3,6 +3,7 @@
 import datetime
 import json
 import os
+import time
 
 import h5py
 import numpy as np
@@ -54,7 +55,7 @@ def test_round_trip_with_ragged_batches(tmp_path):
 
 def test_blocks_are_written_every_flush_every_steps(tmp_path):
     path = tmp_path / "run.h5"
-    writer = make_writer(path, flush_every=3)
+    writer = make_writer(path, flush_every=3, flush_seconds=None)
     writer.open()
     write_steps(writer, [2, 2])
     with GradientLog(path) as log:
@@ -68,6 +69,24 @@ def test_blocks_are_written_every_flush_every_steps(tmp_path):
         assert (log.num_examples, log.num_steps) == (11, 4)
     writer.close()
     writer.close()
+
+
+def test_a_block_is_also_written_flush_seconds_after_the_last(tmp_path):
+    path = tmp_path / "run.h5"
+    with make_writer(path, flush_every=100, flush_seconds=1.0) as writer:
+        write_steps(writer, [2, 2])
+        with GradientLog(path) as log:
+            assert log.num_steps == 0  # well within the second
+            time.sleep(1.05)
+            write_steps(writer, [3])  # the first step after the second: one block
+            log.refresh()
+            assert (log.num_examples, log.num_steps) == (7, 3)
+    every = tmp_path / "every.h5"
+    with make_writer(every, flush_every=100, flush_seconds=0) as writer, GradientLog(every) as log:
+        for steps in range(1, 4):
+            write_steps(writer, [2])
+            log.refresh()
+            assert log.num_steps == steps
 
 
 def test_file_layout_follows_the_schema(tmp_path):
@@ -265,6 +284,8 @@ def test_check_path_refuses_read_only_directories_and_files(tmp_path):
         ({"attrs": {"model_name": "mlp"}}, "to hold the strings"),
         ({"attrs": {**ATTRS, "created": "today"}}, r"sets the attributes \['created'\]"),
         ({"flush_every": 0}, "positive integer"),
+        ({"flush_seconds": -1}, "non-negative number or None"),
+        ({"flush_seconds": "1"}, "non-negative number or None"),
         ({"compression": "zstd"}, "Expected compression in"),
     ],
 )
@@ -402,7 +423,7 @@ def test_a_killed_writer_leaves_every_flushed_row(tmp_path):
         f"""
         import os, signal
         from helpers_io import make_writer, write_steps
-        writer = make_writer({str(path)!r}, flush_every=2)
+        writer = make_writer({str(path)!r}, flush_every=2, flush_seconds=None)
         writer.open()
         write_steps(writer, [4, 3, 2])  # the third step stays in the buffer
         os.kill(os.getpid(), signal.SIGKILL)

@@ -570,7 +570,7 @@ def test_a_full_disk_ends_fit_with_a_clear_error_and_keeps_the_log(
 
     with mounted("disk", ["-t", "tmpfs", "-o", "size=256k", "tmpfs"]) as directory:
         path = directory / "run.h5"
-        logger = kgt.HDF5GradientLogger(path, flush_every=2)
+        logger = kgt.HDF5GradientLogger(path, flush_every=2, flush_seconds=None)
         model = small_model()
         with pytest.raises(OSError, match="No space left on device") as raised:
             model.fit(

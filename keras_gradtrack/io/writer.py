@@ -7,6 +7,7 @@ import os
 import re
 import secrets
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,8 @@ _UNCLOSABLE: list[tuple[h5py.File, object]] = []
 class LogWriter:
     """Writes gradient statistics to an HDF5 file in the keras_gradtrack schema.
 
-    Steps are buffered in memory and written in blocks of `flush_every` steps. Every
+    Steps are buffered in memory and written in blocks: when `flush_every` steps are
+    buffered, or at the first step `flush_seconds` after the last block. Every
     dataset is created before the file switches to SWMR mode, so `GradientLog` (or
     `h5py.File(path, "r", swmr=True)`) can read the file while it is being written,
     and a writer killed at any moment leaves every flushed row readable that way.
@@ -46,7 +48,11 @@ class LogWriter:
         overwrite: replace the file if it exists.
         append: continue the log if the file exists; its layers and statistics must
             match. A missing file is created.
-        flush_every: number of steps written per block.
+        flush_every: most steps written per block.
+        flush_seconds: a block is also written at the first step this many seconds
+            after the previous one (or after opening), so a reader sees rows at
+            least that often while steps arrive; `None` writes blocks of exactly
+            `flush_every` steps.
         compression: `"gzip"` (level 4), `"lzf"` or `None`.
 
     Example:
@@ -81,13 +87,15 @@ class LogWriter:
         attrs: Mapping[str, Any],
         overwrite: bool = False,
         append: bool = False,
-        flush_every: int = 10,
+        flush_every: int = 100,
+        flush_seconds: float | None = 1.0,
         compression: str | None = "gzip",
     ):
         if not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(
                 f"Expected flush_every to be a positive integer. Received: {flush_every=}"
             )
+        check_flush_seconds(flush_seconds)
         if compression not in schema.COMPRESSIONS:
             raise ValueError(
                 f"Expected compression in {list(schema.COMPRESSIONS)}. Received: {compression=}"
@@ -98,7 +106,9 @@ class LogWriter:
         self.overwrite = overwrite
         self.append = append
         self.flush_every = flush_every
+        self.flush_seconds = flush_seconds
         self.compression = compression
+        self._last_block = time.monotonic()
         self._file: h5py.File | None = None
         self._datasets: dict[str, dict[str, h5py.Dataset]] = {}
         self._next_step = 0
@@ -175,6 +185,7 @@ class LogWriter:
         else:
             file = self._create()
         self._file = file
+        self._last_block = time.monotonic()
         # Looking datasets up by name costs more than writing a small block.
         self._datasets = {
             table: {name: file[table][name] for name in columns}
@@ -239,7 +250,11 @@ class LogWriter:
 
         self._next_step = step + 1
         self._pending_steps += 1
-        if self._pending_steps >= self.flush_every:
+        overdue = (
+            self.flush_seconds is not None
+            and time.monotonic() - self._last_block >= self.flush_seconds
+        )
+        if self._pending_steps >= self.flush_every or overdue:
             self.flush()
 
     def flush(self) -> None:
@@ -278,6 +293,7 @@ class LogWriter:
             ) from error
         self._pending = self._empty_buffer()
         self._pending_steps = 0
+        self._last_block = time.monotonic()
 
     def _roll_back(self, lengths: Mapping[str, int]) -> None:
         # HDF5 writes the new lengths even when the rows' data could not be written;
@@ -541,3 +557,13 @@ def _check_writable_directory(directory: str) -> None:
         ) from error
     os.close(descriptor)
     os.remove(probe)
+
+
+def check_flush_seconds(flush_seconds: Any) -> None:
+    """Raises ValueError unless `flush_seconds` is None or a non-negative number."""
+    number = isinstance(flush_seconds, (int, float)) and not isinstance(flush_seconds, bool)
+    if flush_seconds is not None and not (number and flush_seconds >= 0):
+        raise ValueError(
+            "Expected flush_seconds to be a non-negative number or None. "
+            f"Received: {flush_seconds=}"
+        )
