@@ -18,6 +18,7 @@ from keras_gradtrack.rules.base import (
     LayerPrimitives,
     Reference,
     gram_is_cheaper,
+    materializing_is_cheaper,
     positions_per_example,
     reshape_per_example,
     sum_of_squares,
@@ -148,11 +149,12 @@ def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
 
 
 def dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
-    """On sequences, when `A_i^T D_i` costs less than the Gram form (never on 2-D inputs,
-    where `||a_i||^2 ||d_i||^2` costs nothing)."""
+    """On sequences, when materializing `A_i^T D_i` costs less than the direct form
+    (`materializing_is_cheaper`); never on 2-D inputs, where `||a_i||^2 ||d_i||^2`
+    costs nothing."""
     steps = positions_per_example([call.inputs for call in calls])
     d_in, d_out = layer.kernel.shape
-    return steps != 1 and not gram_is_cheaper(steps, d_in, d_out)
+    return steps != 1 and materializing_is_cheaper(steps, d_in, d_out)
 
 
 def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:

@@ -32,6 +32,7 @@ from keras_gradtrack.rules.base import (
     LayerPrimitives,
     Reference,
     gram_is_cheaper,
+    materializing_is_cheaper,
     reshape_per_example,
     sum_of_squares,
 )
@@ -207,7 +208,8 @@ def einsum_dense_primitives(
 
 
 def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
-    """When the per-example kernel gradients `X_is^T D_is` cost less than the Gram form."""
+    """When materializing the per-example kernel gradients `X_is^T D_is` costs less
+    than the direct form (`materializing_is_cheaper`)."""
     if not layer.kernel.trainable:
         return True  # only the bias
     steps: int | None = 0
@@ -225,7 +227,7 @@ def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     sizes = dict(zip(roles.kernel, layer.kernel.shape))
     contracted = math.prod(sizes[c] for c in roles.contracted)
     produced = math.prod(sizes[c] for c in roles.produced)
-    return not gram_is_cheaper(steps, contracted, produced)
+    return materializing_is_cheaper(steps, contracted, produced)
 
 
 def einsum_dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
