@@ -216,21 +216,21 @@ def tracked_train_step(
         per_example.update(layer_per_example(tracked))
 
     # Weight-sized tensors stay in the tape's scale: `raw` is what the optimizer
-    # receives (s * G on this replica, s the loss scale), `data` its data part
+    # receives (s * G on this replica, s the loss scale), `data_part` its data part
     # (less this replica's share of the weight regularizers, which Keras divides
-    # among the replicas), so S = sum over replicas of `data * unscale`. The
+    # among the replicas), so S = sum over replicas of `data_part * unscale`. The
     # scale factors are applied to the (B,) and (L,) results, never elementwise
-    # to a weight-sized tensor; without regularizers `data` is `raw` and each
+    # to a weight-sized tensor; without regularizers `data_part` is `raw` and each
     # variable's squared norm is taken once.
     regularization = weight_regularization_gradients(trainable_weights)
     replicas = distribute.num_replicas()
     raw: dict[int, tf.Tensor] = {}
-    data: dict[int, tf.Tensor] = {}
+    data_part: dict[int, tf.Tensor] = {}
     for v in trainable_weights:
         penalty = regularization.get(id(v))
         if id(v) in per_example:
-            data[id(v)] = tf.reshape(tf.reduce_sum(per_example[id(v)], axis=0), v.shape)
-            raw[id(v)] = data[id(v)]
+            data_part[id(v)] = tf.reshape(tf.reduce_sum(per_example[id(v)], axis=0), v.shape)
+            raw[id(v)] = data_part[id(v)]
             if penalty is not None:
                 raw[id(v)] += penalty * (loss_scale / replicas)
             continue
@@ -238,9 +238,9 @@ def tracked_train_step(
         raw[id(v)] = (
             tf.zeros(v.shape) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
         )
-        data[id(v)] = raw[id(v)]
+        data_part[id(v)] = raw[id(v)]
         if penalty is not None:
-            data[id(v)] -= penalty * (loss_scale / replicas)
+            data_part[id(v)] -= penalty * (loss_scale / replicas)
     # What the optimizer receives: the backward pass' gradients, and the sums
     # of the derived ones (in the same scale).
     weight_gradients = [
@@ -248,11 +248,11 @@ def tracked_train_step(
         for v in trainable_weights
     ]
     if replicas == 1:
-        batch_raw, sums, sum_scale = raw, data, unscale
+        batch_raw, sums, sum_scale = raw, data_part, unscale
     else:
         ids = [id(v) for v in trainable_weights]
         reduced = distribute.all_reduce_sum(
-            [raw[i] for i in ids] + [data[i] * unscale for i in ids]
+            [raw[i] for i in ids] + [data_part[i] * unscale for i in ids]
         )
         batch_raw = dict(zip(ids, reduced[: len(ids)]))
         sums = dict(zip(ids, reduced[len(ids) :]))
