@@ -173,10 +173,11 @@ def flat_per_example(tensor: tf.Tensor) -> tf.Tensor:
     return reshape_per_example(tensor, [-1])
 
 
-def gram_is_cheaper(positions: int | None, width_in: int, width_out: int) -> bool:
+def gram_is_cheaper(positions: int | None, width_in: int, width_out: int) -> Any:
     """Whether `||X_i^T D_i||^2` costs less as `<X_i X_i^T, D_i D_i^T>` (`P^2 (in + out)`)
     than by materializing `X_i^T D_i` (`P in out`), for `P` positions per example of
-    `X_i` (P x in) and `D_i` (P x out). False when P is unknown."""
+    `X_i` (P x in) and `D_i` (P x out). False when P is unknown; a boolean tensor when
+    P is a scalar tensor (a size known only at run time)."""
     return positions is not None and positions * (width_in + width_out) < width_in * width_out
 
 

@@ -37,8 +37,8 @@ from keras_gradtrack.rules.base import (
 )
 
 # Up to this many input channels, the per-example kernel gradient is one matrix
-# product over the concatenated windows (measured faster for 1 and 3 channels,
-# slower for 32).
+# product over all offsets' windows at once (measured faster for 1 and 3
+# channels, slower for 32).
 FEW_CHANNELS = 4
 
 # A static size, or a scalar tensor when the size is only known at run time.

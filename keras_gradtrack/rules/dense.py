@@ -115,8 +115,7 @@ def dense_2d_primitives(
     elif a.shape[0] is not None:
         sq_norm, dot = from_gram() if gram_is_cheaper(a.shape[0], d_in, d_out) else direct()
     else:
-        batch = tf.shape(a)[0]
-        sq_norm, dot = tf.cond(batch * (d_in + d_out) < d_in * d_out, from_gram, direct)
+        sq_norm, dot = tf.cond(gram_is_cheaper(tf.shape(a)[0], d_in, d_out), from_gram, direct)
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 
 
