@@ -20,8 +20,8 @@ from keras_gradtrack.version import __version__
 
 if TYPE_CHECKING:
     from keras_gradtrack import autodiff, statistics
+    from keras_gradtrack.analysis import GradientLog
     from keras_gradtrack.callbacks import HDF5GradientLogger
-    from keras_gradtrack.io.reader import GradientLog
     from keras_gradtrack.model import (
         GradientTrackingMixin,
         GradientTrackingModel,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # They are imported on first use, so that reading logs (GradientLog, the
 # keras-gradtrack command, analysis and plots) never imports TensorFlow.
 _LAZY = {
-    "GradientLog": "keras_gradtrack.io.reader",
+    "GradientLog": "keras_gradtrack.analysis",
     "GradientTrackingMixin": "keras_gradtrack.model",
     "GradientTrackingModel": "keras_gradtrack.model",
     "GradientTrackingSequential": "keras_gradtrack.model",

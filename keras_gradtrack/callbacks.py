@@ -12,12 +12,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.io.writer import LogWriter, check_flush_seconds
+from keras_gradtrack.io.checks import check_flush_seconds
+from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
+from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
-
-# Logged with every tracked step (for influence estimates such as TracIn).
-LEARNING_RATE = "learning_rate"
 
 
 def is_chief(model: Any) -> bool:
@@ -141,6 +140,10 @@ class HDF5GradientLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         require_tracking_model(self.model, self)
+        if self.writer is not None:
+            # The last fit stopped with an exception (Keras then calls no
+            # on_train_end): write the steps it left buffered; this fit continues.
+            self.close()
         # Every worker tracks the same steps (the statistics are collective);
         # only the chief writes them.
         self._writes = is_chief(self.model)
@@ -227,18 +230,16 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             flush_seconds=self.flush_seconds,
             compression=self.compression,
         )
+        # The writer numbers the steps on from the file's last one when appending.
         self.writer.open()
-        self._step += self.writer.next_step
 
     def _write(self, payload: dict[str, Any]) -> None:
         assert self.writer is not None
         values = {name: np.asarray(value) for name, value in payload.items()}
-        batch_size = int(values["batch_size"])
-        example_ids = values.get("example_id")
-        if example_ids is not None:
-            # A multi-worker mean over identical replicas returns the ids as floats.
-            example_ids = np.rint(example_ids).astype(np.int64)
-        else:
+        batch_size = int(values[BATCH_SIZE])
+        # The ids as given (int64, exact), or else the examples' positions in the epoch.
+        example_ids = values.get(EXAMPLE_ID)
+        if example_ids is None:
             example_ids = self._epoch_position + np.arange(batch_size, dtype=np.int64)
         self.writer.write_step(
             step=self._step,

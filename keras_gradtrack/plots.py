@@ -27,17 +27,17 @@ import numpy as np
 
 from keras_gradtrack import analysis
 from keras_gradtrack.analysis.tables import (
-    LEARNING_RATE,
     grouped_rows,
     import_optional,
     per_example_column,
     per_layer_statistics,
 )
+from keras_gradtrack.io.schema import LEARNING_RATE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from keras_gradtrack.io.reader import GradientLog
+    from keras_gradtrack.io.reader import LogReader
 
 BAND = (0.1, 0.5, 0.9)
 HIGHLIGHT_COLOR = "tab:red"
@@ -45,7 +45,7 @@ COLOR = "tab:blue"
 MAX_HISTOGRAM_EPOCHS = 8
 
 
-def plot_steps(log: GradientLog) -> Figure:
+def plot_steps(log: LogReader) -> Figure:
     """Per-step gradient norms, cosines and diversity, with 10-90% bands over examples.
 
     Panels: per-example `grad_norm` (median and band) with `batch_grad_norm`;
@@ -87,7 +87,7 @@ def plot_steps(log: GradientLog) -> Figure:
 
 
 def plot_layer_heatmap(
-    log: GradientLog, statistic: str = "layer_grad_norm", reduce: str = "median"
+    log: LogReader, statistic: str = "layer_grad_norm", reduce: str = "median"
 ) -> Figure:
     """A per-layer statistic over steps: layers as rows, steps as columns.
 
@@ -131,7 +131,7 @@ def plot_layer_heatmap(
     return figure
 
 
-def plot_cosine_histogram(log: GradientLog, bins: int = 50) -> Figure:
+def plot_cosine_histogram(log: LogReader, bins: int = 50) -> Figure:
     """Histogram of the per-example cosines, one outline per epoch (at most 8 shown).
 
     Example:
@@ -165,7 +165,7 @@ def plot_cosine_histogram(log: GradientLog, bins: int = 50) -> Figure:
 
 
 def plot_self_influence(
-    log: GradientLog,
+    log: LogReader,
     k: int = 20,
     highlight: Iterable[int] | None = None,
     learning_rate: float | None = None,
@@ -229,7 +229,7 @@ def plot_self_influence(
 
 
 def save_plots(
-    log: GradientLog,
+    log: LogReader,
     out_dir: str | os.PathLike[str],
     highlight: Iterable[int] | None = None,
     highlight_label: str = "highlighted",
@@ -281,12 +281,12 @@ def _figure(figsize: tuple[float, float]) -> Figure:
     return figure_module.Figure(figsize=figsize, layout="constrained")
 
 
-def _require_rows(log: GradientLog) -> None:
+def _require_rows(log: LogReader) -> None:
     if log.num_steps == 0:
         raise ValueError(f"'{log.path}' has no tracked steps yet: nothing to plot.")
 
 
-def _band(axes: Any, log: GradientLog, statistic: str, label: str) -> None:
+def _band(axes: Any, log: LogReader, statistic: str, label: str) -> None:
     if statistic not in log.per_example_names:
         return
     steps, bands = analysis.step_quantiles(log, statistic, BAND)
@@ -294,12 +294,12 @@ def _band(axes: Any, log: GradientLog, statistic: str, label: str) -> None:
     axes.plot(steps, bands[:, 1], color=COLOR, label=f"{label} (median, 10-90%)")
 
 
-def _step_line(axes: Any, log: GradientLog, statistic: str, label: str, color: str) -> None:
+def _step_line(axes: Any, log: LogReader, statistic: str, label: str, color: str) -> None:
     if statistic in log.per_step_names:
         axes.plot(log.per_step("step"), log.per_step(statistic), color=color, label=label)
 
 
-def _mark_epochs(axes: Any, log: GradientLog) -> None:
+def _mark_epochs(axes: Any, log: LogReader) -> None:
     steps, epochs = log.per_step("step"), log.per_step("epoch")
     for step in steps[1:][np.diff(epochs) != 0]:
         axes.axvline(step, color="grey", linestyle=":", linewidth=0.8)

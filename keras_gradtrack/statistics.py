@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 import tensorflow as tf
 
 from keras_gradtrack.engine.primitives import StepPrimitives
+from keras_gradtrack.io.schema import RESERVED_NAMES
 
 
 class Statistic:
@@ -251,11 +252,18 @@ def get(identifier: str | Statistic) -> Statistic:
     """Returns the statistic named `identifier`, or `identifier` itself if it is one.
 
     Raises:
-        ValueError: For an unknown name, listing the valid ones.
+        ValueError: For an unknown name, listing the valid ones, and for a
+            `Statistic` whose name is empty or one the log reserves for its own
+            columns (`step`, `epoch`, `example_id`, `batch_size`, `learning_rate`).
     """
     if isinstance(identifier, Statistic):
         if not identifier.name:
             raise ValueError(f"A Statistic needs a non-empty `name`. Received: {identifier!r}")
+        if identifier.name in RESERVED_NAMES:
+            raise ValueError(
+                f"Expected a statistic name other than the log's own columns "
+                f"{list(RESERVED_NAMES)}. Received: {identifier!r}"
+            )
         return identifier
     if isinstance(identifier, str) and identifier in {**BUILTINS, **OPT_IN}:
         return {**BUILTINS, **OPT_IN}[identifier]()

@@ -66,12 +66,23 @@ def fake_step(step: int, batch_size: int, *, epoch: int = 0) -> dict[str, Any]:
     }
 
 
+def next_file_step(writer: LogWriter) -> int:
+    """The step number the file gives the writer's next step."""
+    return writer.step_offset if writer.last_step is None else writer.last_step + 1
+
+
 def write_steps(writer: LogWriter, batch_sizes: list[int], *, epoch: int = 0) -> list[dict]:
-    """Writes one fake step per batch size, from `writer.next_step` on; returns them."""
+    """Writes one fake step per batch size after the writer's last one.
+
+    Returns:
+        The steps, numbered as the file numbers them (the writer is given its own
+        numbering, from 0 at opening).
+    """
     steps = []
     for batch_size in batch_sizes:
-        steps.append(fake_step(writer.next_step, batch_size, epoch=epoch))
-        writer.write_step(**steps[-1])
+        step = fake_step(next_file_step(writer), batch_size, epoch=epoch)
+        writer.write_step(**{**step, "step": step["step"] - writer.step_offset})
+        steps.append(step)
     return steps
 
 

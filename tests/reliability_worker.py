@@ -61,8 +61,8 @@ def train(args: argparse.Namespace) -> None:
     def flush_and_report(writer: LogWriter) -> None:
         nonlocal limited
         flush(writer)
-        if writer.next_step:
-            emit(event="flushed", through_step=writer.next_step - 1)
+        if writer.last_step is not None:
+            emit(event="flushed", through_step=writer.last_step)
         if args.file_size_slack is not None and not limited:
             limited = True
             limit = os.path.getsize(args.path) + args.file_size_slack
@@ -132,9 +132,9 @@ def sweep(args: argparse.Namespace) -> None:
             with make_writer(path, append=append, flush_every=100) as writer:
                 write_steps(writer, batches[0])
                 writer.flush()
-                flushed(writer.next_step - 1)
+                flushed(writer.last_step)
                 write_steps(writer, batches[1])
-                last_step = writer.next_step - 1
+                last_step = writer.last_step
             flushed(last_step)  # closed, hence flushed
 
     for n in itertools.count(1):

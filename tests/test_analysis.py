@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from keras_gradtrack import analysis
-from keras_gradtrack.io import GradientLog, LogWriter
+from keras_gradtrack.analysis import GradientLog
+from keras_gradtrack.io import LogWriter
 
 LAYERS = ["hidden", "logits"]
 PER_EXAMPLE = {
@@ -82,12 +83,13 @@ def write_log(
         flush_every=3,
     )
     rows, rates = [], {}
+    step = -1
     with writer:
         for epoch in range(epochs):
             order = rng.permutation(num_examples)
             for start in range(0, num_examples, batch_size):
                 ids = order[start : start + batch_size]
-                step = writer.next_step
+                step += 1  # a new file: the writer's steps are the file's
                 rates[step] = 0.1 / (1 + step)
                 layer_norms = rng.uniform(0.1, 1.0, (len(ids), len(LAYERS)))
                 layer_norms[np.isin(ids, SUSPICIOUS)] *= 10

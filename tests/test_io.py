@@ -22,12 +22,12 @@ from helpers_io import (
     write_steps,
 )
 
-from keras_gradtrack.io import GradientLog, LogWriter, schema
+from keras_gradtrack.io import LogReader, LogWriter, schema
 
 
 def assert_log_holds(path, steps):
     per_example, per_step = expected_tables(steps)
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         assert log.num_examples == len(per_example["step"])
         assert log.num_steps == len(steps)
         for name, values in per_example.items():
@@ -39,11 +39,11 @@ def assert_log_holds(path, steps):
 def test_round_trip_with_ragged_batches(tmp_path):
     path = tmp_path / "run.h5"
     with make_writer(path, flush_every=2) as writer:
-        assert writer.next_step == 0
+        assert (writer.step_offset, writer.last_step) == (0, None)
         steps = write_steps(writer, [4, 4, 3, 1, 2])
-        assert writer.next_step == 5
+        assert writer.last_step == 4
     assert_log_holds(path, steps)
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         assert log.layers == LAYERS
         assert log.per_example_names == list(PER_EXAMPLE)
         assert log.per_step_names == list(PER_STEP)
@@ -58,7 +58,7 @@ def test_blocks_are_written_every_flush_every_steps(tmp_path):
     writer = make_writer(path, flush_every=3, flush_seconds=None)
     writer.open()
     write_steps(writer, [2, 2])
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         assert (log.num_examples, log.num_steps) == (0, 0)
         write_steps(writer, [2])
         log.refresh()
@@ -75,14 +75,14 @@ def test_a_block_is_also_written_flush_seconds_after_the_last(tmp_path):
     path = tmp_path / "run.h5"
     with make_writer(path, flush_every=100, flush_seconds=1.0) as writer:
         write_steps(writer, [2, 2])
-        with GradientLog(path) as log:
+        with LogReader(path) as log:
             assert log.num_steps == 0  # well within the second
             time.sleep(1.05)
             write_steps(writer, [3])  # the first step after the second: one block
             log.refresh()
             assert (log.num_examples, log.num_steps) == (7, 3)
     every = tmp_path / "every.h5"
-    with make_writer(every, flush_every=100, flush_seconds=0) as writer, GradientLog(every) as log:
+    with make_writer(every, flush_every=100, flush_seconds=0) as writer, LogReader(every) as log:
         for steps in range(1, 4):
             write_steps(writer, [2])
             log.refresh()
@@ -135,7 +135,7 @@ def test_nan_and_inf_are_written_as_they_are(tmp_path):
     step["per_step"]["batch_grad_norm"] = np.nan
     with make_writer(path) as writer:
         writer.write_step(**step)
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         np.testing.assert_array_equal(log.per_example("loss"), [np.nan, np.inf, -np.inf, np.inf])
         assert np.isnan(log.per_step("batch_grad_norm")[0])
 
@@ -144,19 +144,19 @@ def test_append_continues_the_log(tmp_path):
     path = tmp_path / "run.h5"
     with make_writer(path) as writer:
         steps = write_steps(writer, [4, 2])
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         created = log.attrs["created"]
     with make_writer(path, append=True) as writer:
-        assert writer.next_step == 2
+        assert (writer.step_offset, writer.last_step) == (2, None)
         steps += write_steps(writer, [3, 1], epoch=1)
     assert_log_holds(path, steps)
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         assert log.attrs["created"] == created
 
 
 def test_append_to_a_missing_file_creates_it(tmp_path):
     with make_writer(tmp_path / "run.h5", append=True) as writer:
-        assert writer.next_step == 0
+        assert writer.step_offset == 0
         steps = write_steps(writer, [2])
     assert_log_holds(tmp_path / "run.h5", steps)
 
@@ -206,15 +206,15 @@ def test_append_refuses_files_that_are_not_schema_1_logs(tmp_path):
 def test_reader_refuses_files_that_are_not_schema_1_logs(tmp_path):
     for name, message in write_foreign_files(tmp_path).items():
         with pytest.raises(ValueError, match=message):
-            GradientLog(tmp_path / name)
+            LogReader(tmp_path / name)
     with pytest.raises(FileNotFoundError, match=r"missing\.h5"):
-        GradientLog(tmp_path / "missing.h5")
+        LogReader(tmp_path / "missing.h5")
 
 
 def test_reader_lists_the_columns_when_one_is_unknown(tmp_path):
     with make_writer(tmp_path / "run.h5") as writer:
         write_steps(writer, [2])
-    with GradientLog(tmp_path / "run.h5") as log:
+    with LogReader(tmp_path / "run.h5") as log:
         with pytest.raises(KeyError, match=r"'cosine'.*\['step', 'epoch', 'example_id', 'loss'"):
             log.per_example("cosine")
         with pytest.raises(KeyError, match="batch_size"):
@@ -226,7 +226,7 @@ def test_overwrite_replaces_the_file(tmp_path):
     with make_writer(path) as writer:
         write_steps(writer, [4, 4])
     with make_writer(path, overwrite=True) as writer:
-        assert writer.next_step == 0
+        assert writer.step_offset == 0
         steps = write_steps(writer, [1])
     assert_log_holds(path, steps)
 
@@ -309,8 +309,8 @@ def test_write_step_arguments_are_checked(tmp_path, change, message):
     with make_writer(tmp_path / "run.h5") as writer:
         with pytest.raises(ValueError, match=message):
             writer.write_step(**{**fake_step(0, 4), **change})
-        assert writer.next_step == 0
-    with GradientLog(tmp_path / "run.h5") as log:
+        assert writer.last_step is None
+    with LogReader(tmp_path / "run.h5") as log:
         assert (log.num_examples, log.num_steps) == (0, 0)
 
 
@@ -327,7 +327,7 @@ def test_to_pandas_spreads_per_layer_statistics_over_columns(tmp_path):
     with make_writer(tmp_path / "run.h5") as writer:
         steps = write_steps(writer, [3, 2])
     per_example, per_step = expected_tables(steps)
-    with GradientLog(tmp_path / "run.h5") as log:
+    with LogReader(tmp_path / "run.h5") as log:
         frame = log.to_pandas()
         per_step_frame = log.to_pandas("per_step")
         with pytest.raises(ValueError, match="Received: kind='layers'"):
@@ -351,11 +351,11 @@ def test_half_written_blocks_are_hidden_from_readers_and_dropped_on_append(tmp_p
             file["per_example"][name].resize((9,))
         file["per_example/loss"].resize((7,))
         file["per_step/step"].resize((4,))
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         assert (log.num_examples, log.num_steps) == (5, 2)
         assert log.per_example("example_id").shape == (5,)
     with make_writer(path, append=True) as writer:
-        assert writer.next_step == 2
+        assert writer.step_offset == 2
         steps += write_steps(writer, [1])
     assert_log_holds(path, steps)
 
@@ -367,7 +367,7 @@ def test_refresh_reopens_a_log_not_opened_in_swmr_mode(tmp_path):
     steps.append(fake_step(1, 3))
     per_example, per_step = expected_tables(steps)
     # A plain h5py writer in this process: HDF5 shares its non-SWMR handle with readers.
-    with h5py.File(path, "r+") as file, GradientLog(path) as log:
+    with h5py.File(path, "r+") as file, LogReader(path) as log:
         for table, columns in (("per_example", per_example), ("per_step", per_step)):
             for name, values in columns.items():
                 file[table][name].resize(len(values), axis=0)
@@ -395,8 +395,8 @@ def test_a_reader_in_another_process_follows_the_writer(tmp_path):
     writer.flush()
     reader_code = f"""
         import json
-        from keras_gradtrack.io import GradientLog
-        log = GradientLog({str(path)!r})
+        from keras_gradtrack.io import LogReader
+        log = LogReader({str(path)!r})
         while True:
             print(json.dumps([log.num_examples, log.num_steps, log.per_step("step").tolist()]), flush=True)
             if not sys.stdin.readline().strip():

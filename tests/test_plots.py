@@ -8,7 +8,8 @@ import pytest
 from test_analysis import ATTRS, LAYERS, SUSPICIOUS, write_log
 
 from keras_gradtrack import analysis
-from keras_gradtrack.io import GradientLog, LogWriter
+from keras_gradtrack.analysis import GradientLog
+from keras_gradtrack.io import LogWriter
 
 pytest.importorskip("matplotlib")
 from matplotlib.colors import LogNorm, to_hex

@@ -32,7 +32,7 @@ import pytest
 from helpers_io import expected_tables, fake_step, make_writer, write_steps
 
 import keras_gradtrack as kgt
-from keras_gradtrack.io import GradientLog, LogWriter, schema
+from keras_gradtrack.io import LogReader, LogWriter, schema
 
 WORKER = Path(__file__).resolve().parent / "reliability_worker.py"
 TIMEOUT_SECONDS = 120
@@ -203,7 +203,7 @@ def table_lengths(file: h5py.File) -> dict[str, list[int]]:
 
 
 def assert_holds_steps(path: Path, through_step: int, batch_size: int, flush_every: int) -> int:
-    """Checks the log of a `train` worker: plain h5py (swmr=True) and GradientLog open
+    """Checks the log of a `train` worker: plain h5py (swmr=True) and LogReader open
     it, and the rows common to each table's datasets hold every step up to
     `through_step`, complete and in order. Returns the number of such steps."""
     with h5py.File(path, "r", swmr=True) as file:
@@ -225,7 +225,7 @@ def assert_holds_steps(path: Path, through_step: int, batch_size: int, flush_eve
         for table, rows_per_step in (("per_example", batch_size), ("per_step", 1)):
             extra = {length - min(lengths[table]) for length in lengths[table]}
             assert extra <= {0, rows_per_step * flush_every}, (table, lengths[table])
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         assert log.num_steps >= through_step + 1
         assert len(log.per_example("example_id")) == log.num_examples
     return num_steps
@@ -294,7 +294,7 @@ def check_sweep_file(path: Path, flushed: int) -> dict[str, set[int]]:
                 np.testing.assert_array_equal(values, expected[name][: len(values)], err_msg=name)
                 assert len(values) in boundaries[table], (table, name, len(values))
         assert min(lengths["per_step"]) >= flushed + 1
-    with GradientLog(path) as log:
+    with LogReader(path) as log:
         assert log.num_steps >= flushed + 1
         np.testing.assert_array_equal(log.per_step("step"), np.arange(log.num_steps))
         np.testing.assert_array_equal(
@@ -376,7 +376,7 @@ def test_a_new_log_is_made_on_file_systems_without_hard_links(
     with make_writer(tmp_path / "run.h5") as writer:
         steps = write_steps(writer, [2, 1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
-    with GradientLog(tmp_path / "run.h5") as log:
+    with LogReader(tmp_path / "run.h5") as log:
         assert log.num_steps == len(steps)
 
 
@@ -424,7 +424,7 @@ def test_a_reader_sees_the_rows_grow_while_fit_writes_them(tmp_path: Path) -> No
     with Worker("train", str(path), *arguments) as worker:
         worker.wait_for("flushed")
         seen_steps = []
-        with GradientLog(path) as log:
+        with LogReader(path) as log:
             while worker.process.poll() is None:
                 log.refresh()
                 steps = log.per_step("step")
@@ -559,7 +559,7 @@ def test_a_full_disk_ends_fit_with_a_clear_error_and_keeps_the_log(
 
     def flush_and_record(writer: Any) -> None:
         flush(writer)
-        flushed_through.append(writer.next_step - 1)
+        flushed_through.append(writer.last_step)
 
     monkeypatch.setattr(LogWriter, "flush", flush_and_record)
 
@@ -588,7 +588,7 @@ def test_a_full_disk_ends_fit_with_a_clear_error_and_keeps_the_log(
         # Every block written before the failed one, and nothing of that one.
         with h5py.File(path, "r", swmr=True) as file:
             lengths = table_lengths(file)
-        with GradientLog(path) as log:
+        with LogReader(path) as log:
             assert log.num_steps == flushed_through[-1] + 1 >= 2
             np.testing.assert_array_equal(log.per_step("step"), np.arange(log.num_steps))
             assert lengths == {
@@ -643,7 +643,7 @@ def test_nan_and_inf_gradients_are_logged_as_they_are(
     history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
     # As plain Keras: training goes on through NaN and inf unless told to stop.
     assert len(history.history["loss"]) == (1 if terminate_on_nan else 3)
-    with GradientLog(tmp_path / "run.h5") as log:
+    with LogReader(tmp_path / "run.h5") as log:
         assert log.num_steps == (1 if terminate_on_nan else 6)
         loss = log.per_example("loss")
         assert np.isfinite(loss[[0, 1, 2, 4, 5, 6, 7]]).all()

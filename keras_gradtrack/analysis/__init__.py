@@ -1,6 +1,7 @@
 """Afterwards analysis of a gradient log: histories, influence rankings, summaries, export.
 
-Every function takes an open `GradientLog`, and most are also its methods
+Every function takes an open log (`GradientLog`, or the plain
+`keras_gradtrack.io.LogReader`), and most are also methods of `GradientLog`
 (`log.most_influential(10)` calls `most_influential(log, 10)`). Only numpy is
 needed; pandas and pyarrow are imported when asked for.
 
@@ -17,6 +18,7 @@ log.to_csv("run.per_example.csv")
 ```
 """
 
+from keras_gradtrack.analysis.log import GradientLog
 from keras_gradtrack.analysis.scores import (
     DetectionMetrics,
     ExampleScores,
@@ -41,6 +43,7 @@ from keras_gradtrack.analysis.text import summary, text_table
 __all__ = [
     "DetectionMetrics",
     "ExampleScores",
+    "GradientLog",
     "LayerSummary",
     "detection_metrics",
     "example_history",

@@ -17,7 +17,7 @@ from keras_gradtrack.analysis.tables import (
 if TYPE_CHECKING:
     import pandas
 
-    from keras_gradtrack.io.reader import GradientLog
+    from keras_gradtrack.io.reader import LogReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ class DetectionMetrics:
         )
 
 
-def self_influence(log: GradientLog, learning_rate: float | None = None) -> ExampleScores:
+def self_influence(log: LogReader, learning_rate: float | None = None) -> ExampleScores:
     """TracIn self-influence: `sum over logged steps t of lr_t * ||g_i,t||^2`, per id.
 
     The learning rate of each step is read from `/per_step/learning_rate` (joined to
@@ -137,7 +137,7 @@ def self_influence(log: GradientLog, learning_rate: float | None = None) -> Exam
 
 
 def most_influential(
-    log: GradientLog, k: int = 10, learning_rate: float | None = None
+    log: LogReader, k: int = 10, learning_rate: float | None = None
 ) -> ExampleScores:
     """The `k` examples of highest self-influence, highest first: the suspicious ones.
 
@@ -152,7 +152,7 @@ def most_influential(
     return self_influence(log, learning_rate).top(k)
 
 
-def negative_cosine_frequency(log: GradientLog) -> ExampleScores:
+def negative_cosine_frequency(log: LogReader) -> ExampleScores:
     """Per id, the fraction of its logged steps with `cosine < 0` (it opposed the batch).
 
     NaN cosines (a zero gradient) count as rows but not as negative.
@@ -171,7 +171,7 @@ def negative_cosine_frequency(log: GradientLog) -> ExampleScores:
     return dataclasses.replace(counts, score=counts.score / np.maximum(counts.rows, 1))
 
 
-def most_opposing(log: GradientLog, k: int = 10) -> ExampleScores:
+def most_opposing(log: LogReader, k: int = 10) -> ExampleScores:
     """The `k` examples whose gradient most often points against the batch gradient.
 
     Example:
@@ -218,7 +218,7 @@ def detection_metrics(
     return DetectionMetrics(float(auc), hits / k, recall, k, positives, count)
 
 
-def _sum_by_id(log: GradientLog, name: str, values: np.ndarray, kept: np.ndarray) -> ExampleScores:
+def _sum_by_id(log: LogReader, name: str, values: np.ndarray, kept: np.ndarray) -> ExampleScores:
     ids, inverse = np.unique(log.per_example("example_id")[kept], return_inverse=True)
     total = np.bincount(inverse, weights=values[kept], minlength=len(ids))
     rows = np.bincount(inverse, minlength=len(ids)).astype(np.int64)

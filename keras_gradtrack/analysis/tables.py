@@ -11,15 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from keras_gradtrack.io.reader import GradientLog
+from keras_gradtrack.io.schema import LEARNING_RATE, PER_EXAMPLE_GROUP, PER_STEP_GROUP, TABLES
 
-LEARNING_RATE = "learning_rate"
-TABLE_KINDS = ("per_example", "per_step")
-INDEX_COLUMNS = {
-    "per_example": ("step", "epoch", "example_id"),
-    "per_step": ("step", "epoch", "batch_size"),
-}
+if TYPE_CHECKING:
+    from keras_gradtrack.io.reader import LogReader
+
 CSV_BLOCK_ROWS = 65536
 REDUCERS: dict[str, Callable[..., np.ndarray]] = {
     "median": np.nanmedian,
@@ -48,7 +44,7 @@ class LayerSummary:
     layers: list[str]
 
 
-def per_example_learning_rate(log: GradientLog) -> np.ndarray:
+def per_example_learning_rate(log: LogReader) -> np.ndarray:
     """The learning rate of each per-example row, joined from `/per_step` by step.
 
     Returns:
@@ -82,7 +78,7 @@ def per_example_learning_rate(log: GradientLog) -> np.ndarray:
     return joined
 
 
-def example_history(log: GradientLog, example_id: int) -> dict[str, np.ndarray]:
+def example_history(log: LogReader, example_id: int) -> dict[str, np.ndarray]:
     """Every logged row of one example, in step order.
 
     Args:
@@ -118,7 +114,7 @@ def example_history(log: GradientLog, example_id: int) -> dict[str, np.ndarray]:
 
 
 def layer_summary(
-    log: GradientLog, statistic: str = "layer_grad_norm", by: str = "step", reduce: str = "median"
+    log: LogReader, statistic: str = "layer_grad_norm", by: str = "step", reduce: str = "median"
 ) -> LayerSummary:
     """A per-layer statistic over time: its `reduce` over the rows of each step or epoch.
 
@@ -162,7 +158,7 @@ def layer_summary(
 
 
 def step_quantiles(
-    log: GradientLog, statistic: str, quantiles: Iterable[float] = (0.1, 0.5, 0.9)
+    log: LogReader, statistic: str, quantiles: Iterable[float] = (0.1, 0.5, 0.9)
 ) -> tuple[np.ndarray, np.ndarray]:
     """Quantiles over the examples of each step of a per-example statistic (for bands).
 
@@ -190,7 +186,7 @@ def step_quantiles(
     return steps, bands
 
 
-def table_columns(log: GradientLog, kind: str = "per_example") -> dict[str, np.ndarray]:
+def table_columns(log: LogReader, kind: str = "per_example") -> dict[str, np.ndarray]:
     """One table as flat columns; per-layer statistics become `"<stat>/<layer>"` columns.
 
     Example:
@@ -199,13 +195,11 @@ def table_columns(log: GradientLog, kind: str = "per_example") -> dict[str, np.n
     columns = table_columns(log, "per_step")  # {"step": ..., "batch_grad_norm": ...}
     ```
     """
-    if kind not in TABLE_KINDS:
-        raise ValueError(f"Expected kind in {list(TABLE_KINDS)}. Received: kind={kind!r}")
-    read = log.per_example if kind == "per_example" else log.per_step
-    names = log.per_example_names if kind == "per_example" else log.per_step_names
+    if kind not in TABLES:
+        raise ValueError(f"Expected kind in {list(TABLES)}. Received: kind={kind!r}")
     columns: dict[str, np.ndarray] = {}
-    for name in (*INDEX_COLUMNS[kind], *names):
-        values = read(name)
+    for name in log.layout.columns(kind):
+        values = log.read(kind, name)
         if values.ndim == 1:
             columns[name] = values
         else:
@@ -214,7 +208,7 @@ def table_columns(log: GradientLog, kind: str = "per_example") -> dict[str, np.n
     return columns
 
 
-def to_csv(log: GradientLog, path: str | os.PathLike[str], kind: str = "per_example") -> str:
+def to_csv(log: LogReader, path: str | os.PathLike[str], kind: str = "per_example") -> str:
     """Writes one table to a CSV file with a header row (NaN as `nan`). Returns the path.
 
     Floats are written with 7 significant digits (they are float32 in the log).
@@ -237,7 +231,7 @@ def to_csv(log: GradientLog, path: str | os.PathLike[str], kind: str = "per_exam
     return os.fspath(path)
 
 
-def to_parquet(log: GradientLog, path: str | os.PathLike[str], kind: str = "per_example") -> str:
+def to_parquet(log: LogReader, path: str | os.PathLike[str], kind: str = "per_example") -> str:
     """Writes one table to a Parquet file, with the log's dtypes. Returns the path.
 
     Raises:
@@ -262,19 +256,18 @@ def grouped_rows(keys: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return distinct, np.split(order, starts[1:]) if len(order) else []
 
 
-def per_layer_statistics(log: GradientLog) -> list[str]:
+def per_layer_statistics(log: LogReader) -> list[str]:
     """Names of the statistics with one column per layer, per-example ones first."""
     # The layout gives the widths without reading the (possibly large) datasets.
-    layout = log._layout
     return [
         name
-        for table in TABLE_KINDS
-        for name, width in layout.widths(table).items()
+        for table in (PER_EXAMPLE_GROUP, PER_STEP_GROUP)
+        for name, width in log.layout.widths(table).items()
         if width is not None
     ]
 
 
-def per_example_column(log: GradientLog, name: str) -> np.ndarray:
+def per_example_column(log: LogReader, name: str) -> np.ndarray:
     """A per-example statistic; a `KeyError` says which statistic an analysis needs."""
     if name not in log.per_example_names:
         raise KeyError(

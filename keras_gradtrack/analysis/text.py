@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from keras_gradtrack.analysis.tables import TABLE_KINDS, layer_summary, per_layer_statistics
+from keras_gradtrack.analysis.tables import layer_summary, per_layer_statistics
+from keras_gradtrack.io.schema import PER_EXAMPLE_GROUP, TABLES
 
 if TYPE_CHECKING:
-    from keras_gradtrack.io.reader import GradientLog
+    from keras_gradtrack.io.reader import LogReader
 
 
-def summary(log: GradientLog) -> str:
+def summary(log: LogReader) -> str:
     """What a log holds (steps, examples, layers) and the range of every statistic.
 
     Returns:
@@ -52,11 +53,10 @@ def summary(log: GradientLog) -> str:
     sections = [text_table(header)]
     rows = []
     per_layer = per_layer_statistics(log)
-    for kind in TABLE_KINDS:
-        read = log.per_example if kind == "per_example" else log.per_step
-        names = log.per_example_names if kind == "per_example" else log.per_step_names
+    for kind in TABLES:
+        names = log.per_example_names if kind == PER_EXAMPLE_GROUP else log.per_step_names
         for name in names:
-            values = read(name).astype(np.float64)
+            values = log.read(kind, name).astype(np.float64)
             per = kind.removeprefix("per_") + (" x layer" if name in per_layer else "")
             rows.append((name, per, *_quantiles(values), str(int(np.isnan(values).sum()))))
     header_row = ("statistic", "per", "min", "median", "max", "NaN")

@@ -1,4 +1,4 @@
-"""`GradientLog`: reads a keras_gradtrack log, also while it is being written."""
+"""`LogReader`: reads a gradient log, also while it is being written."""
 
 import os
 from typing import TYPE_CHECKING, Any
@@ -7,20 +7,23 @@ import h5py
 import numpy as np
 
 from keras_gradtrack.io import schema
+from keras_gradtrack.io.hdf5_tables import rows_in_all
+from keras_gradtrack.io.read_access import damage_reported, open_for_reading
 
 if TYPE_CHECKING:
     import pandas
 
-    from keras_gradtrack import analysis
 
-
-class GradientLog:
-    """Read access to a keras_gradtrack HDF5 log.
+class LogReader:
+    """Read access to a keras_gradtrack gradient log (HDF5), with numpy and pandas.
 
     The file is opened read-only in SWMR mode when possible, so a log can be read
     while `HDF5GradientLogger` is still writing it; `refresh()` picks up the rows
     written since. Every read of a table returns the rows present in all of its
     datasets, so columns read together always have equal lengths.
+
+    `keras_gradtrack.GradientLog` adds the analyses (summaries, influence
+    rankings, export) to this reader.
 
     Args:
         path: path of the log file.
@@ -29,11 +32,12 @@ class GradientLog:
         FileNotFoundError: if `path` does not exist.
         ValueError: if the file is not a keras_gradtrack log, or was written with an
             unsupported schema version.
+        OSError: if the file is damaged (cut short, or overwritten in part).
 
     Example:
 
     ```python
-    with GradientLog("run.h5") as log:
+    with LogReader("run.h5") as log:
         cosine = log.per_example("cosine")  # (N,): one value per example seen
         per_layer = log.per_example("layer_grad_norm")  # (N, L), columns log.layers
         frame = log.to_pandas("per_step")  # columns step, epoch, batch_size, ...
@@ -54,6 +58,11 @@ class GradientLog:
         self._open()
 
     @property
+    def layout(self) -> schema.Layout:
+        """What the log holds: layer names and the value columns of each table."""
+        return self._layout
+
+    @property
     def layers(self) -> list[str]:
         """The L layer names: the column order of per-layer statistics."""
         return list(self._layout.layer_names)
@@ -62,7 +71,8 @@ class GradientLog:
     def attrs(self) -> dict[str, Any]:
         """The root attributes: `schema_version`, `library_version`, `created`, ..."""
         file = self._require_open()
-        return {name: _to_python(value) for name, value in file.attrs.items()}
+        with damage_reported(self.path):
+            return {name: _to_python(value) for name, value in file.attrs.items()}
 
     @property
     def per_example_names(self) -> list[str]:
@@ -71,18 +81,18 @@ class GradientLog:
 
     @property
     def per_step_names(self) -> list[str]:
-        """Names of the per-step statistics, in the order they were declared."""
+        """Names of the per-step value columns (statistics, `learning_rate`), in file order."""
         return list(self._layout.per_step)
 
     @property
     def num_examples(self) -> int:
         """Number of complete per-example rows."""
-        return schema.table_length(self._require_open()[schema.PER_EXAMPLE_GROUP])
+        return self._length(schema.PER_EXAMPLE_GROUP)
 
     @property
     def num_steps(self) -> int:
         """Number of complete per-step rows."""
-        return schema.table_length(self._require_open()[schema.PER_STEP_GROUP])
+        return self._length(schema.PER_STEP_GROUP)
 
     def per_example(self, name: str) -> np.ndarray:
         """One per-example column: a statistic, `"step"`, `"epoch"` or `"example_id"`.
@@ -96,10 +106,10 @@ class GradientLog:
         Raises:
             KeyError: for an unknown name; the message lists the available ones.
         """
-        return self._read(schema.PER_EXAMPLE_GROUP, name)
+        return self.read(schema.PER_EXAMPLE_GROUP, name)
 
     def per_step(self, name: str) -> np.ndarray:
-        """One per-step column: a statistic, `"step"`, `"epoch"` or `"batch_size"`.
+        """One per-step column: a statistic, `"step"`, `"epoch"`, `"batch_size"`, ...
 
         Args:
             name: column name.
@@ -110,15 +120,32 @@ class GradientLog:
         Raises:
             KeyError: for an unknown name; the message lists the available ones.
         """
-        return self._read(schema.PER_STEP_GROUP, name)
+        return self.read(schema.PER_STEP_GROUP, name)
+
+    def read(self, table: str, name: str) -> np.ndarray:
+        """One column of `table` (`"per_example"` or `"per_step"`): its complete rows.
+
+        Example:
+
+        ```python
+        log.read("per_step", "learning_rate")
+        ```
+        """
+        columns = self._layout.columns(table)
+        if name not in columns:
+            raise KeyError(f"No {table} column {name!r} in '{self.path}'. Available: {columns}")
+        file = self._require_open()
+        with damage_reported(self.path):
+            return file[table][name][: self._length(table)]
 
     def refresh(self) -> None:
         """Makes the rows written since opening (or the last refresh) visible."""
         file = self._require_open()
         if file.swmr_mode:
-            for table in schema.TABLES:
-                for dataset in file[table].values():
-                    dataset.refresh()
+            with damage_reported(self.path):
+                for table in schema.TABLES:
+                    for name in self._layout.columns(table):
+                        file[table][name].refresh()
         else:
             file.close()
             self._file = None
@@ -148,14 +175,11 @@ class GradientLog:
             import pandas
         except ImportError as error:
             raise ImportError(
-                "GradientLog.to_pandas() needs pandas. "
-                "Install it with `pip install keras-gradtrack[pandas]`."
+                "to_pandas() needs pandas. Install it with `pip install keras-gradtrack[pandas]`."
             ) from error
-        group = self._require_open()[kind]
-        length = schema.table_length(group)
         columns: dict[str, np.ndarray] = {}
-        for name, dataset in group.items():
-            values = dataset[:length]
+        for name in self._layout.columns(kind):
+            values = self.read(kind, name)
             if values.ndim == 1:
                 columns[name] = values
             else:
@@ -163,159 +187,33 @@ class GradientLog:
                     columns[f"{name}/{layer}"] = column
         return pandas.DataFrame(columns)
 
-    # -- analysis: thin delegations to keras_gradtrack.analysis --------------
-
-    def summary(self) -> str:
-        """A plain-text summary: steps, examples, layers, range of every statistic.
-
-        Example:
-
-        ```python
-        print(GradientLog("run.h5").summary())
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.summary(self)
-
-    def example_history(self, example_id: int) -> dict[str, np.ndarray]:
-        """Every logged row of one example, in step order (`analysis.example_history`).
-
-        Example:
-
-        ```python
-        log.example_history(17)["cosine"]
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.example_history(self, example_id)
-
-    def self_influence(self, learning_rate: float | None = None) -> "analysis.ExampleScores":
-        """TracIn self-influence per example: `sum_t lr_t ||g_i,t||^2` (`analysis.self_influence`).
-
-        Example:
-
-        ```python
-        scores = log.self_influence()  # ExampleScores, ordered by example id
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.self_influence(self, learning_rate)
-
-    def most_influential(
-        self, k: int = 10, learning_rate: float | None = None
-    ) -> "analysis.ExampleScores":
-        """The `k` examples of highest self-influence, highest first: the suspicious ones.
-
-        Example:
-
-        ```python
-        log.most_influential(20).example_id
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.most_influential(self, k, learning_rate)
-
-    def negative_cosine_frequency(self) -> "analysis.ExampleScores":
-        """Per example, the fraction of its logged steps with `cosine < 0`.
-
-        Example:
-
-        ```python
-        log.negative_cosine_frequency().score  # ordered by example id
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.negative_cosine_frequency(self)
-
-    def most_opposing(self, k: int = 10) -> "analysis.ExampleScores":
-        """The `k` examples most often with `cosine < 0` (`analysis.most_opposing`).
-
-        Example:
-
-        ```python
-        log.most_opposing(10).score  # fraction of their steps against the batch
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.most_opposing(self, k)
-
-    def layer_summary(
-        self, statistic: str = "layer_grad_norm", by: str = "step", reduce: str = "median"
-    ) -> "analysis.LayerSummary":
-        """A per-layer statistic reduced per step or epoch (`analysis.layer_summary`).
-
-        Example:
-
-        ```python
-        log.layer_summary("layer_cosine", by="epoch").values  # (epochs, L)
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.layer_summary(self, statistic, by, reduce)
-
-    def to_csv(self, path: str | os.PathLike[str], kind: str = "per_example") -> str:
-        """Writes one table to CSV; returns the path (`analysis.to_csv`).
-
-        Example:
-
-        ```python
-        log.to_csv("run.per_step.csv", kind="per_step")
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.to_csv(self, path, kind)
-
-    def to_parquet(self, path: str | os.PathLike[str], kind: str = "per_example") -> str:
-        """Writes one table to Parquet (needs pyarrow); returns the path (`analysis.to_parquet`).
-
-        Example:
-
-        ```python
-        log.to_parquet("run.per_example.parquet")
-        ```
-        """
-        from keras_gradtrack import analysis
-
-        return analysis.to_parquet(self, path, kind)
-
     def close(self) -> None:
         """Closes the file. Calling it again does nothing."""
         if self._file is not None:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "GradientLog":
+    def __enter__(self) -> "LogReader":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
+        name = type(self).__name__
         if self._file is None:
-            return f"<GradientLog '{self.path}' (closed)>"
+            return f"<{name} '{self.path}' (closed)>"
         return (
-            f"<GradientLog '{self.path}': {self.num_examples} example rows, "
+            f"<{name} '{self.path}': {self.num_examples} example rows, "
             f"{self.num_steps} step rows, layers={self.layers}, "
             f"per_example={self.per_example_names}, per_step={self.per_step_names}>"
         )
 
     def _open(self) -> None:
+        file = open_for_reading(self.path)
         try:
-            # SWMR lets the file be read while a writer is appending to it, and opens
-            # files whose writer was killed (plain opens refuse those).
-            file = h5py.File(self.path, "r", swmr=True)
-        except OSError:
-            file = h5py.File(self.path, "r")
-        try:
-            self._layout = schema.read_layout(file, self.path)
+            with damage_reported(self.path):
+                self._layout = schema.Layout.read(file, self.path)
         except BaseException:
             file.close()
             raise
@@ -323,14 +221,14 @@ class GradientLog:
 
     def _require_open(self) -> h5py.File:
         if self._file is None:
-            raise ValueError(f"The GradientLog for '{self.path}' is closed.")
+            raise ValueError(f"The {type(self).__name__} for '{self.path}' is closed.")
         return self._file
 
-    def _read(self, table: str, name: str) -> np.ndarray:
-        group = self._require_open()[table]
-        if name not in group:
-            raise KeyError(f"No {table} column {name!r} in '{self.path}'. Available: {list(group)}")
-        return group[name][: schema.table_length(group)]
+    def _length(self, table: str) -> int:
+        file = self._require_open()
+        with damage_reported(self.path):
+            group = file[table]
+            return rows_in_all(group[name] for name in self._layout.columns(table))
 
 
 def _to_python(value: Any) -> Any:

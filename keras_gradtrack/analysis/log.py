@@ -1,0 +1,154 @@
+"""`GradientLog`: the reader of a gradient log, with the analyses as methods."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from keras_gradtrack.analysis.scores import (
+    ExampleScores,
+    most_influential,
+    most_opposing,
+    negative_cosine_frequency,
+    self_influence,
+)
+from keras_gradtrack.analysis.tables import (
+    LayerSummary,
+    example_history,
+    layer_summary,
+    to_csv,
+    to_parquet,
+)
+from keras_gradtrack.analysis.text import summary
+from keras_gradtrack.io.reader import LogReader
+
+
+class GradientLog(LogReader):
+    """Read access to a keras_gradtrack HDF5 log, with its analyses.
+
+    Everything `keras_gradtrack.io.LogReader` reads (columns as numpy arrays,
+    `to_pandas`, live reading with `refresh()`), plus summaries, influence
+    rankings and export; each method calls the function of the same name in
+    `keras_gradtrack.analysis` with this log. Reading needs neither TensorFlow nor
+    Keras.
+
+    Args:
+        path: path of the log file.
+
+    Raises:
+        FileNotFoundError: if `path` does not exist.
+        ValueError: if the file is not a keras_gradtrack log, or was written with an
+            unsupported schema version.
+        OSError: if the file is damaged (cut short, or overwritten in part).
+
+    Example:
+
+    ```python
+    with GradientLog("run.h5") as log:
+        cosine = log.per_example("cosine")  # (N,): one value per example seen
+        print(log.summary())
+        log.most_influential(20).example_id  # highest TracIn self-influence first
+    ```
+    """
+
+    def summary(self) -> str:
+        """A plain-text summary: steps, examples, layers, range of every statistic.
+
+        Example:
+
+        ```python
+        print(GradientLog("run.h5").summary())
+        ```
+        """
+        return summary(self)
+
+    def example_history(self, example_id: int) -> dict[str, np.ndarray]:
+        """Every logged row of one example, in step order (`analysis.example_history`).
+
+        Example:
+
+        ```python
+        log.example_history(17)["cosine"]
+        ```
+        """
+        return example_history(self, example_id)
+
+    def self_influence(self, learning_rate: float | None = None) -> ExampleScores:
+        """TracIn self-influence per example: `sum_t lr_t ||g_i,t||^2` (`analysis.self_influence`).
+
+        Example:
+
+        ```python
+        scores = log.self_influence()  # ExampleScores, ordered by example id
+        ```
+        """
+        return self_influence(self, learning_rate)
+
+    def most_influential(self, k: int = 10, learning_rate: float | None = None) -> ExampleScores:
+        """The `k` examples of highest self-influence, highest first: the suspicious ones.
+
+        Example:
+
+        ```python
+        log.most_influential(20).example_id
+        ```
+        """
+        return most_influential(self, k, learning_rate)
+
+    def negative_cosine_frequency(self) -> ExampleScores:
+        """Per example, the fraction of its logged steps with `cosine < 0`.
+
+        Example:
+
+        ```python
+        log.negative_cosine_frequency().score  # ordered by example id
+        ```
+        """
+        return negative_cosine_frequency(self)
+
+    def most_opposing(self, k: int = 10) -> ExampleScores:
+        """The `k` examples most often with `cosine < 0` (`analysis.most_opposing`).
+
+        Example:
+
+        ```python
+        log.most_opposing(10).score  # fraction of their steps against the batch
+        ```
+        """
+        return most_opposing(self, k)
+
+    def layer_summary(
+        self, statistic: str = "layer_grad_norm", by: str = "step", reduce: str = "median"
+    ) -> LayerSummary:
+        """A per-layer statistic reduced per step or epoch (`analysis.layer_summary`).
+
+        Example:
+
+        ```python
+        log.layer_summary("layer_cosine", by="epoch").values  # (epochs, L)
+        ```
+        """
+        return layer_summary(self, statistic, by, reduce)
+
+    def to_csv(self, path: str | os.PathLike[str], kind: str = "per_example") -> str:
+        """Writes one table to CSV; returns the path (`analysis.to_csv`).
+
+        Example:
+
+        ```python
+        log.to_csv("run.per_step.csv", kind="per_step")
+        ```
+        """
+        return to_csv(self, path, kind)
+
+    def to_parquet(self, path: str | os.PathLike[str], kind: str = "per_example") -> str:
+        """Writes one table to Parquet (needs pyarrow); returns the path (`analysis.to_parquet`).
+
+        Example:
+
+        ```python
+        log.to_parquet("run.per_example.parquet")
+        ```
+        """
+        return to_parquet(self, path, kind)

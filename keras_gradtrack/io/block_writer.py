@@ -1,0 +1,396 @@
+"""`BlockWriter`: streams the rows of a declared layout into an HDF5 file, in blocks.
+
+Both logs (see `io.schema`) are written by this one core: a new file is made under
+a hidden name with every dataset, switched to SWMR mode and only then moved into
+place; steps are buffered and written in blocks; a block that fails is cut off
+again; and only one writer per file is open in a process.
+"""
+
+import atexit
+import contextlib
+import errno
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import h5py
+import numpy as np
+
+from keras_gradtrack.io import files, schema
+from keras_gradtrack.io.checks import check_flush_seconds, checked_rows, non_negative_int
+from keras_gradtrack.io.discard import close_without_writing
+from keras_gradtrack.io.hdf5_tables import COMPRESSIONS, Table, rows_in_all
+from keras_gradtrack.io.streamed import StreamedStep
+
+# The writers of this process that have a file open, by real path: a second writer
+# on the same file would interleave its rows with the first one's buffered block.
+_OPEN_WRITERS: dict[str, "BlockWriter"] = {}
+
+
+class BlockWriter:
+    """Writes the tables of `layout` to an HDF5 file, buffered in blocks of steps.
+
+    Steps are numbered by the caller from 0 (the first step of its run); the file
+    numbers them on from the last step already in it, so an appended log
+    continues where it stopped. Steps must come in increasing order.
+
+    A block is written when `flush_every` steps are buffered, or at the first step
+    `flush_seconds` after the last block. Buffered steps are written however the
+    writer ends: `close()`, a `with` block, or the normal exit of the process.
+
+    Args:
+        path: path of the HDF5 file.
+        layout: the file's layout: a `schema.Layout` or `schema.OutputGradientLayout`.
+        attrs: root attributes: the strings `library_version`, `keras_version`,
+            `tensorflow_version` and `model_name`; any others are stored as given.
+        overwrite: replace the file if it exists.
+        append: continue the log if the file exists; its layout must match. A
+            missing file is created.
+        flush_every: most steps written per block.
+        flush_seconds: a block is also written at the first step this many seconds
+            after the previous one (or after opening); `None` writes blocks of
+            exactly `flush_every` steps.
+        compression: `"gzip"` (level 4), `"lzf"` or `None`.
+
+    Example:
+
+    ```python
+    layout = schema.Layout.from_arguments(["dense"], {"loss": None}, {})
+    with BlockWriter("run.h5", layout, attrs=attrs) as writer:
+        writer.write_rows(0, {"per_example": {"epoch": [0, 0], "example_id": [7, 9],
+                                              "loss": [0.5, 0.25]},
+                              "per_step": {"epoch": 0, "batch_size": 2}})
+    ```
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layout: schema.Layout | schema.OutputGradientLayout,
+        *,
+        attrs: Mapping[str, Any],
+        overwrite: bool = False,
+        append: bool = False,
+        flush_every: int = 100,
+        flush_seconds: float | None = 1.0,
+        compression: str | None = "gzip",
+    ):
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(
+                f"Expected flush_every to be a positive integer. Received: {flush_every=}"
+            )
+        check_flush_seconds(flush_seconds)
+        if compression not in COMPRESSIONS:
+            raise ValueError(
+                f"Expected compression in {list(COMPRESSIONS)}. Received: {compression=}"
+            )
+        self.path = os.fspath(path)
+        self.layout = layout
+        self.attrs = schema.checked_caller_attrs(attrs)
+        self.overwrite = overwrite
+        self.append = append
+        self.flush_every = flush_every
+        self.flush_seconds = flush_seconds
+        self.compression = compression
+        self._tables: dict[str, Table] = layout.tables()
+        # The table with one row per step: its step column numbers the file's steps.
+        self._steps_table = next(t for t in self._tables.values() if t.rows_per_step is None)
+        self._file: h5py.File | None = None
+        self._datasets: dict[str, h5py.Dataset] = {}
+        # One record per buffered step: column path -> its rows.
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._step_offset = 0
+        self._last_step: int | None = None
+        self._last_block = time.monotonic()
+
+    @staticmethod
+    def check_path(path: str | os.PathLike[str], *, overwrite: bool, append: bool) -> None:
+        """Raises if a log cannot be written at `path` with these flags; writes nothing.
+
+        Args:
+            path: path of the HDF5 file.
+            overwrite: whether an existing file may be replaced.
+            append: whether an existing file may be continued.
+
+        Raises:
+            OSError: (`errno.EBUSY`) if a writer of this process has the file open.
+            ValueError: if both `overwrite` and `append` are set.
+            IsADirectoryError: if `path` is a directory.
+            FileNotFoundError: if the parent directory does not exist.
+            NotADirectoryError: if the parent path is not a directory.
+            FileExistsError: if `path` exists and neither flag is set.
+            PermissionError: if the file, or the directory a new file goes to, is not
+                writable.
+
+        Example:
+
+        ```python
+        LogWriter.check_path("run.h5", overwrite=False, append=False)
+        ```
+        """
+        path = os.fspath(path)
+        holder = _OPEN_WRITERS.get(os.path.realpath(path))
+        if holder is not None:
+            raise OSError(
+                errno.EBUSY,
+                f"'{path}' is already open for writing in this process, by {holder!r}. "
+                "Close that writer first (its close(); a logger whose fit stopped with an "
+                "error still holds its last steps and writes them when closed), or pass "
+                "the same logger to fit again: it continues its own file.",
+            )
+        files.check_path(path, overwrite=overwrite, append=append)
+
+    def open(self) -> None:
+        """Creates (or, with `append=True`, opens) the file and switches it to SWMR mode.
+
+        Raises:
+            ValueError: when appending to a file that is not a log of the same layout.
+            OSError: when another writer holds the file open.
+            RuntimeError: if the writer is already open.
+            (and the errors of `check_path`)
+        """
+        if self._file is not None:
+            raise RuntimeError(f"The writer for '{self.path}' is already open.")
+        self.check_path(self.path, overwrite=self.overwrite, append=self.append)
+        if self.append and os.path.exists(self.path):
+            file, num_steps = files.open_to_append(self.path, self.layout, self._tables)
+        else:
+            header = schema.header(self.layout, self.attrs)
+            file = files.create(self.path, header, self._tables, self.compression, self.overwrite)
+            num_steps = 0
+        steps = file[self._steps_table.step_column.path]
+        self._step_offset = int(steps[num_steps - 1]) + 1 if num_steps else 0
+        self._file = file
+        # Looking datasets up by name costs more than writing a small block.
+        self._datasets = {c.path: file[c.path] for t in self._tables.values() for c in t.columns}
+        self._pending = []
+        self._last_step = None
+        self._last_block = time.monotonic()
+        _OPEN_WRITERS[os.path.realpath(self.path)] = self
+
+    @property
+    def step_offset(self) -> int:
+        """The file's number of the caller's step 0: the file's last step + 1 when opened."""
+        self._require_open()
+        return self._step_offset
+
+    @property
+    def last_step(self) -> int | None:
+        """The file's number of the last step written or buffered since opening, if any."""
+        self._require_open()
+        return None if self._last_step is None else self._step_offset + self._last_step
+
+    def write_rows(self, step: int, rows: Mapping[str, Mapping[str, Any]]) -> None:
+        """Buffers one step; writes a block every `flush_every` steps.
+
+        Args:
+            step: the step, counted from 0 at the start of the caller's run.
+            rows: table name -> column name -> values, for every column of the layout
+                except `step` (the writer fills it) and the streamed ones. A table with
+                one row per step takes the row itself (a scalar, or the row's shape);
+                others take one row per count in their `rows_per_step` column.
+
+        Raises:
+            ValueError: if a name, shape or type differs from the layout, or `step`
+                does not come after the previous one.
+        """
+        self._require_open()
+        step = self._checked_step(step)
+        record = self._record(step, rows)
+        self._pending.append(record)  # one append: an interrupt leaves the buffer whole
+        self._last_step = step
+        overdue = (
+            self.flush_seconds is not None
+            and time.monotonic() - self._last_block >= self.flush_seconds
+        )
+        if len(self._pending) >= self.flush_every or overdue:
+            self.flush()
+
+    @contextlib.contextmanager
+    def streamed_step(self, step: int) -> Iterator[StreamedStep]:
+        """One step whose streamed columns are written in parts; the step is flushed at once.
+
+        The row of every streamed column is allocated first and written part by part
+        (`write_part`); the other columns are given with `set_rows` and the block is
+        written when the `with` block ends. If it ends with an error, the allocated
+        rows are cut off again and nothing of the step remains.
+
+        Example:
+
+        ```python
+        with writer.streamed_step(0) as step:
+            for features, values in chunks:
+                step.write_part("output_gradients/dense/kernel", np.s_[features], values)
+            step.set_rows({"per_step": {"epoch": 0, "output_grad_norm": norms}})
+        ```
+        """
+        self._require_open()
+        step = self._checked_step(step)
+        columns = [c for t in self._tables.values() for c in t.columns if c.streamed]
+        row = rows_in_all(
+            self._datasets[c.path] for c in self._steps_table.columns if not c.streamed
+        )
+        row += len(self._pending)
+        parts = StreamedStep(self.path, row, {c.path: self._datasets[c.path] for c in columns})
+        try:
+            for column in columns:
+                self._datasets[column.path].resize(row + 1, axis=0)
+            yield parts
+            if parts.rows is None:
+                raise RuntimeError("Call set_rows() with the step's other columns in its block.")
+            self._pending.append(self._record(step, parts.rows))
+            self._last_step = step
+            self.flush()
+        except BaseException:
+            # A failed flush has rolled back its block, and the step's tensors with it:
+            # the step's other columns alone must not be retried.
+            self._pending.clear()
+            with contextlib.suppress(OSError, RuntimeError):
+                for column in columns:
+                    self._datasets[column.path].resize(row, axis=0)
+            raise
+
+    def flush(self) -> None:
+        """Writes the buffered steps as one block and flushes the file to disk.
+
+        Raises:
+            OSError: if the block cannot be written (a full disk, say). The file then
+                keeps the rows of every block written before; the block stays buffered,
+                so a later `flush()` may retry it.
+        """
+        file = self._require_open()
+        if not self._pending:
+            return
+        # Every dataset of a table starts at the same row, so a block that failed
+        # half-way is overwritten, not duplicated, by the next attempt.
+        starts = {
+            name: rows_in_all(self._datasets[c.path] for c in table.columns if not c.streamed)
+            for name, table in self._tables.items()
+        }
+        try:
+            for name, table in self._tables.items():
+                for column in table.columns:
+                    if column.streamed:
+                        continue
+                    dataset = self._datasets[column.path]
+                    block = np.concatenate([record[column.path] for record in self._pending])
+                    if len(block):
+                        dataset.resize(starts[name] + len(block), axis=0)
+                        dataset[starts[name] :] = block
+            file.flush()
+        except BaseException as error:
+            # Also on an interrupt: readers never see a block's rows as fill values.
+            self._roll_back(starts)
+            if isinstance(error, OSError | RuntimeError):
+                raise files.io_error(
+                    "Cannot write the gradient log",
+                    self.path,
+                    error,
+                    "The file keeps every block written before this one.",
+                ) from error
+            raise
+        self._pending = []
+        self._last_block = time.monotonic()
+
+    def close(self) -> None:
+        """Flushes and closes the file. Calling it again does nothing.
+
+        Raises:
+            OSError: if the buffered steps cannot be written; the file is closed anyway
+                and keeps every block written before.
+        """
+        if self._file is None:
+            return
+        file = self._file
+        try:
+            self.flush()
+        except OSError:
+            close_without_writing(file, self._datasets)
+            raise
+        except BaseException:
+            file.close()
+            raise
+        else:
+            file.close()
+        finally:
+            self._file, self._datasets, self._pending = None, {}, []
+            _OPEN_WRITERS.pop(os.path.realpath(self.path), None)
+
+    def __enter__(self) -> "BlockWriter":
+        if self._file is None:
+            self.open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self._file is not None else "closed"
+        return f"<{type(self).__name__} '{self.path}' ({state}): {self.layout}>"
+
+    def _require_open(self) -> h5py.File:
+        if self._file is None:
+            raise RuntimeError(
+                f"The {type(self).__name__} for '{self.path}' is not open. Call open() first."
+            )
+        return self._file
+
+    def _checked_step(self, step: Any) -> int:
+        step = non_negative_int("step", step)
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(
+                f"Expected each step to come after the previous one ({self._last_step}). "
+                f"Received: step={step}"
+            )
+        return step
+
+    def _record(self, step: int, rows: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
+        for name, table in self._tables.items():
+            declared = [c.name for c in table.columns[1:] if not c.streamed]
+            if set(rows.get(name, {})) != set(declared):
+                raise ValueError(
+                    f"Expected {name} to hold exactly the columns {sorted(declared)}. "
+                    f"Received: {sorted(rows.get(name, {}))}"
+                )
+        record: dict[str, np.ndarray] = {}
+        for name, table in self._tables.items():
+            num_rows = None
+            if table.rows_per_step is not None:
+                count_table, count_name = table.rows_per_step.split("/", 1)
+                num_rows = non_negative_int(count_name, rows[count_table][count_name])
+            for column in table.columns[1:]:
+                if not column.streamed:
+                    values = rows[name][column.name]
+                    record[column.path] = checked_rows(name, column, values, num_rows)
+            record[table.step_column.path] = np.full(
+                1 if num_rows is None else num_rows, self._step_offset + step, dtype=np.int64
+            )
+        return record
+
+    def _roll_back(self, lengths: Mapping[str, int]) -> None:
+        # HDF5 writes the new lengths even when the rows' data could not be written;
+        # readers would see the block as rows of fill values. Cut them off again.
+        with contextlib.suppress(OSError, RuntimeError):
+            for name, table in self._tables.items():
+                for column in table.columns:
+                    if not column.streamed:
+                        self._datasets[column.path].resize(lengths[name], axis=0)
+            self._require_open().flush()
+
+
+def _close_open_writers() -> None:
+    """Writes what the writers still open hold when the process exits normally.
+
+    A `fit` stopped by an exception never reaches `on_train_end`, so a logger may
+    still hold its last steps in memory.
+    """
+    for writer in list(_OPEN_WRITERS.values()):
+        try:
+            writer.close()
+        except OSError as error:
+            print(f"keras_gradtrack: {error}", file=sys.stderr)
+
+
+atexit.register(_close_open_writers)
