@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from keras_gradtrack import analysis
-from keras_gradtrack.analysis.tables import TABLE_KINDS
-from keras_gradtrack.io.reader import GradientLog
+from keras_gradtrack.analysis import GradientLog
+from keras_gradtrack.io.schema import TABLES
 from keras_gradtrack.version import __version__
 
 PROG = "keras-gradtrack"
@@ -73,10 +73,13 @@ def watch(
 
     Args:
         path: the log, typically one `HDF5GradientLogger` is writing.
-        interval: seconds between refreshes.
+        interval: seconds between refreshes (a non-negative number).
         count: stop after this many summaries (default: never).
         stream: where to print (default: standard output).
         sleep: the function that waits between refreshes.
+
+    Raises:
+        ValueError: for a negative or infinite `interval`.
 
     Example:
 
@@ -84,6 +87,10 @@ def watch(
     watch("run.h5", interval=5, count=3)
     ```
     """
+    if not 0 <= interval < float("inf"):
+        raise ValueError(
+            f"Expected interval to be a non-negative number of seconds. Received: {interval=}"
+        )
     stream = sys.stdout if stream is None else stream
     shown = 0
     with GradientLog(path) as log:
@@ -134,7 +141,7 @@ def _plot(args: argparse.Namespace) -> None:
 
 def _export(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.log).resolve().parent
-    kinds = TABLE_KINDS if args.table == "both" else (args.table,)
+    kinds = TABLES if args.table == "both" else (args.table,)
     stem = Path(args.log).with_suffix("").name
     with GradientLog(args.log) as log:
         out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     top.add_argument(
         "--learning-rate",
-        type=float,
+        type=_positive_number,
         default=None,
         help="constant learning rate for logs without /per_step/learning_rate",
     )
@@ -182,10 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--dpi", type=_positive_int, default=110, help="resolution (default 110)")
     export = command("export", _export, "Write the log's tables as CSV or Parquet files.")
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
-    export.add_argument("--table", choices=[*TABLE_KINDS, "both"], default="both")
+    export.add_argument("--table", choices=[*TABLES, "both"], default="both")
     export.add_argument("--out", help="output directory (default: the log's directory)")
     live = command("watch", _watch, "Print the summary again as training writes the log.")
-    live.add_argument("--interval", type=float, default=2.0, help="seconds (default 2)")
+    live.add_argument(
+        "--interval", type=_non_negative_number, default=2.0, help="seconds (default 2)"
+    )
     live.add_argument("--count", type=_positive_int, default=None, help="stop after N summaries")
     return parser
 
@@ -194,6 +203,23 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    value = _non_negative_number(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, received {text!r}")
+    return value
+
+
+def _non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, received {text!r}")
     return value
 
 

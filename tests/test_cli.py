@@ -12,7 +12,7 @@ from helpers_io import child_process, read_line
 from test_analysis import SUSPICIOUS, write_log
 
 from keras_gradtrack import cli
-from keras_gradtrack.io import GradientLog
+from keras_gradtrack.analysis import GradientLog
 
 
 @pytest.fixture
@@ -153,6 +153,28 @@ def test_usage_errors_exit_with_status_2(capsys):
             cli.main(argv)
         assert exited.value.code == 2
     assert "expected a positive integer, received '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["watch", "x.h5", "--interval", "-1"], "a non-negative number"),
+        (["watch", "x.h5", "--interval", "nan"], "a non-negative number"),
+        (["top", "x.h5", "--learning-rate", "-1"], "a non-negative number"),
+        (["top", "x.h5", "--learning-rate", "0"], "a positive number"),
+        (["top", "x.h5", "--learning-rate", "inf"], "a non-negative number"),
+    ],
+)
+def test_a_negative_interval_or_learning_rate_is_a_usage_error(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert f"expected {expected}, received '{argv[-1]}'" in capsys.readouterr().err
+
+
+def test_watch_refuses_a_negative_interval(log_path):
+    with pytest.raises(ValueError, match="Received: interval=-1"):
+        cli.watch(log_path, interval=-1, count=1)
 
 
 def test_the_console_script_is_declared():
