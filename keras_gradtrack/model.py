@@ -180,6 +180,12 @@ class GradientTrackingMixin:
 
     # -- Keras hooks --------------------------------------------------------
 
+    def fit(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # Keras converts numpy inputs before any step, and fails on string ids
+        # with "Invalid dtype": say what ids must be first.
+        batch_data.check_example_ids(x)
+        return super().fit(x, *args, **kwargs)  # type: ignore[misc]
+
     def train_step(self, data: Any) -> Any:
         data = batch_data.strip_example_ids(data)
         logs = super().train_step(data)  # type: ignore[misc]

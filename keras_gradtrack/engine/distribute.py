@@ -34,6 +34,11 @@ def all_gather_rows(rows: dict[str, Any]) -> dict[str, Any]:
     return {name: context.all_gather(value, axis=0) for name, value in rows.items()}
 
 
+# The two halves of an int64 output, each small enough for an exact mean.
+INT64_HIGH = "int64_high_32_bits"
+INT64_LOW = "int64_low_32_bits"
+
+
 def protect_from_replica_mean(outputs: Any) -> Any:
     """Adds a leading axis of 1 to every output of a step run on several replicas.
 
@@ -43,17 +48,48 @@ def protect_from_replica_mean(outputs: Any) -> Any:
     would average the per-example rows. Over a new leading axis the mean is
     right for scalars and leaves the gathered rows (identical on every
     replica) unchanged.
+
+    An int64 value (the example ids) is split into its high and low 32 bits: the
+    mean of identical int64 values overflows from 2**62 up (MirroredStrategy sums
+    them first) and is rounded from 2**53 up (MultiWorkerMirroredStrategy
+    averages in float64); that of identical 32-bit halves is exact either way.
     """
     if num_replicas() == 1:
         return outputs
-    return tree.map_structure(lambda value: tf.expand_dims(value, 0), outputs)
+
+    def protect(value: tf.Tensor) -> Any:
+        value = tf.expand_dims(value, 0)
+        if value.dtype != tf.int64:
+            return value
+        return {
+            INT64_HIGH: tf.bitwise.right_shift(value, 32),  # arithmetic: keeps the sign
+            INT64_LOW: tf.bitwise.bitwise_and(value, 0xFFFFFFFF),
+        }
+
+    return tree.map_structure(protect, outputs)
 
 
 def unprotect(outputs: Any, strategy: tf.distribute.Strategy) -> Any:
-    """Removes the axis added by `protect_from_replica_mean`.
+    """Undoes `protect_from_replica_mean` on the reduced outputs.
 
-    A multi-worker strategy's mean along axis 0 has already consumed it.
+    A multi-worker strategy's mean along axis 0 has already consumed the axis.
     """
-    if strategy.num_replicas_in_sync == 1 or _collective_all_reduce_multi_worker(strategy):
+    if strategy.num_replicas_in_sync == 1:
         return outputs
-    return tree.map_structure(lambda value: value[0], outputs)
+    if not _collective_all_reduce_multi_worker(strategy):
+        outputs = tree.map_structure(lambda value: value[0], outputs)
+    return _joined_int64(outputs)
+
+
+def _joined_int64(outputs: Any) -> Any:
+    if not isinstance(outputs, dict):
+        return outputs
+    if set(outputs) != {INT64_HIGH, INT64_LOW}:
+        return {key: _joined_int64(value) for key, value in outputs.items()}
+
+    def as_int64(half: tf.Tensor) -> tf.Tensor:
+        # A multi-worker mean returns the halves as float64: exact, being below 2**53.
+        return tf.cast(tf.round(half) if half.dtype.is_floating else half, tf.int64)
+
+    # high * 2**32 stays within int64 (high < 2**31), and adding low < 2**32 too.
+    return as_int64(outputs[INT64_HIGH]) * (1 << 32) + as_int64(outputs[INT64_LOW])
