@@ -15,7 +15,7 @@ import tensorflow as tf
 from keras_gradtrack import autodiff
 from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io.writer import LogWriter
-from keras_gradtrack.rules.base import sum_of_squares
+from keras_gradtrack.rules.ops import sum_of_squares
 from keras_gradtrack.version import __version__
 
 OUTPUT_GRADIENTS_SCHEMA_VERSION = 1
