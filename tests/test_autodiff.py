@@ -284,6 +284,25 @@ def test_output_gradients_trace_once_for_all_chunks():
     assert counted.traces == 1
 
 
+def test_output_gradients_object_traces_once_across_calls_and_matches_per_feature_tape():
+    model = conv_model(num_features=7)
+    counted = TraceCounter(model)
+    variables = model.trainable_variables
+    feature_gradients = autodiff.OutputGradients(counted, variables, chunk_size=3)
+    assert feature_gradients.variables == variables
+    assert (feature_gradients.axis, feature_gradients.chunk_size) == (-1, 3)
+    for seed in range(3):
+        x = random(2, 9, 4, seed=seed)
+        chunks = list(feature_gradients(x))
+        assert [features.tolist() for features, _ in chunks] == [[0, 1, 2], [3, 4, 5], [6]]
+        per_feature = [[g[k] for g in grads] for _, grads in chunks for k in range(len(grads[0]))]
+        assert_all_close(per_feature, per_feature_tape_loop(model, x, variables))
+        # The next call must see the weights as they are then, not as traced.
+        kernel = model.layers[-1].kernel
+        kernel.assign(kernel * 1.5)
+    assert counted.traces == 1
+
+
 @pytest.mark.parametrize("function", [autodiff.jacobian, autodiff.batch_jacobian])
 def test_jacobians_trace_once_per_shape(function):
     counted = TraceCounter(dense_model())
