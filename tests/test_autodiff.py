@@ -1,5 +1,7 @@
 """keras_gradtrack.autodiff against TensorFlow's own autodiff, in float64."""
 
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -330,3 +332,17 @@ def test_a_failing_map_leaves_the_variable_scope_clean() -> None:
     assert tf.compat.v1.get_variable_scope().caching_device is None
     with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
         pass
+
+
+# Layout.
+
+
+def test_public_names_are_the_functions_and_every_module_is_under_400_lines():
+    public = ["OutputGradients", "batch_jacobian", "grad", "jacobian", "jvp", "output_gradients"]
+    assert sorted(autodiff.__all__) == sorted([*public, "vjp"])
+    # No submodule may shadow a public function of the same name.
+    assert all(callable(getattr(autodiff, name)) for name in autodiff.__all__)
+    package = Path(autodiff.__file__)
+    modules = sorted(package.parent.glob("*.py")) if package.name == "__init__.py" else [package]
+    lengths = {module.name: len(module.read_text().splitlines()) for module in modules}
+    assert max(lengths.values()) <= 400, lengths
