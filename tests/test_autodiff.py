@@ -205,6 +205,59 @@ def test_output_gradients_of_chosen_and_non_trainable_variables():
     )
 
 
+# With respect to variables, like torch's `model.parameters()`.
+
+
+def squared_error(model, x, y):
+    return lambda weights: tf.reduce_sum((model(x) - y) ** 2)  # Reads the model's weights.
+
+
+def test_grad_with_respect_to_model_variables_matches_tape_gradient():
+    model, x, y = dense_model(), random(6, 5), random(6, 3, seed=1)
+    loss = squared_error(model, x, y)
+    with tf.GradientTape() as tape:
+        expected = tape.gradient(loss(None), model.trainable_variables)
+    assert_all_close(autodiff.grad(loss, model.trainable_variables), expected)
+    kernel = model.layers[0].kernel  # Used through the argument, too.
+    assert_all_close(autodiff.grad(lambda w: tf.reduce_sum(w**3), kernel), 3 * kernel**2)
+
+
+def test_vjp_jvp_and_jacobian_with_respect_to_model_variables():
+    model, x = dense_model(), random(4, 5)
+    kernel, bias = model.layers[-1].trainable_variables
+    with tf.GradientTape(persistent=True) as tape:
+        y = model(x)
+    cotangent = random(4, 3, seed=2)
+    tangents = [random(*v.shape, seed=3) for v in (kernel, bias)]
+    _, vjp = autodiff.vjp(lambda w: model(x), [kernel, bias], cotangent)
+    assert_all_close(vjp, tape.gradient(y, [kernel, bias], output_gradients=cotangent))
+    _, jvp = autodiff.jvp(lambda w: model(x), [kernel, bias], tangents)
+    jacobians = tape.jacobian(y, [kernel, bias])
+    expected_jvp = sum(tf.tensordot(j, t, t.ndim) for j, t in zip(jacobians, tangents))
+    assert_all_close(jvp, expected_jvp)
+    assert_all_close(autodiff.jacobian(lambda w: model(x), [kernel, bias], 5), jacobians)
+
+
+def test_grad_reuses_its_trace_for_the_same_variables_only():
+    model, x, y = dense_model(), random(6, 5), random(6, 3, seed=1)
+    counted = TraceCounter(squared_error(model, x, y))
+    for _ in range(2):
+        autodiff.grad(counted, model.trainable_variables)
+    assert counted.traces == 1
+    # Same fn, other variables of the same shapes: fn does not read them, which
+    # must be an error, not the gradient of the first model's variables.
+    other = keras.models.clone_model(model)
+    with pytest.raises(ValueError, match=r"does not depend on inputs\[0\] \('sequential"):
+        autodiff.grad(counted, other.trainable_variables)
+
+
+def test_grad_with_respect_to_weight_values_says_to_pass_the_variables():
+    model, x, y = dense_model(), random(6, 5), random(6, 3, seed=1)
+    values = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match=r"pass the variables themselves"):
+        autodiff.grad(squared_error(model, x, y), values)
+
+
 # Errors say what went wrong.
 
 

@@ -63,11 +63,26 @@ def check_connected(sources, gradients, sources_name):
     named_sources = named_leaves(sources, sources_name)
     for (name, source), gradient in zip(named_sources, tf.nest.flatten(gradients)):
         if gradient is None:
-            path = f"'{source.path}', " if hasattr(source, "path") else ""
-            raise ValueError(
+            variable_path = _variable_path(source)
+            path = f"'{variable_path}', " if variable_path else ""
+            message = (
                 f"fn's output does not depend on {name} ({path}shape {tuple(source.shape)}), "
                 f"so its gradient is undefined (TensorFlow returns None). {CUT_GRADIENT_HINT}"
             )
+            if not path:
+                message += (
+                    " To differentiate with respect to a model's weights, pass the variables "
+                    "themselves (e.g. `model.trainable_variables`), not their values."
+                )
+            raise ValueError(message)
+
+
+def _variable_path(source):
+    if isinstance(source, keras.Variable):
+        return source.path
+    if isinstance(source, tf.Variable):
+        return source.name.removesuffix(":0")
+    return None
 
 
 def check_chunk_size(chunk_size, allow_none):
@@ -82,17 +97,31 @@ def check_chunk_size(chunk_size, allow_none):
         raise ValueError(f"`chunk_size` must be {expected}. Received: chunk_size={chunk_size!r}")
 
 
-def as_tensors(structure, name, require_floating=False):
-    tensors = []
+def as_tensors(structure, name):
+    tensors = [tf.convert_to_tensor(leaf) for _, leaf in named_leaves(structure, name)]
+    return keras.tree.pack_sequence_as(structure, tensors)
+
+
+def as_sources(structure, name):
+    """What to differentiate with respect to: floating-point tensors, or variables.
+
+    A variable stays a variable, so that its gradient is found however fn reads
+    it: through its argument or through the model holding it, as in
+    `torch.autograd.grad(loss, model.parameters())`. A Keras variable becomes the
+    tf.Variable it wraps, whose reads are what a tape records.
+    """
+    sources = []
     for leaf_name, leaf in named_leaves(structure, name):
-        tensor = tf.convert_to_tensor(leaf)
-        if require_floating and not (tensor.dtype.is_floating or tensor.dtype.is_complex):
+        if isinstance(leaf, keras.Variable):
+            leaf = leaf.value
+        source = leaf if isinstance(leaf, tf.Variable) else tf.convert_to_tensor(leaf)
+        if not (source.dtype.is_floating or source.dtype.is_complex):
             raise TypeError(
                 f"Gradients are defined for floating-point inputs only, but {leaf_name} has "
-                f"dtype {tensor.dtype.name}. Cast it first, e.g. `tf.cast(x, 'float32')`."
+                f"dtype {source.dtype.name}. Cast it first, e.g. `tf.cast(x, 'float32')`."
             )
-        tensors.append(tensor)
-    return keras.tree.pack_sequence_as(structure, tensors)
+        sources.append(source)
+    return keras.tree.pack_sequence_as(structure, sources)
 
 
 def matched_to(values, reference, name, reference_name):

@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras_gradtrack.autodiff.basis import chunked_basis_vjps
 from keras_gradtrack.autodiff.checks import (
     CUT_GRADIENT_HINT,
+    as_sources,
     as_tensors,
     check_chunk_size,
     check_connected,
@@ -32,7 +33,9 @@ def grad(fn: Callable, inputs: Any, grad_outputs: Any = None, *, jit_compile=Non
         fn: Callable taking `inputs` and returning a tensor or a nest of tensors,
             e.g. a Keras model. It must call the model, not `model.predict`
             (numpy, no tape).
-        inputs: Floating-point tensor, numpy array or nest of them.
+        inputs: Floating-point tensor, numpy array, variable or nest of them. A
+            variable is differentiated as itself, however fn reads it: pass
+            `model.trainable_variables` as torch users pass `model.parameters()`.
         grad_outputs: `None` (ones) or tensors with the structure and shapes
             of `fn(inputs)`.
         jit_compile: Passed to `tf.function`; `True` compiles with XLA.
@@ -46,9 +49,11 @@ def grad(fn: Callable, inputs: Any, grad_outputs: Any = None, *, jit_compile=Non
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     x = np.random.rand(4, 3).astype("float32")
     dx = keras_gradtrack.autodiff.grad(model, x)  # d sum(model(x)) / dx, shape (4, 3)
+    loss = lambda weights: keras.ops.mean(model(x) ** 2)  # reads the weights via the model
+    dw = keras_gradtrack.autodiff.grad(loss, model.trainable_variables)  # [(3, 2), (2,)]
     ```
     """
-    inputs = as_tensors(inputs, "inputs", require_floating=True)
+    inputs = as_sources(inputs, "inputs")
     if grad_outputs is not None:
         grad_outputs = as_tensors(grad_outputs, "grad_outputs")
     with explaining_numpy_round_trips(fn, inputs):
@@ -61,7 +66,8 @@ def vjp(fn: Callable, primals: Any, cotangents: Any, *, jit_compile=None) -> tup
 
     Args:
         fn: Callable taking `primals` and returning a tensor or a nest of tensors.
-        primals: Floating-point tensor, numpy array or nest of them.
+        primals: Floating-point tensor, numpy array, variable or nest of them
+            (a variable is differentiated as itself, as in `grad`).
         cotangents: Tensors with the structure and shapes of `fn(primals)`.
         jit_compile: Passed to `tf.function`; `True` compiles with XLA.
 
@@ -78,7 +84,7 @@ def vjp(fn: Callable, primals: Any, cotangents: Any, *, jit_compile=None) -> tup
     outputs, v_jac = keras_gradtrack.autodiff.vjp(model, x, v)  # v^T J, shape (32, 1095)
     ```
     """
-    primals = as_tensors(primals, "primals", require_floating=True)
+    primals = as_sources(primals, "primals")
     cotangents = as_tensors(cotangents, "cotangents")
     with explaining_numpy_round_trips(fn, primals):
         return _traced(_vjp_graph, jit_compile)(fn, primals, cotangents, "primals", "cotangents")
@@ -92,7 +98,8 @@ def jvp(fn: Callable, primals: Any, tangents: Any, *, jit_compile=None) -> tuple
 
     Args:
         fn: Callable taking `primals` and returning a tensor or a nest of tensors.
-        primals: Floating-point tensor, numpy array or nest of them.
+        primals: Floating-point tensor, numpy array, variable or nest of them
+            (a variable is differentiated as itself, as in `grad`).
         tangents: Tensors with the structure and shapes of `primals`.
         jit_compile: Passed to `tf.function`; `True` compiles with XLA.
 
@@ -109,7 +116,7 @@ def jvp(fn: Callable, primals: Any, tangents: Any, *, jit_compile=None) -> tuple
     outputs, jac_v = keras_gradtrack.autodiff.jvp(model, x, v)  # J v, shape (32, 8)
     ```
     """
-    primals = as_tensors(primals, "primals", require_floating=True)
+    primals = as_sources(primals, "primals")
     tangents = as_tensors(tangents, "tangents")
     with explaining_numpy_round_trips(fn, primals):
         return _traced(_jvp_graph, jit_compile)(fn, primals, tangents)
@@ -125,7 +132,8 @@ def jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile
 
     Args:
         fn: Callable taking `x` and returning one tensor.
-        x: Floating-point tensor, numpy array or nest of them.
+        x: Floating-point tensor, numpy array, variable or nest of them (a
+            variable is differentiated as itself, as in `grad`).
         chunk_size: Elements of `y` per vectorized batch of VJPs, or `None` for
             all at once. Need not divide `y`'s size.
         jit_compile: Passed to `tf.function`; `True` compiles with XLA.
@@ -140,7 +148,7 @@ def jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile
     jac = keras_gradtrack.autodiff.jacobian(tf.sin, x, chunk_size=4)  # shape (5, 3, 5, 3)
     ```
     """
-    x = as_tensors(x, "x", require_floating=True)
+    x = as_sources(x, "x")
     check_chunk_size(chunk_size, allow_none=True)
     with explaining_numpy_round_trips(fn, x):
         return _traced(_jacobian_graph, jit_compile)(fn, x, chunk_size)
@@ -172,7 +180,7 @@ def batch_jacobian(
     jac = keras_gradtrack.autodiff.batch_jacobian(model, x, chunk_size=3)  # (8, 4, 10)
     ```
     """
-    x = as_tensors(x, "x", require_floating=True)
+    x = as_sources(x, "x")
     if not tf.is_tensor(x):
         raise TypeError(f"`x` must be one tensor. Received: x={shapes_of(x)}")
     check_chunk_size(chunk_size, allow_none=True)
@@ -240,4 +248,19 @@ def _batch_jacobian_graph(fn, x, chunk_size):
 def _traced(graph_function, jit_compile):
     # `fn` is an argument of the traced function: tf.function keys its traces on
     # a weak reference to it, so passing the same fn again reuses the trace.
-    return tf.function(graph_function, jit_compile=jit_compile, autograph=False)
+    # Variables among the sources are arguments too, but keyed on shape and dtype
+    # alone: a trace made for some variables would run on others of the same
+    # shapes, wrong where fn reads the first ones directly (through a model).
+    # Their identities, passed as a Python value, give each set its own trace.
+    def keyed_by_variables(variable_ids, fn, sources, *args):
+        del variable_ids
+        return graph_function(fn, sources, *args)
+
+    traced = tf.function(keyed_by_variables, jit_compile=jit_compile, autograph=False)
+
+    def call(fn, sources, *args):
+        flat_sources = tf.nest.flatten(sources)
+        variable_ids = tuple(id(s) for s in flat_sources if isinstance(s, tf.Variable))
+        return traced(variable_ids, fn, sources, *args)
+
+    return call
