@@ -302,8 +302,29 @@ def test_cotangents_of_the_wrong_shape_are_refused():
 @pytest.mark.parametrize("axis", [3, -4])
 def test_output_gradients_axis_out_of_range_names_the_output_shape(axis):
     model = conv_model()
-    with pytest.raises(ValueError, match=rf"shape \(2, 8, 7\).*Received: axis={axis}"):
+    with pytest.raises(ValueError, match=rf"shape \(None, 8, 7\).*Received: axis={axis}"):
         next(autodiff.output_gradients(model, random(2, 9, 4), axis=axis))
+
+
+@pytest.mark.parametrize("axis", [0, -3])
+def test_output_gradients_refuse_the_batch_axis_before_tracing(axis):
+    with pytest.raises(ValueError, match=rf"axis 0 is the batch\). Received: axis={axis}"):
+        autodiff.OutputGradients(conv_model(), axis=axis)
+
+
+@pytest.mark.parametrize("axis", [0, -3])
+def test_output_gradients_refuse_the_batch_axis_of_a_plain_callable(axis):
+    model = conv_model()
+    # No declared output: refused when traced (axis 0 at once, -3 once the rank is known).
+    with pytest.raises(ValueError, match=rf"axis 0 is the batch.*Received: axis={axis}"):
+        next(autodiff.output_gradients(lambda x: model(x), random(2, 9, 4), model.weights, axis))
+
+
+def test_numpy_inside_fn_is_explained():
+    with pytest.raises(TypeError, match=r"converts a tensor to numpy.*has no attribute 'numpy'"):
+        autodiff.grad(lambda x: tf.constant(x.numpy()) * 2.0, np.ones(3))
+    with pytest.raises(TypeError, match=r"converts a tensor to numpy.*NotImplementedError"):
+        autodiff.jacobian(lambda x: tf.convert_to_tensor(np.sin(x)), np.ones(3))
 
 
 def test_output_gradients_without_variables_is_refused():

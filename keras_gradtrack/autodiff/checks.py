@@ -21,21 +21,30 @@ CUT_GRADIENT_HINT = (
 
 @contextlib.contextmanager
 def explaining_numpy_round_trips(fn, inputs):
-    """Turns the tracing error of a fn that goes through numpy into a clear one.
+    """Turns the tracing error of a fn that goes through numpy into a clear TypeError.
 
-    Symbolic tensors have no `.numpy()`, so `model.predict` fails while being
-    traced with an AttributeError or NotImplementedError. Calling fn eagerly
-    tells that case (fn returns numpy) apart from other errors.
+    Symbolic tensors have no `.numpy()` and numpy functions cannot take them,
+    so such a fn fails while being traced with an AttributeError or a
+    NotImplementedError. Calling fn eagerly tells that case (fn runs, and
+    returns numpy or tensors) apart from other errors.
     """
     try:
         yield
     except (AttributeError, NotImplementedError) as error:
-        if tf.executing_eagerly():
-            try:
-                outputs = fn(inputs)
-            except Exception:
-                raise error from None
-            check_tensor_outputs(outputs, cause=error)
+        if not tf.executing_eagerly():
+            raise
+        try:
+            outputs = fn(inputs)
+        except Exception:
+            raise error from None
+        check_tensor_outputs(outputs, cause=error)
+        if "numpy" in str(error):
+            raise TypeError(
+                "fn must compute its output with TensorFlow operations, but it converts a "
+                "tensor to numpy (`.numpy()`, `np.asarray`, a numpy function) while being "
+                "traced. Numpy values carry no gradient: use `tf` or `keras.ops` functions "
+                f"instead. Received: {type(error).__name__}: {error}"
+            ) from error
         raise
 
 

@@ -42,8 +42,8 @@ def output_gradients(
         x: The model's input: tensor, numpy array or nest of them.
         variables: Variables to differentiate; defaults to
             `model.trainable_variables`.
-        axis: The output axis that enumerates the features (`-1`: the last;
-            `0` would be the batch).
+        axis: The output axis that enumerates the features (`-1`: the last).
+            The batch axis (`0`) is refused.
         chunk_size: Features per compiled call.
         jit_compile: Passed to `tf.function`; `True` compiles with XLA.
 
@@ -81,8 +81,8 @@ class OutputGradients:
         model: A Keras model, or a callable taking `x` and returning one tensor.
         variables: Variables to differentiate; defaults to
             `model.trainable_variables` (the model must be built).
-        axis: The output axis that enumerates the features (`-1`: the last;
-            `0` would be the batch).
+        axis: The output axis that enumerates the features (`-1`: the last).
+            The batch axis (`0`) is refused.
         chunk_size: Features per compiled call.
         jit_compile: Passed to `tf.function`; `True` compiles with XLA.
 
@@ -120,9 +120,11 @@ class OutputGradients:
                 "(call it once) so that `model.trainable_variables` is not empty. "
                 f"Received: variables={variables!r}"
             )
+        # Refused now when the model declares its output; otherwise while tracing.
+        _check_feature_axis(axis, _declared_output_shape(model))
         self._model = model
         self._variables = list(variables)
-        self._axis = axis
+        self._axis = int(axis)
         self._chunk_size = int(chunk_size)
         self._gradients_of_features = tf.function(
             self._gradients_of_chunk, jit_compile=jit_compile, autograph=False
@@ -179,15 +181,42 @@ class OutputGradients:
             tape.watch([v.value if isinstance(v, keras.Variable) else v for v in self._variables])
             y = self._model(x)
         check_single_output(y)
-        rank, axis = y.shape.rank, self._axis
-        if not -rank <= axis < rank:
-            raise ValueError(
-                f"`axis` must select the feature axis of the model output, which has shape "
-                f"{tuple(y.shape)} (axes -{rank}..{rank - 1}; axis 0 is the batch). "
-                f"Received: axis={axis}"
-            )
-        axis %= rank
+        _check_feature_axis(self._axis, tuple(y.shape))
+        axis = self._axis % y.shape.rank
         # One backward pass at a time rather than vectorized over the chunk: on CPU
         # it took no more time and 20-40% less memory (docs/autodiff.md).
         grads = basis_vjps(tape, y, self._variables, (axis,), feature_indices, "variables", False)
         return grads, tf.constant(y.shape[axis])
+
+
+def _check_feature_axis(axis, output_shape):
+    """Refuses an `axis` that is not an integer or that selects the batch axis."""
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise TypeError(f"`axis` must be an integer. Received: axis={axis!r}")
+    if output_shape is None:
+        if axis == 0:
+            raise ValueError(
+                "`axis` must select a feature axis of the model output, and axis 0 is the "
+                "batch (each example's own gradient is what GradientTrackingModel computes). "
+                "Received: axis=0"
+            )
+        return
+    rank = len(output_shape)
+    if not -rank < axis < rank or axis == 0:
+        feature_axes = f"1..{rank - 1} or -{rank - 1}..-1" if rank > 1 else "none"
+        raise ValueError(
+            f"`axis` must select a feature axis of the model output, which has shape "
+            f"{output_shape} (feature axes: {feature_axes}; axis 0 is the batch). "
+            f"Received: axis={axis}"
+        )
+
+
+def _declared_output_shape(model):
+    """The shape of a built functional or Sequential model's one output, else None."""
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    if isinstance(outputs, list | tuple) and len(outputs) == 1:
+        return tuple(outputs[0].shape)
+    return None
