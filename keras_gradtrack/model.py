@@ -82,3 +82,18 @@ class GradientTrackingSequential(GradientTrackingMixin, keras.Sequential):
     ])
     ```
     """
+
+
+# A legacy `.h5` file names the model class by its bare `__name__`, where a
+# `.keras` file uses the registered "keras_gradtrack>..." name: register the bare
+# names too, so that `keras.models.load_model("model.h5")` finds these classes.
+keras.saving.get_custom_objects().update(
+    {
+        cls.__name__: cls
+        for cls in (
+            GradientTrackingModel,
+            FunctionalGradientTrackingModel,
+            GradientTrackingSequential,
+        )
+    }
+)
