@@ -19,27 +19,27 @@ from typing import TYPE_CHECKING, Any
 from keras_gradtrack.version import __version__
 
 if TYPE_CHECKING:
-    from keras_gradtrack import autodiff, statistics
+    from keras_gradtrack import autodiff, rules, statistics
     from keras_gradtrack.analysis import GradientLog
     from keras_gradtrack.callbacks import HDF5GradientLogger
-    from keras_gradtrack.model import (
-        GradientTrackingMixin,
-        GradientTrackingModel,
-        GradientTrackingSequential,
-    )
+    from keras_gradtrack.mixin import GradientTrackingMixin
+    from keras_gradtrack.model import GradientTrackingModel, GradientTrackingSequential
     from keras_gradtrack.output_logger import OutputGradientLogger
+    from keras_gradtrack.rules import register_rule
 
 # Public name -> the module that defines it (None: the name is a submodule).
 # They are imported on first use, so that reading logs (GradientLog, the
 # keras-gradtrack command, analysis and plots) never imports TensorFlow.
 _LAZY = {
     "GradientLog": "keras_gradtrack.analysis",
-    "GradientTrackingMixin": "keras_gradtrack.model",
+    "GradientTrackingMixin": "keras_gradtrack.mixin",
     "GradientTrackingModel": "keras_gradtrack.model",
     "GradientTrackingSequential": "keras_gradtrack.model",
     "HDF5GradientLogger": "keras_gradtrack.callbacks",
     "OutputGradientLogger": "keras_gradtrack.output_logger",
     "autodiff": None,
+    "register_rule": "keras_gradtrack.rules",
+    "rules": None,
     "statistics": None,
 }
 
@@ -52,6 +52,8 @@ __all__ = [
     "OutputGradientLogger",
     "__version__",
     "autodiff",
+    "register_rule",
+    "rules",
     "statistics",
 ]
 

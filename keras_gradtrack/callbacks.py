@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.io.checks import check_flush_seconds
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.io.writer import LogWriter
@@ -32,7 +33,7 @@ def is_chief(model: Any) -> bool:
 
 def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
     """Raises unless `model` can compute gradient statistics for `callback`."""
-    from keras_gradtrack.model import GradientTrackingMixin
+    from keras_gradtrack.mixin import GradientTrackingMixin
 
     if not isinstance(model, GradientTrackingMixin):
         raise TypeError(
@@ -130,27 +131,22 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self.overwrite = overwrite
         self.compression = compression
         self.writer: LogWriter | None = None
-        self._step = 0
         self._epoch = 0
         self._epoch_position = 0
-        self._requested = False
         self._writes = True
 
     # -- lifecycle ------------------------------------------------------------
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         require_tracking_model(self.model, self)
-        if self.writer is not None:
-            # The last fit stopped with an exception (Keras then calls no
-            # on_train_end): write the steps it left buffered; this fit continues.
-            self.close()
         # Every worker tracks the same steps (the statistics are collective);
         # only the chief writes them.
         self._writes = is_chief(self.model)
         if self._writes:
             LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
-        self._step = 0
-        self.model.gradient_tracking.subscriptions[id(self)] = self.statistics
+        self.model.gradient_tracking.subscribe(
+            id(self), self.statistics, self.every_n_steps, self._consume, finish=self.close
+        )
         # A subclassed model's layers may only be built by the first step; the
         # layer names (and the file's datasets) wait for it then.
         if self._writes and all(layer.built for layer in self.model._flatten_layers()):
@@ -160,32 +156,22 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self._epoch = epoch
         self._epoch_position = 0
 
-    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self._requested = self._step % self.every_n_steps == 0
-        if self._requested:
-            self.model.gradient_tracking.requested = True
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        state = self.model.gradient_tracking
-        batch_size = int(state.batch_size) if state.batch_size is not None else 0
-        if self._requested and state.latest is not None:
-            batch_size = int(state.latest["batch_size"])
-            if self._writes:
-                if self.writer is None:
-                    self._open_writer()
-                try:
-                    self._write(state.latest)
-                except OSError:
-                    # Keras calls no on_train_end after an error: close the file here.
-                    # It keeps every block written before; the error says what failed.
-                    with contextlib.suppress(OSError):
-                        self.close()
-                    raise
-        self._epoch_position += batch_size
-        self._step += 1
+    def _consume(self, report: StepReport) -> None:
+        if report.values is not None and self._writes:
+            if self.writer is None:
+                self._open_writer()
+            try:
+                self._write(report.step, report.values)
+            except OSError:
+                # Keras calls no on_train_end after an error: close the file here.
+                # It keeps every block written before; the error says what failed.
+                with contextlib.suppress(OSError):
+                    self.close()
+                raise
+        self._epoch_position += report.batch_size
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        self.model.gradient_tracking.subscriptions.pop(id(self), None)
+        self.model.gradient_tracking.unsubscribe(id(self))
         self.close()
 
     def close(self) -> None:
@@ -233,16 +219,15 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         # The writer numbers the steps on from the file's last one when appending.
         self.writer.open()
 
-    def _write(self, payload: dict[str, Any]) -> None:
+    def _write(self, step: int, values: Any) -> None:
         assert self.writer is not None
-        values = {name: np.asarray(value) for name, value in payload.items()}
         batch_size = int(values[BATCH_SIZE])
         # The ids as given (int64, exact), or else the examples' positions in the epoch.
         example_ids = values.get(EXAMPLE_ID)
         if example_ids is None:
             example_ids = self._epoch_position + np.arange(batch_size, dtype=np.int64)
         self.writer.write_step(
-            step=self._step,
+            step=step,
             epoch=self._epoch,
             example_ids=example_ids,
             per_example={s.name: values[s.name] for s in self.statistics if s.per_example},

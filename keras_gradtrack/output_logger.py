@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 from typing import Any
 
@@ -15,7 +14,7 @@ import tensorflow as tf
 from keras_gradtrack import autodiff
 from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io.writer import LogWriter
-from keras_gradtrack.rules.base import sum_of_squares
+from keras_gradtrack.rules.ops import sum_of_squares
 from keras_gradtrack.version import __version__
 
 OUTPUT_GRADIENTS_SCHEMA_VERSION = 1
@@ -74,7 +73,7 @@ class OutputGradientLogger(keras.callbacks.Callback):
         self.save_tensors = save_tensors
         self.overwrite = overwrite
         self.file: h5py.File | None = None
-        self._traced: Any = None
+        self._output_gradients: autodiff.OutputGradients | None = None
         self._step = 0
         self._epoch = 0
 
@@ -157,14 +156,12 @@ class OutputGradientLogger(keras.callbacks.Callback):
         f.swmr_mode = True
 
     def _stream(self) -> Any:
-        """`autodiff.output_gradients`, with its compiled chunk function kept across steps."""
-        if self._traced is None:
-            chunk_graph = functools.partial(
-                autodiff._output_gradients_of_chunk, self.model, self._variables, self.axis
+        """`autodiff.output_gradients`, compiled once and reused across steps."""
+        if self._output_gradients is None:
+            self._output_gradients = autodiff.OutputGradients(
+                self.model, self._variables, self.axis, self.chunk_size
             )
-            self._traced = tf.function(chunk_graph, autograph=False)
-        x = autodiff._as_tensors(self.x, "x")
-        return autodiff._stream_chunks(self._traced, self.model, x, self.chunk_size)
+        return self._output_gradients(self.x)
 
     def _datasets(self) -> list[h5py.Dataset]:
         assert self.file is not None

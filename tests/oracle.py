@@ -1,14 +1,18 @@
 """The one oracle for every correctness test: a fresh GradientTape per example.
 
 For example i, `l_i` is the compiled loss on that example alone (with its
-sample weight) and `g_i = d l_i / d theta`, flattened per tracked layer, in
-float64. `G` is the gradient Keras' own train step would hand the optimizer for
-the whole batch (regularization included). Every statistic is then computed
-from these by its textbook definition.
+sample weight; a "mean_with_sample_weight" loss with weights is summed, as the
+weights would otherwise cancel) and `g_i = d l_i / d theta`, flattened per
+layer, in float64. The layers are the owners of `model.trainable_variables`, in
+that order, read from the variables' paths (not from the engine's plan). `G` is
+the gradient Keras' own train step would hand the optimizer for the whole batch
+(regularization included). Every statistic is then computed from these by its
+textbook definition.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -28,21 +32,62 @@ def _take(data: Any, index: int) -> Any:
     )
 
 
+def layer_columns(model: Any) -> tuple[list[str], dict[int, int]]:
+    """The owning layers' names, in order of `model.trainable_variables`, and each
+    variable's column; checked against the engine's column names."""
+    owners: list[str] = []
+    column = {}
+    for variable in model.trainable_variables:
+        owner = variable.path.rpartition("/")[0]
+        if owner not in owners:
+            owners.append(owner)
+        column[id(variable)] = owners.index(owner)
+    names: list[str] = []
+    for owner in owners:
+        # Layers of the same name (a Bidirectional's two cells) are numbered: x, x_1, ...
+        name, suffix = owner.rpartition("/")[2], 0
+        while (name if not suffix else f"{name}_{suffix}") in names:
+            suffix += 1
+        names.append(name if not suffix else f"{name}_{suffix}")
+    assert names == model.tracked_layer_names, (names, model.tracked_layer_names)
+    return names, column
+
+
+@contextlib.contextmanager
+def summed_weighted_means(model: Any, sample_weight: Any) -> Any:
+    """Per example, a "mean_with_sample_weight" loss with weights is their weighted sum."""
+    changed = []
+    if sample_weight is not None:
+        # Built by the full-batch loss, which the oracle computes first.
+        for entry in model._compile_loss._flat_losses:
+            if entry.loss.reduction == "mean_with_sample_weight":
+                entry.loss.reduction = "sum"
+                changed.append(entry.loss)
+    try:
+        yield
+    finally:
+        for loss in changed:
+            loss.reduction = "mean_with_sample_weight"
+
+
 def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
     """Per-example losses and per-layer gradients, one tape per example."""
-    plan = model.gradient_tracking_plan()
+    names, column = layer_columns(model)
     variables = list(model.trainable_variables)
-    column = {id(v): k for k, tracked in enumerate(plan) for v in tracked.variables}
     batch = len(tree.flatten(x)[0])
     losses = np.zeros(batch)
     input_norms = np.zeros(batch)
-    per_layer = [[] for _ in plan]
+    per_layer = [[] for _ in names]
+    with tf.GradientTape() as tape:
+        prediction = model(x, training=True)
+        total = model._compute_loss(x=x, y=y, y_pred=prediction, sample_weight=sample_weight)
+    batch_gradients = tape.gradient(total, variables)
     for i in range(batch):
         xi = tree.map_structure(tf.convert_to_tensor, _take(x, i))
         yi = _take(y, i)
         wi = None if sample_weight is None else _take(sample_weight, i)
         float_inputs = [t for t in tree.flatten(xi) if t.dtype.is_floating]
-        with tf.GradientTape(persistent=True) as tape:
+        with tf.GradientTape(persistent=True) as tape, summed_weighted_means(model, wi):
             tape.watch(float_inputs)
             prediction = model(xi, training=True)
             loss = model._compile_loss(yi, prediction, wi)
@@ -57,24 +102,61 @@ def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None)
             )
         )
         losses[i] = float(loss)
-        flat = [[] for _ in plan]
+        flat = [[] for _ in names]
         for variable, gradient in zip(variables, gradients):
             flat[column[id(variable)]].append(_dense(gradient, variable))
-        for k in range(len(plan)):
+        for k in range(len(names)):
             per_layer[k].append(np.concatenate(flat[k]))
-    with tf.GradientTape() as tape:
-        prediction = model(x, training=True)
-        total = model._compute_loss(x=x, y=y, y_pred=prediction, sample_weight=sample_weight)
-    batch_gradients = tape.gradient(total, variables)
-    reference = [[] for _ in plan]
+    reference = [[] for _ in names]
     for variable, gradient in zip(variables, batch_gradients):
         reference[column[id(variable)]].append(_dense(gradient, variable))
     return {
+        "layers": names,
         "loss": losses,
         "input_grad_norm": input_norms,
         "g": [np.stack(rows) for rows in per_layer],  # L arrays of (B, P_k)
         "G": [np.concatenate(parts) for parts in reference],  # L arrays of (P_k,)
     }
+
+
+def oracle_from_losses(
+    model: Any, per_example_loss: Any, x: Any, variables: Any = None
+) -> dict[str, Any]:
+    """Every statistic by its definition for `l_i = per_example_loss(model, x_i)` and
+    `G` the gradient of the batch's mean loss, over `variables` (default: all trainable).
+
+    Per-layer values cover the layers owning `variables`, in the engine's column order.
+    """
+    names, column = layer_columns(model)
+    variables = list(model.trainable_variables if variables is None else variables)
+    covered = sorted({column[id(v)] for v in variables})
+    batch = len(tree.flatten(x)[0])
+    losses, per_layer = np.zeros(batch), [[] for _ in covered]
+    for i in range(batch):
+        xi = tree.map_structure(tf.convert_to_tensor, _take(x, i))
+        with tf.GradientTape() as tape:
+            loss = tf.reshape(per_example_loss(model, xi), [])
+        gradients = tape.gradient(loss, variables)
+        losses[i] = float(loss)
+        flat: list[list[np.ndarray]] = [[] for _ in covered]
+        for variable, gradient in zip(variables, gradients):
+            flat[covered.index(column[id(variable)])].append(_dense(gradient, variable))
+        for k in range(len(covered)):
+            per_layer[k].append(np.concatenate(flat[k]))
+    with tf.GradientTape() as tape:
+        total = tf.reduce_mean(per_example_loss(model, tree.map_structure(tf.convert_to_tensor, x)))
+    reference: list[list[np.ndarray]] = [[] for _ in covered]
+    for variable, gradient in zip(variables, tape.gradient(total, variables)):
+        reference[covered.index(column[id(variable)])].append(_dense(gradient, variable))
+    found = {
+        "layers": [names[k] for k in covered],
+        "loss": losses,
+        "input_grad_norm": np.full(batch, np.nan),
+        "g": [np.stack(rows) for rows in per_layer],
+        "G": [np.concatenate(parts) for parts in reference],
+    }
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return _statistics(found)
 
 
 def oracle_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
@@ -102,6 +184,7 @@ def _statistics(found: dict[str, Any]) -> dict[str, Any]:
     mean = summed / batch
     trace = ((g - mean) ** 2).sum() / (batch - 1) if batch > 1 else np.nan
     return {
+        "layers": found["layers"],
         "loss": found["loss"],
         "input_grad_norm": found["input_grad_norm"],
         "grad_norm": norms,
@@ -124,11 +207,18 @@ RTOL = 1e-4
 COSINE_ATOL = 1e-5
 
 
+# What a step returns besides statistics.
+BOOKKEEPING = ("batch_size", "example_id", "learning_rate")
+
+
 def assert_matches_oracle(stats: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Compares every statistic present in `stats` with the oracle's value."""
+    """Compares every statistic in `stats` with the oracle's value; a statistic the
+    oracle does not know fails (it would otherwise go unchecked)."""
+    unknown = sorted(set(stats) - set(expected) - set(BOOKKEEPING))
+    assert not unknown, f"no oracle value for {unknown}"
     compared = 0
     for name, value in stats.items():
-        if name not in expected or name == "per_example_gradients":
+        if name in BOOKKEEPING:
             continue
         atol = COSINE_ATOL if "cosine" in name else 0.0
         rtol = RTOL

@@ -1,5 +1,7 @@
 """keras_gradtrack.autodiff against TensorFlow's own autodiff, in float64."""
 
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -203,6 +205,59 @@ def test_output_gradients_of_chosen_and_non_trainable_variables():
     )
 
 
+# With respect to variables, like torch's `model.parameters()`.
+
+
+def squared_error(model, x, y):
+    return lambda weights: tf.reduce_sum((model(x) - y) ** 2)  # Reads the model's weights.
+
+
+def test_grad_with_respect_to_model_variables_matches_tape_gradient():
+    model, x, y = dense_model(), random(6, 5), random(6, 3, seed=1)
+    loss = squared_error(model, x, y)
+    with tf.GradientTape() as tape:
+        expected = tape.gradient(loss(None), model.trainable_variables)
+    assert_all_close(autodiff.grad(loss, model.trainable_variables), expected)
+    kernel = model.layers[0].kernel  # Used through the argument, too.
+    assert_all_close(autodiff.grad(lambda w: tf.reduce_sum(w**3), kernel), 3 * kernel**2)
+
+
+def test_vjp_jvp_and_jacobian_with_respect_to_model_variables():
+    model, x = dense_model(), random(4, 5)
+    kernel, bias = model.layers[-1].trainable_variables
+    with tf.GradientTape(persistent=True) as tape:
+        y = model(x)
+    cotangent = random(4, 3, seed=2)
+    tangents = [random(*v.shape, seed=3) for v in (kernel, bias)]
+    _, vjp = autodiff.vjp(lambda w: model(x), [kernel, bias], cotangent)
+    assert_all_close(vjp, tape.gradient(y, [kernel, bias], output_gradients=cotangent))
+    _, jvp = autodiff.jvp(lambda w: model(x), [kernel, bias], tangents)
+    jacobians = tape.jacobian(y, [kernel, bias])
+    expected_jvp = sum(tf.tensordot(j, t, t.ndim) for j, t in zip(jacobians, tangents))
+    assert_all_close(jvp, expected_jvp)
+    assert_all_close(autodiff.jacobian(lambda w: model(x), [kernel, bias], 5), jacobians)
+
+
+def test_grad_reuses_its_trace_for_the_same_variables_only():
+    model, x, y = dense_model(), random(6, 5), random(6, 3, seed=1)
+    counted = TraceCounter(squared_error(model, x, y))
+    for _ in range(2):
+        autodiff.grad(counted, model.trainable_variables)
+    assert counted.traces == 1
+    # Same fn, other variables of the same shapes: fn does not read them, which
+    # must be an error, not the gradient of the first model's variables.
+    other = keras.models.clone_model(model)
+    with pytest.raises(ValueError, match=r"does not depend on inputs\[0\] \('sequential"):
+        autodiff.grad(counted, other.trainable_variables)
+
+
+def test_grad_with_respect_to_weight_values_says_to_pass_the_variables():
+    model, x, y = dense_model(), random(6, 5), random(6, 3, seed=1)
+    values = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match=r"pass the variables themselves"):
+        autodiff.grad(squared_error(model, x, y), values)
+
+
 # Errors say what went wrong.
 
 
@@ -247,8 +302,29 @@ def test_cotangents_of_the_wrong_shape_are_refused():
 @pytest.mark.parametrize("axis", [3, -4])
 def test_output_gradients_axis_out_of_range_names_the_output_shape(axis):
     model = conv_model()
-    with pytest.raises(ValueError, match=rf"shape \(2, 8, 7\).*Received: axis={axis}"):
+    with pytest.raises(ValueError, match=rf"shape \(None, 8, 7\).*Received: axis={axis}"):
         next(autodiff.output_gradients(model, random(2, 9, 4), axis=axis))
+
+
+@pytest.mark.parametrize("axis", [0, -3])
+def test_output_gradients_refuse_the_batch_axis_before_tracing(axis):
+    with pytest.raises(ValueError, match=rf"axis 0 is the batch\). Received: axis={axis}"):
+        autodiff.OutputGradients(conv_model(), axis=axis)
+
+
+@pytest.mark.parametrize("axis", [0, -3])
+def test_output_gradients_refuse_the_batch_axis_of_a_plain_callable(axis):
+    model = conv_model()
+    # No declared output: refused when traced (axis 0 at once, -3 once the rank is known).
+    with pytest.raises(ValueError, match=rf"axis 0 is the batch.*Received: axis={axis}"):
+        next(autodiff.output_gradients(lambda x: model(x), random(2, 9, 4), model.weights, axis))
+
+
+def test_numpy_inside_fn_is_explained():
+    with pytest.raises(TypeError, match=r"converts a tensor to numpy.*has no attribute 'numpy'"):
+        autodiff.grad(lambda x: tf.constant(x.numpy()) * 2.0, np.ones(3))
+    with pytest.raises(TypeError, match=r"converts a tensor to numpy.*NotImplementedError"):
+        autodiff.jacobian(lambda x: tf.convert_to_tensor(np.sin(x)), np.ones(3))
 
 
 def test_output_gradients_without_variables_is_refused():
@@ -284,6 +360,25 @@ def test_output_gradients_trace_once_for_all_chunks():
     assert counted.traces == 1
 
 
+def test_output_gradients_object_traces_once_across_calls_and_matches_per_feature_tape():
+    model = conv_model(num_features=7)
+    counted = TraceCounter(model)
+    variables = model.trainable_variables
+    feature_gradients = autodiff.OutputGradients(counted, variables, chunk_size=3)
+    assert feature_gradients.variables == variables
+    assert (feature_gradients.axis, feature_gradients.chunk_size) == (-1, 3)
+    for seed in range(3):
+        x = random(2, 9, 4, seed=seed)
+        chunks = list(feature_gradients(x))
+        assert [features.tolist() for features, _ in chunks] == [[0, 1, 2], [3, 4, 5], [6]]
+        per_feature = [[g[k] for g in grads] for _, grads in chunks for k in range(len(grads[0]))]
+        assert_all_close(per_feature, per_feature_tape_loop(model, x, variables))
+        # The next call must see the weights as they are then, not as traced.
+        kernel = model.layers[-1].kernel
+        kernel.assign(kernel * 1.5)
+    assert counted.traces == 1
+
+
 @pytest.mark.parametrize("function", [autodiff.jacobian, autodiff.batch_jacobian])
 def test_jacobians_trace_once_per_shape(function):
     counted = TraceCounter(dense_model())
@@ -311,3 +406,17 @@ def test_a_failing_map_leaves_the_variable_scope_clean() -> None:
     assert tf.compat.v1.get_variable_scope().caching_device is None
     with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
         pass
+
+
+# Layout.
+
+
+def test_public_names_are_the_functions_and_every_module_is_under_400_lines():
+    public = ["OutputGradients", "batch_jacobian", "grad", "jacobian", "jvp", "output_gradients"]
+    assert sorted(autodiff.__all__) == sorted([*public, "vjp"])
+    # No submodule may shadow a public function of the same name.
+    assert all(callable(getattr(autodiff, name)) for name in autodiff.__all__)
+    package = Path(autodiff.__file__)
+    modules = sorted(package.parent.glob("*.py")) if package.name == "__init__.py" else [package]
+    lengths = {module.name: len(module.read_text().splitlines()) for module in modules}
+    assert max(lengths.values()) <= 400, lengths

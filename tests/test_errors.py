@@ -156,7 +156,7 @@ def test_loss_that_cannot_be_split_per_example_is_refused(tmp_path: Path) -> Non
     model = IgnoresSampleWeights(inputs, keras.layers.Dense(3)(inputs))
     model.compile(optimizer="sgd")
     logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
-    fit_fails_without_touching_weights(model, logger, ValueError, "cannot be reduced per example")
+    fit_fails_without_touching_weights(model, logger, ValueError, "cannot be told apart")
 
 
 def test_activity_regularization_is_refused(tmp_path: Path) -> None:

@@ -20,9 +20,9 @@ from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules import RULES
-from keras_gradtrack.rules.conv import FEW_CHANNELS, gram_is_cheaper
+from keras_gradtrack.rules import LayerCall, lookup, rule_for
+from keras_gradtrack.rules.cost import gram_is_cheaper
+from keras_gradtrack.rules.windows import FEW_CHANNELS
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
 
 rng = np.random.default_rng(5)
@@ -327,7 +327,8 @@ def test_channels_first_equals_channels_last(make: Callable[[], Any], input_shap
     def reference_first(variable: Any) -> tf.Tensor:
         return reference(twins[id(variable)])
 
-    rule = RULES[type(last)]
+    rule = rule_for(last)
+    assert rule is not None
     expected = rule.primitives(last, [LayerCall((x,), {}, output_grads=[d])], reference)
     call_first = LayerCall(
         (tf.transpose(x, to_first),), {}, output_grads=[tf.transpose(d, to_first)]
@@ -353,7 +354,8 @@ def test_untestable_or_replaced_kernels_use_the_fallback() -> None:
     hidden = lora(inputs)
     lora.enable_lora(2)
     model = classifier(inputs, hidden)
-    assert RULES[L.Conv2DTranspose].applies(dilated) is False
+    assert lookup(dilated).rule is None
+    assert "does not cover" in lookup(dilated).reason
     assert model.gradient_tracking_plan()[0].path == FALLBACK_PATH
     x, y = rng.normal(size=(BATCH, 6, 6, 2)), rng.integers(0, 3, BATCH)
     assert_matches_oracle(model.gradient_statistics(x, y), oracle_statistics(model, x, y))

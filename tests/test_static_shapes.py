@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import reshape_per_example
+from keras_gradtrack.rules import LayerCall
 from keras_gradtrack.rules.dense import as_sequences
+from keras_gradtrack.rules.ops import reshape_per_example
 
 
 def traced_with_unknown_batch(fn, *shapes):  # type: ignore[no-untyped-def]

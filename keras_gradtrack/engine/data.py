@@ -1,4 +1,4 @@
-"""Batch plumbing: example ids in the input dict, and the per-example loss probe."""
+"""Batch plumbing: example ids in the input dict, batch sizes, float inputs."""
 
 from __future__ import annotations
 
@@ -93,32 +93,18 @@ def batch_size_of(x: Any) -> tf.Tensor:
     return tf.shape(first)[0]
 
 
-def probe_sample_weight(sample_weight: Any, probe: tf.Tensor, y_pred: Any = None) -> Any:
-    """Multiplies the sample weights by a watched all-ones `(B,)` probe.
+def float_inputs(x: Any) -> list[tf.Tensor]:
+    """The batch's float input tensors (for input gradients).
 
-    Keras reduces a loss linearly in the sample weights, so the gradient of the
-    reduced loss with respect to the probe is `c * l_i` for the batch constant
-    `c` of the reduction: this yields every per-example loss from the same
-    backward pass, whatever the loss, reduction or loss weights.
-
-    Without sample weights and with one output of rank 3 or more (a loss per
-    position, such as a sequence regression), the probe is shaped
-    `(B, 1, ...)` to broadcast over the positions: Keras does not expand a
-    `(B,)` weight by more than one axis.
+    Raises:
+        ValueError: If no input is a float tensor.
     """
-    if sample_weight is None:
-        rank = y_pred.shape.rank if isinstance(y_pred, tf.Tensor) else None
-        if rank is not None and rank > 2:
-            return tf.reshape(probe, [-1] + [1] * (rank - 2))
-        return probe
-
-    def weighted(weight: Any) -> Any:
-        if weight is None:
-            return probe
-        weight = tf.convert_to_tensor(weight)
-        shaped_probe = tf.reshape(
-            tf.cast(probe, weight.dtype), [-1] + [1] * (weight.shape.rank - 1)
+    inputs = [tf.convert_to_tensor(t) for t in tree.flatten(x) if t is not None]
+    floats = [t for t in inputs if t.dtype.is_floating]
+    if not floats:
+        raise ValueError(
+            "input_grad_norm needs float inputs: the gradient with respect to integer "
+            f"inputs (such as token ids) is not defined. Received input dtypes: "
+            f"{[t.dtype.name for t in inputs]}"
         )
-        return weight * shaped_probe
-
-    return tree.map_structure(weighted, sample_weight)
+    return floats

@@ -15,18 +15,18 @@ from typing import Any
 import tensorflow as tf
 from keras import tree
 
-from keras_gradtrack.engine.taps import LayerCall, LayerTap
-from keras_gradtrack.rules.base import LayerPrimitives, Reference, sum_of_squares
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
+from keras_gradtrack.rules.ops import sum_of_squares
 
 
-def per_example_output_products(tap: LayerTap, calls: Sequence[LayerCall]) -> tf.Tensor:
+def per_example_output_products(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     """`sum_c <y_ci, d_ci>` per example, re-running the layer on its recorded inputs.
 
     Runs after the taps are uninstalled, so `layer.call` is the layer's own.
     """
     total = None
     for call in calls:
-        outputs = tap.layer.call(*call.args, **call.kwargs)
+        outputs = layer.call(*call.args, **call.kwargs)
         floats = [
             t for t in tree.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating
         ]
@@ -36,17 +36,17 @@ def per_example_output_products(tap: LayerTap, calls: Sequence[LayerCall]) -> tf
             per_example = tf.reduce_sum(tf.reshape(product, [batch, -1]), axis=1)
             total = per_example if total is None else total + per_example
     if total is None:
-        raise ValueError(f"Layer {tap.layer.name!r} produced no float output to differentiate.")
+        raise ValueError(f"Layer {layer.name!r} produced no float output to differentiate.")
     return total
 
 
 def per_example_gradients(
-    tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall]
+    layer: Any, variables: Sequence[Any], calls: Sequence[LayerCall]
 ) -> tf.Tensor:
     """`(B, P)`: each example's gradient of the layer's own variables, flattened.
 
     Args:
-        tap: The layer's tap.
+        layer: The layer (its taps uninstalled).
         variables: The layer's own trainable variables.
         calls: The layer's calls in this step, with `output_grads` filled in.
     """
@@ -54,7 +54,7 @@ def per_example_gradients(
     sources = [variable.value for variable in variables]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(sources)
-        per_example = per_example_output_products(tap, calls)
+        per_example = per_example_output_products(layer, calls)
     jacobians = tape.jacobian(
         per_example,
         sources,
@@ -68,12 +68,12 @@ def per_example_gradients(
 
 
 def fallback_primitives(
-    tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall], reference: Reference
+    layer: Any, variables: Sequence[Any], calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference, from a local Jacobian.
 
     Args:
-        tap: The layer's tap (gives the layer's own `call`, untapped).
+        layer: The layer (its taps uninstalled).
         variables: The layer's own trainable variables.
         calls: The layer's calls in this step, with `output_grads` filled in.
         reference: Maps each variable to the reference vector restricted to it.
@@ -81,7 +81,7 @@ def fallback_primitives(
     Returns:
         `LayerPrimitives` with `(B,)` tensors.
     """
-    gradients = per_example_gradients(tap, variables, calls)
+    gradients = per_example_gradients(layer, variables, calls)
     flat_reference = tf.concat([tf.reshape(reference(v), [-1]) for v in variables], axis=0)
     return LayerPrimitives(
         sq_norm=sum_of_squares(gradients, axis=1),
@@ -89,7 +89,7 @@ def fallback_primitives(
     )
 
 
-def fallback_gram(tap: LayerTap, variables: Sequence[Any], calls: Sequence[LayerCall]) -> tf.Tensor:
+def fallback_gram(layer: Any, variables: Sequence[Any], calls: Sequence[LayerCall]) -> tf.Tensor:
     """`(B, B)` Gram matrix `<g_i, g_j>` of the layer's per-example gradients."""
-    gradients = per_example_gradients(tap, variables, calls)
+    gradients = per_example_gradients(layer, variables, calls)
     return tf.matmul(gradients, gradients, transpose_b=True)

@@ -2,57 +2,40 @@
 
 The tracked train step is traced once, so a tap is installed on the layer
 instance for the duration of that forward pass only and costs nothing at run
-time. A tap records, per call of its layer:
-
-* the positional and keyword arguments the layer's `call` received (the layer
-  input, for the rules; everything, for the fallback that re-runs the layer);
-* the tensor whose gradient the engine needs: the pre-activation output for
-  layers whose `activation` can be split off (Dense, EinsumDense, Conv, ...),
-  the layer's outputs otherwise.
+time. A tap records, per call of its layer, a `LayerCall`: the arguments the
+layer's `call` received, and the tensors whose gradient the rule needs (the
+pre-activation output for layers whose `activation` can be split off, what the
+rule's own tap returns, or the layer's float outputs), plus where in the graph
+the call's operations are (for the tied-weight check).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
 from keras import tree
 
+from keras_gradtrack.rules.contract import LayerCall, Rule, Tapped
 
-@dataclasses.dataclass
-class LayerCall:
-    """One call of a tapped layer, as seen at trace time.
+
+@dataclasses.dataclass(frozen=True)
+class RecordedCall:
+    """A `LayerCall` and where its operations are in the traced graph.
 
     Attributes:
-        args: Positional arguments that the layer's `call` received.
-        kwargs: Keyword arguments that the layer's `call` received.
-        tapped: The tensors whose gradient the engine takes: the pre-activation
-            output (one tensor) when the activation is split off, else the
-            flattened float outputs of the call.
-        output_grads: Per-example gradients of the loss at `tapped` (times one
-            positive scalar the engine divides out of the results), filled in
-            after the backward pass (same structure as `tapped`).
-        graph_ops: Positions, in the traced graph's operations, of the ops the
-            call created (empty when run eagerly).
+        call: The call as the rules see it (no output gradients yet).
+        graph_ops: Positions, in the graph's operations, of the ops the call
+            created (empty when run eagerly).
         graph: The graph the call was traced in (None when run eagerly).
     """
 
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    tapped: list[tf.Tensor] = dataclasses.field(default_factory=list)
-    output_grads: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    call: LayerCall
     graph_ops: range = range(0)
     graph: Any = None
-
-    @property
-    def inputs(self) -> tf.Tensor:
-        """The layer's main input (first positional argument or `inputs=`)."""
-        if self.args:
-            return self.args[0]
-        return self.kwargs["inputs"]
 
 
 class LayerTap:
@@ -60,20 +43,23 @@ class LayerTap:
 
     Args:
         layer: The Keras layer to tap.
-        split_activation: Whether to record the pre-activation output by
-            wrapping `layer.activation` during the call (the layer must apply
-            `self.activation` to its linear output, as Dense and Conv do).
+        rule: The layer's rule (None for the fallback): it says what to record.
     """
 
-    def __init__(self, layer: Any, split_activation: bool):
+    def __init__(self, layer: Any, rule: Rule | None):
         self.layer = layer
-        self.split_activation = split_activation
-        self.calls: list[LayerCall] = []
+        self.rule = rule
+        self.recorded: list[RecordedCall] = []
         self._original_call: Callable[..., Any] | None = None
         self._shadowed_call: Callable[..., Any] | None = None
 
+    @property
+    def original_call(self) -> Callable[..., Any]:
+        """The layer's own `call`, also while the tap is installed."""
+        return self._original_call or self.layer.call
+
     def install(self) -> None:
-        self.calls = []
+        self.recorded = []
         self._shadowed_call = self.layer.__dict__.get("call")
         self._original_call = self.layer.call
         # An instance attribute shadows the class's `call`; Layer.__call__
@@ -81,6 +67,8 @@ class LayerTap:
         self.layer.call = self._recording_call
 
     def uninstall(self) -> None:
+        if self._original_call is None:
+            return
         if self._shadowed_call is not None:
             self.layer.__dict__["call"] = self._shadowed_call
         else:
@@ -89,49 +77,55 @@ class LayerTap:
 
     def _recording_call(self, *args: Any, **kwargs: Any) -> Any:
         with graph_ops_recorded() as ops:
-            outputs = self._record(*args, **kwargs)
-        self.calls[-1].graph_ops = ops.range
-        self.calls[-1].graph = ops.graph
+            outputs, tapped = self._tapped_call(args, kwargs)
+        call = LayerCall(args=args, kwargs=kwargs, tapped=tapped.tapped, saved=tapped.saved)
+        self.recorded.append(RecordedCall(call, ops.range, ops.graph))
         return outputs
 
-    def _record(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._original_call is not None
-        record = LayerCall(args=args, kwargs=kwargs)
-        if not self.split_activation:
+    def _tapped_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Tapped]:
+        original = self.original_call
+        if self.rule is not None and self.rule.tap is not None:
+            tapped = self.rule.tap(self.layer, original, args, kwargs)
+            return tapped.outputs, tapped
+        if self.rule is None or not self.rule.split_activation:
             # Fresh copies, one per output position: the gradient at a copy is what
             # reaches it from outside the call. At the call's own tensors it would also
             # include paths inside the call (an LSTM cell returns `h, [h, c]` with `h`
             # computed from `c`), counted twice.
-            outputs = tree.map_structure(fresh_float_copy, self._original_call(*args, **kwargs))
-            record.tapped = [
+            outputs = tree.map_structure(fresh_float_copy, original(*args, **kwargs))
+            floats = tuple(
                 t for t in tree.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating
-            ]
-            self.calls.append(record)
-            return outputs
+            )
+            return outputs, Tapped(outputs, floats)
+        return self._preactivation_call(original, args, kwargs)
 
+    def _preactivation_call(
+        self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Tapped]:
         activation = self.layer.activation
+        preactivations: list[tf.Tensor] = []
 
         def recording_activation(preactivation: tf.Tensor) -> tf.Tensor:
-            record.tapped = [preactivation]
+            preactivations.append(preactivation)
             return activation(preactivation)
 
         self.layer.activation = recording_activation
         try:
-            outputs = self._original_call(*args, **kwargs)
+            outputs = original(*args, **kwargs)
         finally:
             self.layer.activation = activation
-        if not record.tapped:
+        if len(preactivations) != 1:
             raise RuntimeError(
-                f"Layer {self.layer.name!r} ({type(self.layer).__name__}) did not apply "
-                "its `activation` in `call`, so its pre-activation output cannot be "
-                "tapped. Register the layer class with `split_activation=False`."
+                f"Layer {self.layer.name!r} ({type(self.layer).__name__}) applied its "
+                f"`activation` {len(preactivations)} times in `call` (expected once), so "
+                "its pre-activation output cannot be tapped. Register its class with a "
+                "rule of `split_activation=False` (keras_gradtrack.register_rule)."
             )
-        self.calls.append(record)
-        return outputs
+        return outputs, Tapped(outputs, (preactivations[0],))
 
 
 @contextlib.contextmanager
-def installed(taps: list[LayerTap]) -> Iterator[list[LayerTap]]:
+def installed(taps: Sequence[LayerTap]) -> Iterator[Sequence[LayerTap]]:
     """Installs every tap for the duration of the block, then restores the layers."""
     try:
         for tap in taps:

@@ -1,87 +1,74 @@
-"""Per-layer rules, registered per layer class in one place.
+"""Per-layer rules, and the one registry that maps layer classes to them.
 
-A rule turns one layer's taps (its inputs and the per-example gradients at its
+A rule turns one layer's calls (its inputs and the per-example gradients at its
 pre-activation output) into the per-example primitives: without building
 per-example gradient tensors, or, where those are as cheap as the batch gradient
 (small parameters, long sequences, convolutions), by building them and taking
 the batch gradient as their sum. Layers without a rule use the engine's exact,
 vectorized per-layer fallback; `model.gradient_tracking_summary()` says which.
+
+A rule registered for a class covers its subclasses too, as long as they keep
+the class's `call`: a subclass that overrides `call` may compute something
+else, so it goes to the fallback (exact, slower) until a rule is registered for
+it. `register_rule(Subclass, rule)` does that, and replaces a built-in rule too.
+
+Example:
+
+```python
+import keras, tensorflow as tf
+import keras_gradtrack as kgt
+
+class Scale(keras.layers.Layer):  # y = x * w, one weight per feature
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[-1:], initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+def scale_per_example(layer, calls):
+    grads = []
+    for call in calls:
+        x, d = call.inputs, call.output_grad  # both (B, ..., features)
+        grads.append(tf.reduce_sum(x * d, axis=list(range(1, len(x.shape) - 1))))
+    return [(layer.w, tf.add_n(grads))]
+
+kgt.register_rule(Scale, kgt.rules.Rule(
+    "scale", kgt.rules.primitives_of(scale_per_example),
+    split_activation=False, per_example=scale_per_example))
+```
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import keras
 
-from keras_gradtrack.rules import (
-    conv,
-    conv_transpose,
-    dense,
-    einsum,
-    embedding,
-    normalization,
-    separable_conv,
-)
-from keras_gradtrack.rules.base import (
+from keras_gradtrack.rules.contract import (
+    LayerCall,
     LayerPrimitives,
     PerExampleFn,
     Reference,
     Rule,
     RuleFn,
-    primitives_of,
+    Tapped,
 )
-
-CONV = Rule(
-    "conv",
-    conv.conv_primitives,
-    conv.conv_applies,
-    per_example=conv.conv_per_example,
-    materializes=conv.conv_materializes,
+from keras_gradtrack.rules.conv import CONV, DEPTHWISE_CONV
+from keras_gradtrack.rules.conv_transpose import CONV_TRANSPOSE
+from keras_gradtrack.rules.dense import DENSE
+from keras_gradtrack.rules.einsum import EINSUM_DENSE
+from keras_gradtrack.rules.embedding import EMBEDDING
+from keras_gradtrack.rules.normalization import (
+    GROUP_NORMALIZATION,
+    LAYER_NORMALIZATION,
+    RMS_NORMALIZATION,
 )
-DEPTHWISE_CONV = Rule(
-    "depthwise_conv",
-    conv.depthwise_primitives,
-    conv.conv_applies,
-    per_example=conv.depthwise_per_example,
-    materializes=conv.depthwise_materializes,
-)
-SEPARABLE_CONV = Rule(
-    "separable_conv",
-    separable_conv.separable_primitives,
-    conv.conv_applies,
-    per_example=separable_conv.separable_per_example,
-    materializes=separable_conv.separable_materializes,
-)
-CONV_TRANSPOSE = Rule(
-    "conv_transpose",
-    conv_transpose.conv_transpose_primitives,
-    conv_transpose.conv_transpose_applies,
-    per_example=conv_transpose.conv_transpose_per_example,
-    materializes=conv_transpose.conv_transpose_materializes,
-)
+from keras_gradtrack.rules.ops import materialized, primitives_of
+from keras_gradtrack.rules.separable_conv import SEPARABLE_CONV
 
-
-def normalization_rule(name: str, per_example: PerExampleFn, applies: Any) -> Rule:
-    """Normalization parameters are as small per example as in total: always materialized."""
-    return Rule(
-        name,
-        primitives_of(per_example),
-        applies,
-        split_activation=False,
-        per_example=per_example,
-    )
-
-
-RULES: dict[type, Rule] = {
-    keras.layers.Dense: Rule(
-        "dense",
-        dense.dense_primitives,
-        dense.dense_applies,
-        gram=dense.dense_gram,
-        per_example=dense.dense_per_example,
-        materializes=dense.dense_materializes,
-    ),
+_REGISTRY: dict[type, Rule] = {
+    keras.layers.Dense: DENSE,
     keras.layers.Conv1D: CONV,
     keras.layers.Conv2D: CONV,
     keras.layers.Conv3D: CONV,
@@ -92,43 +79,111 @@ RULES: dict[type, Rule] = {
     keras.layers.Conv1DTranspose: CONV_TRANSPOSE,
     keras.layers.Conv2DTranspose: CONV_TRANSPOSE,
     keras.layers.Conv3DTranspose: CONV_TRANSPOSE,
-    keras.layers.Embedding: Rule(
-        "embedding",
-        embedding.embedding_primitives,
-        embedding.embedding_applies,
-        split_activation=False,
-    ),
-    keras.layers.LayerNormalization: normalization_rule(
-        "layer_normalization",
-        normalization.layer_normalization_per_example,
-        normalization.layer_normalization_applies,
-    ),
-    keras.layers.GroupNormalization: normalization_rule(
-        "group_normalization",
-        normalization.group_normalization_per_example,
-        normalization.group_normalization_applies,
-    ),
-    keras.layers.RMSNormalization: normalization_rule(
-        "rms_normalization",
-        normalization.rms_normalization_per_example,
-        normalization.rms_normalization_applies,
-    ),
-    keras.layers.EinsumDense: Rule(
-        "einsum_dense",
-        einsum.einsum_dense_primitives,
-        einsum.einsum_dense_applies,
-        per_example=einsum.einsum_dense_per_example,
-        materializes=einsum.einsum_dense_materializes,
-    ),
+    keras.layers.Embedding: EMBEDDING,
+    keras.layers.LayerNormalization: LAYER_NORMALIZATION,
+    keras.layers.GroupNormalization: GROUP_NORMALIZATION,
+    keras.layers.RMSNormalization: RMS_NORMALIZATION,
+    keras.layers.EinsumDense: EINSUM_DENSE,
 }
 
 
+def register_rule(layer_class: type, rule: Rule | None) -> Rule | None:
+    """Registers `rule` for `layer_class` and its subclasses that keep its `call`.
+
+    Args:
+        layer_class: A `keras.layers.Layer` subclass.
+        rule: The `Rule`, or None to remove the class's rule (its layers then
+            use the exact per-layer fallback, or a rule of a parent class).
+
+    Returns:
+        The rule registered for exactly this class before, or None.
+
+    Raises:
+        TypeError: If `layer_class` is not a Layer class or `rule` not a Rule.
+
+    Example:
+
+    ```python
+    kgt.register_rule(MyDense, kgt.rules.DENSE)  # MyDense(Dense) overrides call, same math
+    ```
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(
+            f"Expected layer_class to be a keras.layers.Layer subclass. Received: {layer_class!r}"
+        )
+    if rule is not None and not isinstance(rule, Rule):
+        raise TypeError(
+            f"Expected rule to be a keras_gradtrack.rules.Rule or None. Received: {rule!r}"
+        )
+    previous = _REGISTRY.get(layer_class)
+    if rule is None:
+        _REGISTRY.pop(layer_class, None)
+    else:
+        _REGISTRY[layer_class] = rule
+    return previous
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """The rule found for a layer, or why there is none.
+
+    Attributes:
+        rule: The rule, or None (the layer uses the fallback).
+        reason: Why there is no rule; empty when there is one.
+    """
+
+    rule: Rule | None
+    reason: str = ""
+
+
+def lookup(layer: Any) -> Lookup:
+    """The rule for `layer`, along its class's MRO (see the module docstring)."""
+    mro = type(layer).__mro__
+    for position, cls in enumerate(mro):
+        rule = _REGISTRY.get(cls)
+        if rule is None:
+            continue
+        overriding = [c.__name__ for c in mro[:position] if "call" in vars(c)]
+        if overriding:
+            return Lookup(
+                None,
+                f"{overriding[0]} overrides the call() of {cls.__name__}, whose rule "
+                f"{rule.name!r} may not hold for it; register_rule({overriding[0]}, rule) "
+                "if its call computes the same",
+            )
+        if not rule.applies(layer):
+            return Lookup(None, f"rule {rule.name!r} does not cover this configuration")
+        return Lookup(rule)
+    return Lookup(None, f"no rule registered for {type(layer).__name__}")
+
+
 def rule_for(layer: Any) -> Rule | None:
-    """The rule registered for the layer's exact class, if it applies to this instance."""
-    rule = RULES.get(type(layer))
-    if rule is None or not rule.applies(layer):
-        return None
-    return rule
+    """The rule that computes `layer`'s primitives, or None for the fallback."""
+    return lookup(layer).rule
 
 
-__all__ = ["RULES", "LayerPrimitives", "Reference", "Rule", "RuleFn", "rule_for"]
+__all__ = [
+    "CONV",
+    "CONV_TRANSPOSE",
+    "DENSE",
+    "DEPTHWISE_CONV",
+    "EINSUM_DENSE",
+    "EMBEDDING",
+    "GROUP_NORMALIZATION",
+    "LAYER_NORMALIZATION",
+    "RMS_NORMALIZATION",
+    "SEPARABLE_CONV",
+    "LayerCall",
+    "LayerPrimitives",
+    "Lookup",
+    "PerExampleFn",
+    "Reference",
+    "Rule",
+    "RuleFn",
+    "Tapped",
+    "lookup",
+    "materialized",
+    "primitives_of",
+    "register_rule",
+    "rule_for",
+]

@@ -1,364 +1,27 @@
-"""Rules for Conv1D/2D/3D and DepthwiseConv1D/2D, and the convolution helpers.
+"""Rules for Conv1D/2D/3D and DepthwiseConv1D/2D.
 
-A convolution is a Dense layer applied to every window of its input. With
-`S_ik` the input values that example i's kernel offset k sees at each output
-position (positions x input channels) and `D_i` the gradient at the
-pre-activation output (positions x filters), the kernel gradient at offset k
-is `S_ik^T D_i`, per group of channels. The windows are read as one strided
-slice of the padded input per kernel offset, so the patch tensor
-(positions x kernel size x channels) is never built as a whole.
-
-Per layer, the squared norm comes from whichever form costs less (the Dense
-rule's test): the per-example kernel gradients themselves, or the Gram form
-`<sum_k S_ik S_ik^T, D_i D_i^T>`. A depthwise convolution is the grouped one
-with one group per input channel. `channels_first` tensors are transposed to
-`channels_last` first. The separable and transposed convolutions
-(`separable_conv.py`, `conv_transpose.py`) reuse these helpers.
+Example i's kernel gradient at offset k is `S_ik^T D_i` per group of channels
+(see `keras_gradtrack.rules.windows`); a depthwise convolution is the grouped
+one with one group per input channel.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import (
-    LayerPrimitives,
-    Reference,
-    gram_is_cheaper,
-    materialized,
-    positions_per_example,
-    reshape_per_example,
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.ops import has_plain_weights
+from keras_gradtrack.rules.windows import (
+    grouped_kernel_primitives,
+    input_pairs,
+    input_windows,
+    kernel_and_bias_per_example,
+    kernel_materializes,
+    with_bias,
 )
-
-# Up to this many input channels, the per-example kernel gradient is one matrix
-# product over all offsets' windows at once (measured faster for 1 and 3
-# channels, slower for 32).
-FEW_CHANNELS = 4
-
-# A static size, or a scalar tensor when the size is only known at run time.
-Size = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Window:
-    """How a convolution slides its kernel over the spatial axes of one example.
-
-    Attributes:
-        kernel_size: Kernel extent per spatial axis.
-        strides: Step between output positions per spatial axis.
-        dilation_rate: Step between kernel taps per spatial axis.
-        padding: `"valid"`, `"same"` (TensorFlow's rule: the extra padding goes
-            after) or `"causal"` (all padding before).
-    """
-
-    kernel_size: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilation_rate: tuple[int, ...]
-    padding: str
-
-    @classmethod
-    def of(cls, layer: Any) -> Window:
-        return cls(
-            tuple(layer.kernel_size),
-            tuple(layer.strides),
-            tuple(layer.dilation_rate),
-            layer.padding,
-        )
-
-
-def conv_applies(layer: Any) -> bool:
-    """The rules cover float layers whose kernel is a plain variable (no LoRA, no quantization)."""
-    replaced = getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
-    return not replaced
-
-
-def sizes(tensor: tf.Tensor) -> list[Size]:
-    """The tensor's shape: static sizes where known, scalar tensors elsewhere."""
-    dynamic = tf.shape(tensor)
-    return [dynamic[axis] if size is None else size for axis, size in enumerate(tensor.shape)]
-
-
-def channels_last(tensor: Any, data_format: str) -> tf.Tensor:
-    """The tensor as float32 `(B, *spatial, C)`."""
-    tensor = tf.cast(tensor, tf.float32)
-    if data_format == "channels_first":
-        rank = len(tensor.shape)
-        tensor = tf.transpose(tensor, [0, *range(2, rank), 1])
-    return tensor
-
-
-def padded(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> tf.Tensor:
-    """`x` padded so that a "valid" window at every output position fits."""
-    shape = sizes(x)
-    paddings: list[list[Size]] = [[0, 0]]
-    for size, out, kernel, stride, rate in zip(
-        shape[1:-1], output_size, window.kernel_size, window.strides, window.dilation_rate
-    ):
-        extent = (kernel - 1) * rate + 1
-        if window.padding == "valid":
-            paddings.append([0, 0])
-        elif window.padding == "causal":
-            paddings.append([extent - 1, 0])
-        else:
-            total = (out - 1) * stride + extent - size
-            total = tf.maximum(total, 0) if isinstance(total, tf.Tensor) else max(total, 0)
-            paddings.append([total // 2, total - total // 2])
-    paddings.append([0, 0])
-    if any(not isinstance(amount, int) or amount for pair in paddings for amount in pair):
-        x = tf.pad(x, paddings)
-    return x
-
-
-def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> list[tf.Tensor]:
-    """The input values under each kernel offset at every output position.
-
-    Args:
-        x: `(B, *spatial, C)` input of one call.
-        output_size: The spatial size of the convolution's output.
-        window: The convolution's geometry.
-
-    Returns:
-        One `(B, P, C)` tensor per kernel offset, in the kernel's row-major
-        order, with `P` the number of output positions.
-    """
-    x = padded(x, output_size, window)
-    slices = []
-    for offset in itertools.product(*(range(kernel) for kernel in window.kernel_size)):
-        index = [slice(None)]
-        for tap, out, stride, rate in zip(
-            offset, output_size, window.strides, window.dilation_rate
-        ):
-            index.append(slice(tap * rate, tap * rate + (out - 1) * stride + 1, stride))
-        index.append(slice(None))
-        slices.append(reshape_per_example(x[tuple(index)], [-1, x.shape[-1]]))
-    return slices
-
-
-def batch_grouped_filter_gradients(
-    source: tf.Tensor, target: tf.Tensor, window: Window
-) -> tf.Tensor:
-    """`g_i[k] = S_ik^T D_i` for a 1-D or 2-D window, by TensorFlow's own filter gradient.
-
-    The examples become groups of one grouped convolution: channels
-    `(B * C)` in, `(B * F)` out, so the filter gradient of that convolution
-    holds every example's kernel gradient, `(B, K * C * F)` in the kernel's
-    layout. It runs on the convolution library's kernels, with no window
-    copies (measured 15% faster than the per-offset products).
-
-    Args:
-        source: `(B, *spatial, C)`, the tensor the kernel slides over.
-        target: `(B, *positions, F)`, the gradient paired with its windows.
-        window: The convolution's geometry (one or two spatial axes).
-    """
-    source = padded(source, sizes(target)[1:-1], window)
-    kernel_size, strides, rates = window.kernel_size, window.strides, window.dilation_rate
-    if len(kernel_size) == 1:  # as 2-D, with a spatial axis of size 1
-        source, target = source[:, tf.newaxis], target[:, tf.newaxis]
-        kernel_size, strides, rates = (1, *kernel_size), (1, *strides), (1, *rates)
-    channels, filters = source.shape[-1], target.shape[-1]
-    batch = tf.shape(source)[0]
-
-    # The axes move by einsum rather than tf.transpose: with oneDNN on, the
-    # latter takes 1.5x as long for these shapes (CNN step at batch 128:
-    # 52.9 vs 58.6 ms, interleaved in one process).
-    def examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
-        shape = tf.shape(tensor)
-        moved = tf.einsum("bhwc->hwbc", tensor)
-        return tf.reshape(moved, [1, shape[1], shape[2], batch * tensor.shape[-1]])
-
-    gradient = tf.raw_ops.Conv2DBackpropFilter(
-        input=examples_as_channels(source),
-        filter_sizes=tf.stack([*kernel_size, channels, batch * filters]),
-        out_backprop=examples_as_channels(target),
-        strides=[1, *strides, 1],
-        padding="VALID",
-        dilations=[1, *rates, 1],
-    )
-    window_width = math.prod(kernel_size) * channels
-    per_example = tf.reshape(gradient, [window_width, batch, filters])
-    return tf.reshape(tf.einsum("kbf->bkf", per_example), [batch, window_width * filters])
-
-
-def stacked_windows(
-    pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], window: Window
-) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Windows of each `source` at the positions of its `target`, all calls stacked.
-
-    Args:
-        pairs: Per call, `(source, target)`: the tensor the kernel slides over
-            and the one paired with its windows, both `(B, *spatial, channels)`.
-        window: The convolution's geometry.
-
-    Returns:
-        Per kernel offset a `(B, P, C_source)` tensor, and the `(B, P, C_target)`
-        targets, with the positions of all calls concatenated (a shared
-        layer's per-example gradient is the sum over its calls).
-    """
-    slices_per_call, targets = [], []
-    for source, target in pairs:
-        shape = sizes(target)
-        slices_per_call.append(window_slices(source, shape[1:-1], window))
-        targets.append(reshape_per_example(target, [-1, target.shape[-1]]))
-    if len(pairs) == 1:
-        return slices_per_call[0], targets[0]
-    slices = [tf.concat(list(per_offset), axis=1) for per_offset in zip(*slices_per_call)]
-    return slices, tf.concat(targets, axis=1)
-
-
-def grouped_response(slices: Sequence[tf.Tensor], kernel: tf.Tensor, groups: int) -> tf.Tensor:
-    """The (bias-free) convolution output `sum_k S_k W_k`, per group: `(B, P, O)`.
-
-    Args:
-        slices: Per kernel offset, `(B, P, C)` windows.
-        kernel: `(K, C / groups, O)` kernel.
-        groups: Number of channel groups.
-    """
-    group_channels, filters = kernel.shape[1], kernel.shape[2]
-    per_offset = tf.unstack(tf.reshape(kernel, [len(slices), group_channels, groups, -1]))
-    batch = tf.shape(slices[0])[0]
-    response = tf.add_n(
-        [
-            tf.einsum("bpgc,cgo->bpgo", tf.reshape(s, [batch, -1, groups, group_channels]), w)
-            for s, w in zip(slices, per_offset)
-        ]
-    )
-    return tf.reshape(response, [batch, -1, filters])
-
-
-def per_example_kernel_gradients(
-    slices: Sequence[tf.Tensor], targets: tf.Tensor, groups: int
-) -> tf.Tensor:
-    """`g_i[k] = S_ik^T D_i` per group, flattened in the kernel's layout: `(B, n)`.
-
-    Args:
-        slices: Per kernel offset, `(B, P, C)` windows.
-        targets: `(B, P, O)`, the gradient paired with the windows.
-        groups: Number of channel groups (input channel block j meets filter block j).
-    """
-    batch = tf.shape(targets)[0]
-    if groups == 1 and slices[0].shape[-1] is not None and slices[0].shape[-1] <= FEW_CHANNELS:
-        # Few channels (an image input): one product over all offsets' windows
-        # beats one product per offset with a tiny inner size. Stacked as
-        # (B, K, P, C), each offset's windows are one contiguous copy (for one
-        # channel, 2x faster than interleaving them as (B, P, K * C)).
-        windows = tf.stack(list(slices), axis=1)
-        if windows.shape[-1] != 1:
-            windows = tf.transpose(windows, [0, 1, 3, 2])
-        windows = tf.reshape(windows, [batch, -1, tf.shape(targets)[1]])  # (B, K * C, P)
-        return tf.reshape(tf.matmul(windows, targets), [batch, -1])
-    if groups == 1:
-        per_offset = [tf.matmul(s, targets, transpose_a=True) for s in slices]
-    else:
-        group_channels = slices[0].shape[-1] // groups
-        grads = tf.reshape(targets, [batch, -1, groups, targets.shape[-1] // groups])
-        per_offset = [
-            tf.einsum("bpgc,bpgo->bcgo", tf.reshape(s, [batch, -1, groups, group_channels]), grads)
-            for s in slices
-        ]
-    # (B, K, C / groups, groups, O / groups) is the kernel's own layout.
-    return tf.reshape(tf.stack(per_offset, axis=1), [batch, -1])
-
-
-def grouped_kernel_primitives(
-    slices: Sequence[tf.Tensor], targets: tf.Tensor, groups: int, kernel_reference: tf.Tensor
-) -> LayerPrimitives:
-    """`||g_i||^2` and `<g_i, R>` for the kernel gradient `g_i[k] = S_ik^T D_i` per group.
-
-    Args:
-        slices: Per kernel offset, `(B, P, C)` windows.
-        targets: `(B, P, O)`, the gradient paired with the windows.
-        groups: Number of channel groups.
-        kernel_reference: `(K, C / groups, O)`, the reference in the kernel's layout.
-    """
-    group_channels = slices[0].shape[-1] // groups
-    group_filters = targets.shape[-1] // groups
-    if not gram_is_cheaper(targets.shape[1], len(slices) * group_channels, group_filters):
-        return materialized(
-            [per_example_kernel_gradients(slices, targets, groups)], [kernel_reference]
-        )
-    batch = tf.shape(targets)[0]
-    grouped = [tf.reshape(s, [batch, -1, groups, group_channels]) for s in slices]
-    grads = tf.reshape(targets, [batch, -1, groups, group_filters])
-    gram_windows = tf.add_n([tf.einsum("bpgc,bqgc->bgpq", s, s) for s in grouped])
-    gram_grads = tf.einsum("bpgo,bqgo->bgpq", grads, grads)
-    response = grouped_response(slices, kernel_reference, groups)
-    return LayerPrimitives(
-        sq_norm=tf.reduce_sum(gram_windows * gram_grads, axis=[1, 2, 3]),
-        dot=tf.reduce_sum(response * targets, axis=[1, 2]),
-    )
-
-
-def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor | None:
-    """`(B, filters)`, the output gradient summed over positions and calls; None without a trainable bias."""
-    if layer.bias is None or not layer.bias.trainable:
-        return None
-    channel_axis = 1 if layer.data_format == "channels_first" else -1
-    per_call = []
-    for call in calls:
-        grads = tf.cast(call.output_grads[0], tf.float32)
-        rank = len(grads.shape)
-        positions = [axis for axis in range(1, rank) if axis != channel_axis % rank]
-        per_call.append(tf.reduce_sum(grads, axis=positions))
-    return tf.add_n(per_call)
-
-
-def summed(terms: Sequence[LayerPrimitives]) -> LayerPrimitives:
-    return LayerPrimitives(
-        sq_norm=tf.add_n([term.sq_norm for term in terms]),
-        dot=tf.add_n([term.dot for term in terms]),
-    )
-
-
-def with_bias(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference, terms: list[LayerPrimitives]
-) -> LayerPrimitives:
-    """The layer's primitives: the given kernel terms plus the bias term."""
-    bias_grad = per_example_bias_gradient(layer, calls)
-    if bias_grad is not None:
-        terms = [*terms, materialized([bias_grad], [reference(layer.bias)])]
-    if not terms:  # every variable of the layer is frozen
-        zeros = tf.zeros([tf.shape(calls[0].output_grads[0])[0]], tf.float32)
-        return LayerPrimitives(sq_norm=zeros, dot=zeros)
-    return summed(terms)
-
-
-Pairs = list[tuple[tf.Tensor, tf.Tensor]]
-
-
-def input_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
-    """Per call, the layer input and the output gradient, channels last."""
-    return [
-        (
-            channels_last(call.inputs, layer.data_format),
-            channels_last(call.output_grads[0], layer.data_format),
-        )
-        for call in calls
-    ]
-
-
-def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Windows of the layer inputs at the output positions, and the output gradients."""
-    return stacked_windows(input_pairs(layer, calls), Window.of(layer))
-
-
-def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
-    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs.
-
-    Ungrouped 1-D and 2-D windows over more than `FEW_CHANNELS` channels use
-    TensorFlow's filter gradient (`batch_grouped_filter_gradients`); the others
-    the windows' matrix products.
-    """
-    channels = pairs[0][0].shape[-1]
-    if groups == 1 and len(window.kernel_size) <= 2 and (channels or 0) > FEW_CHANNELS:
-        return tf.add_n([batch_grouped_filter_gradients(s, t, window) for s, t in pairs])
-    slices, targets = stacked_windows(pairs, window)
-    return per_example_kernel_gradients(slices, targets, groups)
 
 
 def conv_primitives(
@@ -381,45 +44,6 @@ def conv_primitives(
         )
         terms.append(grouped_kernel_primitives(slices, targets, layer.groups, kernel_reference))
     return with_bias(layer, calls, reference, terms)
-
-
-def output_positions(layer: Any, calls: Sequence[LayerCall]) -> int | None:
-    """Output positions per example, over all calls; None if a size is unknown."""
-    tapped = [call.tapped[0] for call in calls]
-    return positions_per_example(tapped, layer.data_format == "channels_first")
-
-
-def kernel_materializes(
-    layer: Any, calls: Sequence[LayerCall], group_channels: int, group_filters: int
-) -> bool:
-    """Whether per-example kernel gradients cost less than the Gram form."""
-    if not layer.kernel.trainable:
-        return True  # only the bias, (B, filters)
-    window_width = math.prod(layer.kernel_size) * group_channels
-    return not gram_is_cheaper(output_positions(layer, calls), window_width, group_filters)
-
-
-def kernel_and_bias_per_example(
-    layer: Any, calls: Sequence[LayerCall], windowed: Pairs, groups: int
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of a (grouped) convolution's kernel and bias.
-
-    Args:
-        layer: The layer (its kernel, bias, geometry).
-        calls: Its calls in this step.
-        windowed: Per call, `(source, target)`: the kernel's windows slide over
-            the source at the target's positions (`input_pairs`, or the swapped
-            roles of a transposed convolution).
-        groups: Number of channel groups.
-    """
-    pairs = []
-    if layer.kernel.trainable:
-        kernel_grad = per_example_filter_gradients(windowed, Window.of(layer), groups)
-        pairs.append((layer.kernel, kernel_grad))
-    bias_grad = per_example_bias_gradient(layer, calls)
-    if bias_grad is not None:
-        pairs.append((layer.bias, bias_grad))
-    return pairs
 
 
 def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
@@ -465,3 +89,19 @@ def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     """Per-example gradients of a DepthwiseConv1D/2D layer's kernel and bias."""
     channels = layer.kernel.shape[-2]
     return kernel_and_bias_per_example(layer, calls, input_pairs(layer, calls), channels)
+
+
+CONV = Rule(
+    "conv",
+    conv_primitives,
+    has_plain_weights,
+    per_example=conv_per_example,
+    materializes=conv_materializes,
+)
+DEPTHWISE_CONV = Rule(
+    "depthwise_conv",
+    depthwise_primitives,
+    has_plain_weights,
+    per_example=depthwise_per_example,
+    materializes=depthwise_materializes,
+)

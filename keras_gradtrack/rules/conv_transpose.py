@@ -16,14 +16,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, Reference, positions_per_example
-from keras_gradtrack.rules.conv import (
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.cost import gram_is_cheaper
+from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
+from keras_gradtrack.rules.windows import (
     Pairs,
     Window,
     channels_last,
-    conv_applies,
-    gram_is_cheaper,
     grouped_kernel_primitives,
     kernel_and_bias_per_example,
     stacked_windows,
@@ -34,14 +33,14 @@ from keras_gradtrack.rules.conv import (
 def conv_transpose_applies(layer: Any) -> bool:
     """As for convolutions, but not dilated: TensorFlow runs those on CPU only under
     XLA, so the rule has no oracle check for them (the fallback is exact)."""
-    return conv_applies(layer) and all(rate == 1 for rate in layer.dilation_rate)
+    return has_plain_weights(layer) and all(rate == 1 for rate in layer.dilation_rate)
 
 
 def output_grad_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
     """Per call, the output gradient (which the kernel's windows slide over) and the input."""
     return [
         (
-            channels_last(call.output_grads[0], layer.data_format),
+            channels_last(call.output_grad, layer.data_format),
             channels_last(call.inputs, layer.data_format),
         )
         for call in calls
@@ -93,3 +92,12 @@ def conv_transpose_per_example(
 ) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a transposed convolution's kernel and bias."""
     return kernel_and_bias_per_example(layer, calls, output_grad_pairs(layer, calls), 1)
+
+
+CONV_TRANSPOSE = Rule(
+    "conv_transpose",
+    conv_transpose_primitives,
+    conv_transpose_applies,
+    per_example=conv_transpose_per_example,
+    materializes=conv_transpose_materializes,
+)

@@ -13,25 +13,33 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import (
-    LayerPrimitives,
-    Reference,
-    gram_is_cheaper,
-    materializing_is_cheaper,
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.cost import gram_is_cheaper, materializing_is_cheaper
+from keras_gradtrack.rules.ops import (
+    flat_per_example,
+    gram_of,
+    has_plain_weights,
+    materialized,
     positions_per_example,
     reshape_per_example,
+    sequence_kernel_sq_norm,
     sum_of_squares,
+    summed,
+    zero_primitives,
 )
 
 
 def dense_applies(layer: Any) -> bool:
-    """The rule covers a plain float Dense layer with a trainable kernel (no LoRA, no quantization)."""
-    return (
-        layer.kernel.trainable
-        and not getattr(layer, "lora_enabled", False)
-        and not getattr(layer, "quantization_mode", None)
-    )
+    """The rule covers a Dense layer with plain float weights (no LoRA, no quantization);
+    a frozen kernel or bias is simply left out."""
+    return has_plain_weights(layer)
+
+
+def trained_variables(layer: Any) -> tuple[Any | None, Any | None]:
+    """`(kernel, bias)`, each None unless it is trained."""
+    kernel = layer.kernel if layer.kernel.trainable else None
+    bias = layer.bias if layer.bias is not None and layer.bias.trainable else None
+    return kernel, bias
 
 
 def as_sequences(calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
@@ -39,22 +47,12 @@ def as_sequences(calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
     inputs, grads = [], []
     for call in calls:
         a = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grads[0], tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
         inputs.append(reshape_per_example(a, [-1, a.shape[-1]]))
         grads.append(reshape_per_example(d, [-1, d.shape[-1]]))
     if len(calls) == 1:
         return inputs[0], grads[0]
     return tf.concat(inputs, axis=1), tf.concat(grads, axis=1)
-
-
-def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
-    """`||A_i^T D_i||_F^2` per example, by whichever form costs less (`gram_is_cheaper`)."""
-    if gram_is_cheaper(a.shape[1], a.shape[2], d.shape[2]):
-        gram_a = tf.einsum("btd,bsd->bts", a, a)
-        gram_d = tf.einsum("bte,bse->bts", d, d)
-        return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
-    per_example_kernel = tf.einsum("btd,bte->bde", a, d)
-    return sum_of_squares(per_example_kernel, axis=[1, 2])
 
 
 def dense_primitives(
@@ -70,47 +68,56 @@ def dense_primitives(
     ```
     """
     a, d = as_sequences(calls)
-    has_bias = layer.bias is not None and layer.bias.trainable
+    kernel, bias = trained_variables(layer)
     if a.shape[1] == 1:
-        variables = [layer.kernel, layer.bias] if has_bias else [layer.kernel]
-        return dense_2d_primitives(a[:, 0, :], d[:, 0, :], variables, reference)
-    sq_norm = sequence_kernel_sq_norm(a, d)
-    dot = tf.reduce_sum(tf.einsum("btd,de->bte", a, reference(layer.kernel)) * d, axis=[1, 2])
-    if has_bias:
-        bias_grad = tf.reduce_sum(d, axis=1)
-        sq_norm += sum_of_squares(bias_grad, axis=1)
-        dot += tf.linalg.matvec(bias_grad, reference(layer.bias))
-    return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+        return dense_2d_primitives(a[:, 0, :], d[:, 0, :], kernel, bias, reference)
+    terms = []
+    if kernel is not None:
+        projected = tf.einsum("btd,de->bte", a, reference(kernel))
+        terms.append(
+            LayerPrimitives(
+                sq_norm=sequence_kernel_sq_norm(a, d),
+                dot=tf.reduce_sum(projected * d, axis=[1, 2]),
+            )
+        )
+    if bias is not None:
+        terms.append(materialized([tf.reduce_sum(d, axis=1)], [reference(bias)]))
+    if not terms:
+        return zero_primitives(d)
+    return summed(terms)
 
 
 def dense_2d_primitives(
-    a: tf.Tensor, d: tf.Tensor, variables: Sequence[Any], reference: Reference
+    a: tf.Tensor, d: tf.Tensor, kernel: Any | None, bias: Any | None, reference: Reference
 ) -> LayerPrimitives:
     """The primitives of a Dense layer on 2-D inputs `a` (B, d_in), `d` (B, d_out).
 
-    `variables` is the kernel, then the bias if it is trained. Directly:
+    `kernel` and `bias` are the trained variables (None when frozen). Directly:
     `||g_i||^2 = (||a_i||^2 + 1) ||d_i||^2` and `<g_i, R> = (a_i^T R_kernel + R_bias) . d_i`,
     one product the size of the layer's forward pass. Where R is the sum of the
     per-example gradients, from the Gram matrix `<g_i, g_j> = (a_i . a_j + 1)(d_i . d_j)`
     instead (its row sums are the dots) when `B (d_in + d_out) < d_in d_out`; for an
     unknown batch size the step chooses at run time.
     """
-    has_bias = len(variables) == 2
+    variables = [v for v in (kernel, bias) if v is not None]
 
     def direct() -> tuple[tf.Tensor, tf.Tensor]:
-        a_sq = sum_of_squares(a, axis=1)
-        projected = tf.matmul(a, reference(variables[0]))
-        if has_bias:
-            a_sq += 1.0
-            projected = tf.nn.bias_add(projected, reference(variables[1]))
-        return a_sq * sum_of_squares(d, axis=1), tf.reduce_sum(projected * d, axis=1)
+        input_sq = tf.zeros([tf.shape(d)[0]], tf.float32)
+        projected = tf.zeros_like(d)
+        if kernel is not None:
+            input_sq = sum_of_squares(a, axis=1)
+            projected = tf.matmul(a, reference(kernel))
+        if bias is not None:
+            input_sq += 1.0
+            projected = tf.nn.bias_add(projected, reference(bias))
+        return input_sq * sum_of_squares(d, axis=1), tf.reduce_sum(projected * d, axis=1)
 
     def from_gram() -> tuple[tf.Tensor, tf.Tensor]:
-        gram = dense_2d_gram(a, d, has_bias)
+        gram = dense_2d_gram(a, d, kernel is not None, bias is not None)
         return tf.linalg.diag_part(gram), tf.reduce_sum(gram, axis=1)
 
     d_in, d_out = a.shape[-1], d.shape[-1]
-    if not reference.is_batch_sum(variables):
+    if kernel is None or not reference.is_batch_sum(variables):
         sq_norm, dot = direct()
     elif a.shape[0] is not None:
         sq_norm, dot = from_gram() if gram_is_cheaper(a.shape[0], d_in, d_out) else direct()
@@ -119,47 +126,56 @@ def dense_2d_primitives(
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 
 
-def dense_2d_gram(a: tf.Tensor, d: tf.Tensor, has_bias: bool) -> tf.Tensor:
+def dense_2d_gram(a: tf.Tensor, d: tf.Tensor, has_kernel: bool, has_bias: bool) -> tf.Tensor:
     """`(B, B)` `<g_i, g_j> = (a_i . a_j (+ 1 with a bias)) (d_i . d_j)`."""
-    gram_a = tf.matmul(a, a, transpose_b=True)
+    gram_d = tf.matmul(d, d, transpose_b=True)
+    gram_a = tf.matmul(a, a, transpose_b=True) if has_kernel else tf.zeros_like(gram_d)
     if has_bias:
         gram_a += 1.0
-    return gram_a * tf.matmul(d, d, transpose_b=True)
+    return gram_a * gram_d
 
 
 def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     """`(B, B)` Gram matrix of a Dense layer's per-example gradients.
 
     On 2-D inputs `<g_i, g_j> = (a_i . a_j)(d_i . d_j) (+ d_i . d_j for the bias)`;
-    on sequences the per-example kernel gradients are materialized.
+    on sequences from the per-example gradients.
     """
     a, d = as_sequences(calls)
-    has_bias = layer.bias is not None and layer.bias.trainable
+    kernel, bias = trained_variables(layer)
     if a.shape[1] == 1:
-        return dense_2d_gram(a[:, 0, :], d[:, 0, :], has_bias)
-    per_example_kernel = tf.einsum("btd,bte->bde", a, d)
-    batch = tf.shape(a)[0]
-    flat = tf.reshape(per_example_kernel, [batch, -1])
-    gram = tf.matmul(flat, flat, transpose_b=True)
-    if has_bias:
-        bias_grad = tf.reduce_sum(d, axis=1)
-        gram += tf.matmul(bias_grad, bias_grad, transpose_b=True)
-    return gram
+        return dense_2d_gram(a[:, 0, :], d[:, 0, :], kernel is not None, bias is not None)
+    return gram_of([flat_per_example(g) for _, g in dense_per_example(layer, calls)])
 
 
 def dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     """On sequences, when materializing `A_i^T D_i` costs less than the direct form
-    (`materializing_is_cheaper`); never on 2-D inputs, where `||a_i||^2 ||d_i||^2`
-    costs nothing."""
+    (`materializing_is_cheaper`), or when only the bias is trained; never on 2-D
+    inputs, where `||a_i||^2 ||d_i||^2` costs nothing."""
     steps = positions_per_example([call.inputs for call in calls])
+    if steps == 1:
+        return False
     d_in, d_out = layer.kernel.shape
-    return steps != 1 and materializing_is_cheaper(steps, d_in, d_out)
+    return not layer.kernel.trainable or materializing_is_cheaper(steps, d_in, d_out)
 
 
 def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a Dense layer's kernel `A_i^T D_i` and bias `sum_t D_i`."""
     a, d = as_sequences(calls)
-    pairs = [(layer.kernel, tf.einsum("btd,bte->bde", a, d))]
-    if layer.bias is not None and layer.bias.trainable:
-        pairs.append((layer.bias, tf.reduce_sum(d, axis=1)))
+    kernel, bias = trained_variables(layer)
+    pairs = []
+    if kernel is not None:
+        pairs.append((kernel, tf.einsum("btd,bte->bde", a, d)))
+    if bias is not None:
+        pairs.append((bias, tf.reduce_sum(d, axis=1)))
     return pairs
+
+
+DENSE = Rule(
+    "dense",
+    dense_primitives,
+    dense_applies,
+    gram=dense_gram,
+    per_example=dense_per_example,
+    materializes=dense_materializes,
+)

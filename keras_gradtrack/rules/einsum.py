@@ -27,15 +27,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import (
-    LayerPrimitives,
-    Reference,
-    gram_is_cheaper,
-    materializing_is_cheaper,
-    reshape_per_example,
-    sum_of_squares,
-)
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.cost import gram_is_cheaper, materializing_is_cheaper
+from keras_gradtrack.rules.ops import has_plain_weights, reshape_per_example, sum_of_squares
 
 EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
@@ -112,7 +106,7 @@ def einsum_roles(equation: str, input_rank: int | None) -> EinsumRoles | None:
 
 def einsum_dense_applies(layer: Any) -> bool:
     """The rule covers a plain float EinsumDense whose equation keeps the batch axis first."""
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+    if not has_plain_weights(layer):
         return False
     input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
     return einsum_roles(layer.equation, input_rank) is not None
@@ -126,7 +120,7 @@ def canonical_operands(
     inputs, grads = [], []
     for call in calls:
         x = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grads[0], tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
         roles = einsum_roles(layer.equation, x.shape.rank)
         if roles is None:
             raise ValueError(
@@ -165,7 +159,7 @@ def bias_gradient(d: tf.Tensor, bias_shape: Sequence[int]) -> tf.Tensor:
 def bias_sum(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     """`(B, bias size)`: the bias gradient of every call, summed."""
     return tf.add_n(
-        [bias_gradient(tf.cast(c.output_grads[0], tf.float32), layer.bias.shape) for c in calls]
+        [bias_gradient(tf.cast(c.output_grad, tf.float32), layer.bias.shape) for c in calls]
     )
 
 
@@ -246,3 +240,12 @@ def einsum_dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tup
     if layer.bias is not None and layer.bias.trainable:
         pairs.append((layer.bias, bias_sum(layer, calls)))
     return pairs
+
+
+EINSUM_DENSE = Rule(
+    "einsum_dense",
+    einsum_dense_primitives,
+    einsum_dense_applies,
+    per_example=einsum_dense_per_example,
+    materializes=einsum_dense_materializes,
+)

@@ -15,13 +15,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import (
-    LayerPrimitives,
-    Reference,
-    reshape_per_example,
-    sum_of_squares,
-)
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.ops import has_plain_weights, reshape_per_example, sum_of_squares
 
 # Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
 # matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
@@ -32,9 +27,7 @@ GRAM_MAX_TOKENS = 32
 
 def embedding_applies(layer: Any) -> bool:
     """The rule covers a plain float Embedding (no LoRA, no quantization)."""
-    return not getattr(layer, "lora_enabled", False) and not getattr(
-        layer, "quantization_mode", None
-    )
+    return has_plain_weights(layer)
 
 
 def token_ids(layer: Any, call: LayerCall) -> tf.Tensor:
@@ -58,7 +51,7 @@ def as_token_sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tenso
     ids, grads = [], []
     for call in calls:
         call_ids = tf.cast(token_ids(layer, call), tf.int64)
-        d = tf.cast(call.output_grads[0], tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
         ids.append(reshape_per_example(call_ids, [-1]))
         grads.append(reshape_per_example(d, [-1, d.shape[-1]]))
     if len(calls) == 1:
@@ -114,3 +107,6 @@ def embedding_primitives(
     looked_up_reference = tf.gather(reference(layer.embeddings), ids)
     dot = tf.reduce_sum(looked_up_reference * d, axis=[1, 2])
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+
+
+EMBEDDING = Rule("embedding", embedding_primitives, embedding_applies, split_activation=False)

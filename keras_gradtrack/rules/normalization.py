@@ -17,7 +17,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
+from keras_gradtrack.rules.contract import LayerCall, PerExampleFn, Rule
+from keras_gradtrack.rules.ops import primitives_of
 
 # Maps the layer input (float32) to `n(x)`, the factor that multiplies gamma.
 NormalizeFn = Callable[[tf.Tensor], tf.Tensor]
@@ -79,7 +80,7 @@ def affine_per_example(
     scale_grads, offset_grads = [], []
     for call in calls:
         x = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grads[0], tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
         kept = param_axes(x.shape.rank)
         summed = [a for a in range(1, x.shape.rank) if a not in kept]
         if scale is not None:
@@ -213,3 +214,25 @@ def rms_normalization_per_example(
         scale=layer.scale,
         offset=None,
     )
+
+
+def normalization_rule(name: str, per_example: PerExampleFn, applies: Any) -> Rule:
+    """Normalization parameters are as small per example as in total: always materialized."""
+    return Rule(
+        name,
+        primitives_of(per_example),
+        applies,
+        split_activation=False,
+        per_example=per_example,
+    )
+
+
+LAYER_NORMALIZATION = normalization_rule(
+    "layer_normalization", layer_normalization_per_example, layer_normalization_applies
+)
+GROUP_NORMALIZATION = normalization_rule(
+    "group_normalization", group_normalization_per_example, group_normalization_applies
+)
+RMS_NORMALIZATION = normalization_rule(
+    "rms_normalization", rms_normalization_per_example, rms_normalization_applies
+)

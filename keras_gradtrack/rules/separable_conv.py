@@ -17,10 +17,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.taps import LayerCall
-from keras_gradtrack.rules.base import LayerPrimitives, Reference
-from keras_gradtrack.rules.conv import (
-    gram_is_cheaper,
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.cost import gram_is_cheaper
+from keras_gradtrack.rules.ops import has_plain_weights, sequence_kernel_sq_norm
+from keras_gradtrack.rules.windows import (
     grouped_kernel_primitives,
     grouped_response,
     input_windows,
@@ -29,7 +29,6 @@ from keras_gradtrack.rules.conv import (
     per_example_kernel_gradients,
     with_bias,
 )
-from keras_gradtrack.rules.dense import sequence_kernel_sq_norm
 
 
 def depthwise_output(layer: Any, slices: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -111,3 +110,12 @@ def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     if bias_grad is not None:
         pairs.append((layer.bias, bias_grad))
     return pairs
+
+
+SEPARABLE_CONV = Rule(
+    "separable_conv",
+    separable_primitives,
+    has_plain_weights,
+    per_example=separable_per_example,
+    materializes=separable_materializes,
+)

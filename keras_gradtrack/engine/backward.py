@@ -1,0 +1,173 @@
+"""The backward phase of a tracked step, and what follows directly from it.
+
+One pass takes the gradients of the loss at the weights, at every tap, at every
+recorded loss reduction and penalty, and at the watched inputs. From it come
+each example's share of the loss, the loss's factor, and the per-example
+gradients of the layers whose rule builds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine import losses
+from keras_gradtrack.engine.plan import MATERIALIZED, Plan
+from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.rules import LayerCall
+from keras_gradtrack.rules.ops import flat_per_example
+
+Calls = tuple[LayerCall, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """What the one backward pass returned.
+
+    Attributes:
+        weights: `{id(source): gradient}` for the sources the pass differentiated
+            (not the variables of materialized layers).
+        calls: Per tracked layer, its calls with their output gradients.
+        shares: `(B,)` each example's share of the (scaled) loss, `c s l_i`.
+        factor: `c s`, the loss's factor (table in `engine.losses`) times the loss scale.
+        penalty_weights: Per recorded penalty, `dL/dpenalty` (None if not in the loss).
+        input_gradients: Gradients at the watched inputs.
+    """
+
+    weights: dict[int, Any]
+    calls: tuple[Calls, ...]
+    shares: tf.Tensor
+    factor: tf.Tensor
+    penalty_weights: list[tf.Tensor | None]
+    input_gradients: list[tf.Tensor | None]
+
+
+def run_backward(
+    context: TrackingContext,
+    tape: tf.GradientTape,
+    loss: tf.Tensor,
+    sources: Sequence[Any],
+    plan: Plan,
+    calls: Sequence[Calls],
+    forms: Sequence[str],
+    per_example_loss: tf.Tensor | None,
+) -> Backward:
+    """One backward pass for the weights, the taps, the losses and the penalties.
+
+    Materialized layers' variables are left out: their gradient is the sum of
+    the per-example gradients their rule builds.
+    """
+    derived = {id(v) for t, f in zip(plan, forms) if f == MATERIALIZED for v in t.variables}
+    weights = [v for v in sources if id(v) not in derived]
+    tapped = [t for layer_calls in calls for call in layer_calls for t in call.tapped]
+    if per_example_loss is not None:
+        loss_targets = [per_example_loss]
+    else:
+        loss_targets = [record.values for record in context.losses.records]
+    penalties = [penalty.value for penalty in context.penalties]
+    targets = [*weights, *tapped, *loss_targets, *penalties, *context.watched_inputs]
+    gradients = iter(tape.gradient(loss, targets))
+    weight_gradients = {id(v): next(gradients) for v in weights}
+    tap_gradients = [next(gradients) for _ in tapped]
+    loss_gradients = [next(gradients) for _ in loss_targets]
+    penalty_weights = [next(gradients) for _ in penalties]
+    input_gradients = list(gradients)
+
+    scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
+    if per_example_loss is not None:
+        shares, factor = user_loss_shares(per_example_loss, loss_gradients[0])
+    else:
+        losses.refuse_unknown_reductions(context.losses)
+        connected = [r for r, g in zip(context.losses.records, loss_gradients) if g is not None]
+        shares = losses.per_example_shares(context.losses.records, loss_gradients)
+        if shares is None:
+            raise per_example_loss_error(context.model)
+        factor = losses.loss_factor(connected, tf.shape(shares)[0]) * scale
+
+    position = 0
+    with_grads = []
+    for layer_calls in calls:
+        filled = []
+        for call in layer_calls:
+            grads = []
+            for tensor in call.tapped:
+                grad = tap_gradients[position]
+                position += 1
+                grads.append(tf.cast(tf.zeros_like(tensor) if grad is None else grad, tf.float32))
+            filled.append(dataclasses.replace(call, output_grads=tuple(grads)))
+        with_grads.append(tuple(filled))
+    return Backward(
+        weight_gradients, tuple(with_grads), shares, factor, penalty_weights, input_gradients
+    )
+
+
+def user_loss_shares(per_example_loss: tf.Tensor, gradient: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """`(c s l_i, c s)` for a per-example loss vector the step passed in."""
+    if gradient is None:
+        raise ValueError(
+            "The loss does not depend on `per_example_loss`. Pass the (B,) vector of "
+            "per-example losses that `loss` reduces (for example `loss = "
+            "tf.reduce_mean(per_example_loss)`)."
+        )
+    values = tf.cast(tf.reshape(per_example_loss, [-1]), tf.float32)
+    weights = tf.cast(tf.reshape(gradient, [-1]), tf.float32)
+    # A mean or a sum: every example has the same factor.
+    return values * weights, tf.reduce_mean(weights)
+
+
+def per_example_loss_error(model: Any) -> ValueError:
+    return ValueError(
+        f"The loss of model {model.name!r} was not computed by a keras.losses.Loss in this "
+        "step, so example i's share `l_i` of it cannot be told apart. Use a Keras loss "
+        "(`compile(loss=...)` and `self.compute_loss(...)`, or a keras.losses.Loss object), "
+        "or pass the per-example losses: `self.tracked_gradient(tape, loss, variables, "
+        "per_example_loss=l)` with `loss = tf.reduce_mean(l)`."
+    )
+
+
+def materialized_gradients(
+    plan: Plan, calls: Sequence[Calls], forms: Sequence[str]
+) -> dict[int, tf.Tensor]:
+    """`{id(variable): (B, n) d l_i / d variable}` of the materialized layers (rules' scale)."""
+    per_example: dict[int, tf.Tensor] = {}
+    for tracked, layer_calls, form in zip(plan, calls, forms):
+        if form != MATERIALIZED:
+            continue
+        assert tracked.rule is not None and tracked.rule.per_example is not None
+        pairs = tracked.rule.per_example(tracked.layer, layer_calls)
+        grads = {id(variable): flat_per_example(grad) for variable, grad in pairs}
+        if set(grads) != {id(v) for v in tracked.variables}:
+            raise ValueError(
+                f"Rule {tracked.rule.name!r} returned per-example gradients for "
+                f"{[v.path for v, _ in pairs]} on layer {tracked.layer.name!r}, whose "
+                f"trainable variables are {[v.path for v in tracked.variables]}."
+            )
+        per_example.update(grads)
+    return per_example
+
+
+def summed_gradient(
+    variable: Any, per_example: dict[int, tf.Tensor], penalty: tf.Tensor | None
+) -> tf.Tensor:
+    """The batch gradient of a materialized variable: the sum of its per-example
+    gradients, plus its penalties' part."""
+    total = tf.reshape(tf.reduce_sum(per_example[id(variable)], axis=0), variable.shape)
+    if penalty is not None:
+        total += penalty
+    return tf.cast(total, variable.dtype)
+
+
+def penalty_gradients(context: TrackingContext, weights: list[tf.Tensor | None]) -> dict[int, Any]:
+    """`{id(variable): dL/dpenalty * d penalty / d variable}`: each penalty's part of the gradient."""
+    parts: dict[int, Any] = {}
+    for penalty, weight in zip(context.penalties, weights):
+        if weight is None:
+            continue
+        with tf.GradientTape() as tape:
+            value = penalty.variable.regularizer(penalty.variable)
+        gradient = tf.cast(tf.convert_to_tensor(tape.gradient(value, penalty.variable)), tf.float32)
+        parts[id(penalty.variable)] = parts.get(id(penalty.variable), 0.0) + weight * gradient
+    return parts

@@ -1,0 +1,136 @@
+"""Trace-time checks of a tracked step: what would make a per-example number wrong.
+
+Each raises before any weight changes, naming the layer or variable and the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.plan import TrackedLayer
+from keras_gradtrack.engine.taps import RecordedCall
+
+# Operations that run another function graph and receive variable handles for it.
+FUNCTION_CALL_OPS = frozenset(
+    {
+        "While",
+        "StatelessWhile",
+        "If",
+        "StatelessIf",
+        "Case",
+        "StatelessCase",
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+    }
+)
+
+
+def captured_handle(graph: Any, variable: Any) -> Any:
+    """The tensor standing for the variable's resource handle inside `graph`, or None.
+
+    A function graph captures either the handle itself or, when nested, the
+    tensor that stands for it in an enclosing function graph.
+    """
+    value = getattr(variable, "_value", variable)  # the tf.Variable under a Keras one
+    handle = getattr(value, "handle", None)
+
+    def inside(graph: Any) -> Any:
+        if handle is None or not hasattr(graph, "captures"):
+            return None
+        candidates = [handle]
+        outer = inside(getattr(graph, "outer_graph", None))
+        if outer is not None:
+            candidates.append(outer)
+        for external, internal in graph.captures:
+            if any(external is candidate for candidate in candidates):
+                return internal
+        return None
+
+    return inside(graph)
+
+
+def refuse_calls_inside_loops(
+    plan: Sequence[TrackedLayer], recorded: Sequence[Sequence[RecordedCall]], graph: Any
+) -> None:
+    """Raises when a tracked layer ran inside a loop or function body of the traced step.
+
+    A Keras RNN layer runs its cell in a `tf.while_loop`; the cell's inputs and
+    outputs there exist only inside the loop, out of the backward pass' reach.
+    """
+    for tracked, calls in zip(plan, recorded):
+        for call in calls:
+            if graph is not None and call.graph is not graph:
+                raise ValueError(
+                    f"Layer {tracked.layer.name!r} ({type(tracked.layer).__name__}) runs "
+                    "inside a loop of the traced step (a Keras RNN layer runs its cell in "
+                    "a tf.while_loop), where its per-example gradients cannot be taken. "
+                    "Pass unroll=True to the RNN layer: its cell is then called once per "
+                    "time step and tracked exactly (on the fallback path)."
+                )
+
+
+def refuse_tied_variables(
+    plan: Sequence[TrackedLayer], own_ops: Sequence[Sequence[range]], forward: range
+) -> None:
+    """Raises when a tracked layer's variable is used in the forward pass outside that layer.
+
+    Args:
+        plan: The tracking plan.
+        own_ops: Per tracked layer, the ranges of graph operations that may use its
+            variables (its calls in this trace, the weight-regularization penalties).
+        forward: Positions of the forward pass' operations in the graph being
+            traced (empty when run eagerly: nothing is checked).
+
+    The rules and the fallback see a layer's variables only through the
+    layer's own calls; a variable also read elsewhere (weight tying) would get
+    per-example gradients that miss that use.
+    """
+    if not forward:
+        return
+    graph = tf.compat.v1.get_default_graph()
+    owners: dict[str, tuple[TrackedLayer, Any]] = {}
+    for tracked in plan:
+        for variable in tracked.variables:
+            handle = captured_handle(graph, variable)
+            if handle is not None:
+                owners[handle.name] = (tracked, variable)
+    own = {
+        id(tracked): {index for ops in ranges for index in ops}
+        for tracked, ranges in zip(plan, own_ops)
+    }
+    operations = graph.get_operations()
+    for index in forward:
+        op = operations[index]
+        if op.type in FUNCTION_CALL_OPS:
+            # Its body (a loop of an RNN layer, say) is another graph, where the calls
+            # of the layers inside were recorded: no use here to attribute.
+            continue
+        for tensor in op.inputs:
+            owner = owners.get(tensor.name)
+            if owner is not None and index not in own[id(owner[0])]:
+                tracked, variable = owner
+                raise ValueError(
+                    f"Variable {variable.path!r} of layer {tracked.layer.name!r} is also used "
+                    f"outside that layer's call (by operation {op.name!r}): tied weights. "
+                    "Per-example gradients are computed per layer, from each layer's own "
+                    "calls, so they would miss that use. Give each use its own variable, "
+                    "or call the owning layer for every use."
+                )
+
+
+def refuse_activation_losses(model: Any) -> None:
+    """Raises when a loss term added in `call` (activity regularization) depends on activations.
+
+    Such a term reaches the taps' gradients but belongs to no example.
+    """
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "activity_regularizer", None) is not None or layer._losses:
+            raise ValueError(
+                f"Layer {layer.name!r} adds a loss in `call` (activity regularization or "
+                "`add_loss`). Such a term depends on the activations of the whole batch, "
+                "so per-example gradients would include it. Remove it, or use weight "
+                "regularizers (kernel_regularizer=...), which are supported."
+            )

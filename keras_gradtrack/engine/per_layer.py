@@ -1,0 +1,169 @@
+"""The per-layer phase of a tracked step: the reference, the sums, every layer's primitives.
+
+Weight-sized tensors stay in the tape's scale: `raw` is what the optimizer
+receives (`s G` on this replica), `data` its data part (without the penalties),
+so `S = sum over replicas of data / (c s)`. The factors go on the `(B,)` and
+`(L,)` results, never elementwise on a weight-sized tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine import distribute
+from keras_gradtrack.engine.backward import Backward, Calls
+from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
+from keras_gradtrack.engine.plan import MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.primitives import StepPrimitives
+from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.rules import Reference
+from keras_gradtrack.rules.ops import flat_per_example, gram_of, materialized, sum_of_squares
+
+
+def step_primitives(
+    context: TrackingContext,
+    plan: Plan,
+    backward: Backward,
+    forms: Sequence[str],
+    gradients: Iterable[tuple[Any, Any]],
+    per_example: dict[int, tf.Tensor],
+    penalties: dict[int, tf.Tensor],
+) -> StepPrimitives:
+    """The batch reference and sums, every layer's primitives, gathered across replicas.
+
+    Args:
+        context: The step's tracking context.
+        plan: The tracked layers the step's gradient covers.
+        backward: The backward pass.
+        forms: Each layer's form.
+        gradients: `(variable, gradient the optimizer receives)` pairs.
+        per_example: Per-example gradients of the materialized layers.
+        penalties: Each regularized variable's penalty part of the gradient.
+    """
+    variables = [v for tracked in plan for v in tracked.variables]
+    by_id = {id(v): gradient for v, gradient in gradients}
+    raw = {
+        id(v): tf.zeros(v.shape) if by_id[id(v)] is None else as_float(by_id[id(v)])
+        for v in variables
+    }
+    data = {i: raw[i] - penalties[i] if i in penalties else raw[i] for i in raw}
+    unscale = 1.0 / backward.factor
+    scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
+    replicas = distribute.num_replicas()
+    if replicas == 1:
+        batch_raw, sums, sum_scale = raw, data, unscale
+    else:
+        ids = list(raw)
+        reduced = distribute.all_reduce_sum(
+            [raw[i] for i in ids] + [data[i] * unscale for i in ids]
+        )
+        batch_raw = dict(zip(ids, reduced[: len(ids)]))
+        sums = dict(zip(ids, reduced[len(ids) :]))
+        sum_scale = tf.constant(1.0)
+    batch_sums = frozenset(i for i in raw if replicas == 1 and i not in penalties)
+    reference = Reference(batch_raw, batch_sums)
+
+    # The rules see `c s d l_i / d z_i` and `s G`.
+    sq_norms, dots = [], []
+    for tracked, layer_calls, form in zip(plan, backward.calls, forms):
+        sq_norm, dot = layer_primitives(tracked, layer_calls, form, reference, per_example)
+        sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
+        dots.append(dot * unscale / scale)
+    rows = {
+        "loss": backward.shares * unscale,
+        "sq_norm": tf.stack(sq_norms, axis=1),
+        "dot": tf.stack(dots, axis=1),
+    }
+    if context.watched_inputs:
+        rows["input_sq_norm"] = input_sq_norm(backward.input_gradients, unscale, rows["loss"])
+    gram = None
+    if any(statistic.needs_gram for statistic in context.statistics):
+        gram = step_gram(plan, backward.calls, forms, per_example) * tf.square(unscale)
+    rows = distribute.all_gather_rows(rows)
+    return StepPrimitives(
+        loss=rows["loss"],
+        sq_norm=rows["sq_norm"],
+        dot=rows["dot"],
+        reference_sq_norm=squared_norms(batch_raw, plan) / tf.square(scale),
+        sum_sq_norm=squared_norms(sums, plan) * tf.square(sum_scale),
+        batch_size=tf.cast(tf.shape(rows["loss"])[0], tf.float32),
+        gram=gram,
+        input_sq_norm=rows.get("input_sq_norm"),
+    )
+
+
+def as_float(gradient: Any) -> tf.Tensor:
+    return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+
+
+def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan) -> tf.Tensor:
+    """`(L,)` per-layer squared norms; a tensor shared by two entries is squared once."""
+    squares: dict[int, tf.Tensor] = {}
+    per_layer = []
+    for tracked in plan:
+        terms = []
+        for v in tracked.variables:
+            tensor = gradients[id(v)]
+            if id(tensor) not in squares:
+                squares[id(tensor)] = sum_of_squares(tensor)
+            terms.append(squares[id(tensor)])
+        per_layer.append(tf.add_n(terms))
+    return tf.stack(per_layer)
+
+
+def layer_primitives(
+    tracked: TrackedLayer,
+    calls: Calls,
+    form: str,
+    reference: Reference,
+    per_example: dict[int, tf.Tensor],
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """`(sq_norm, dot)` of one layer, by its form: materialized, its rule, or the fallback."""
+    if form == MATERIALIZED:
+        grads = [per_example[id(v)] for v in tracked.variables]
+        result = materialized(grads, [reference(v) for v in tracked.variables])
+    elif tracked.rule is not None:
+        result = tracked.rule.primitives(tracked.layer, calls, reference)
+    else:
+        result = fallback_primitives(tracked.layer, tracked.variables, calls, reference)
+    return result.sq_norm, result.dot
+
+
+def step_gram(
+    plan: Plan, calls: Sequence[Calls], forms: Sequence[str], per_example: dict[int, tf.Tensor]
+) -> tf.Tensor:
+    """`(B, B)` `<g_i, g_j>` over every layer (in the rules' scale squared)."""
+    if distribute.num_replicas() > 1:
+        raise ValueError(
+            "Statistics that need the Gram matrix of per-example gradients (such as "
+            "pairwise_cosine) pair examples across replicas and are not available "
+            "under a tf.distribute strategy."
+        )
+    grams = []
+    for tracked, layer_calls, form in zip(plan, calls, forms):
+        rule = tracked.rule
+        if form == MATERIALIZED:
+            grams.append(gram_of([per_example[id(v)] for v in tracked.variables]))
+        elif rule is not None and rule.gram is not None:
+            grams.append(rule.gram(tracked.layer, layer_calls))
+        elif rule is not None and rule.per_example is not None:
+            pairs = rule.per_example(tracked.layer, layer_calls)
+            grams.append(gram_of([flat_per_example(g) for _, g in pairs]))
+        else:
+            grams.append(fallback_gram(tracked.layer, tracked.variables, layer_calls))
+    return tf.add_n(grams)
+
+
+def input_sq_norm(gradients: Sequence[Any], unscale: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """`(B,)` `||d l_i / d x_i||^2` over the watched float inputs."""
+    batch = tf.shape(like)[0]
+    terms = [
+        sum_of_squares(tf.reshape(tf.cast(g, tf.float32), [batch, -1]), axis=1)
+        for g in gradients
+        if g is not None
+    ]
+    total = tf.add_n(terms) if terms else tf.zeros([batch])
+    return total * tf.square(unscale)

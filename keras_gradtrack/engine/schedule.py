@@ -1,0 +1,123 @@
+"""Which steps are tracked: the model's step counter and its loggers' subscriptions.
+
+The model owns the count of its training steps and the decision to track one.
+A logger subscribes with its statistics and cadence, and receives a
+`StepReport` after every step of the fits it subscribed for; every replica and
+every worker takes the same decision from the same counter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from keras_gradtrack.statistics import Statistic
+
+# The key under which a compiled step returns its gradient payload.
+PAYLOAD_KEY = "__gradtrack__"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What a subscriber receives after each training step.
+
+    Attributes:
+        step: The step's index since the subscription (0 for the first step).
+        batch_size: Examples in the step (over all replicas).
+        values: On steps the subscriber asked for, its statistics and the
+            step's `example_id` (when the batch held ids), `learning_rate` and
+            `batch_size`, as numpy arrays; None on other steps.
+    """
+
+    step: int
+    batch_size: int
+    values: Mapping[str, np.ndarray] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Subscription:
+    """A subscriber's request: statistics, cadence, and where the reports go.
+
+    Attributes:
+        statistics: The statistics it needs.
+        every_n_steps: It asks for one step in every `every_n_steps`.
+        first_step: The model's step count when it subscribed.
+        consume: Receives the `StepReport` of every step.
+        finish: Called once when the fit ends, however it ends (an exception
+            or an interrupt included); None for nothing.
+    """
+
+    statistics: tuple[Statistic, ...]
+    every_n_steps: int
+    first_step: int
+    consume: Callable[[StepReport], None]
+    finish: Callable[[], None] | None = None
+
+    def wants(self, step: int) -> bool:
+        return (step - self.first_step) % self.every_n_steps == 0
+
+
+class GradientTrackingState:
+    """The model's side of tracking: its step counter and subscriptions.
+
+    Attributes:
+        step: Training steps this model has run in `fit`.
+        forms: Column name -> form of each layer in the last traced tracked step.
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.forms: dict[str, str] = {}
+        self._subscriptions: dict[Hashable, Subscription] = {}
+
+    def subscribe(
+        self,
+        key: Hashable,
+        statistics: Sequence[Statistic],
+        every_n_steps: int,
+        consume: Callable[[StepReport], None],
+        finish: Callable[[], None] | None = None,
+    ) -> None:
+        """Starts reports to `consume` from the next step on (replacing `key`'s earlier one)."""
+        self._subscriptions[key] = Subscription(
+            tuple(statistics), every_n_steps, self.step, consume, finish
+        )
+
+    def unsubscribe(self, key: Hashable) -> None:
+        self._subscriptions.pop(key, None)
+
+    def due(self) -> list[Subscription]:
+        """The subscriptions that want the next step tracked."""
+        return [s for s in self._subscriptions.values() if s.wants(self.step)]
+
+    def statistics(self, subscriptions: Sequence[Subscription]) -> list[Statistic]:
+        """The union of their statistics, by name, in subscription order."""
+        union: dict[str, Statistic] = {}
+        for subscription in subscriptions:
+            for statistic in subscription.statistics:
+                union.setdefault(statistic.name, statistic)
+        return list(union.values())
+
+    def report(self, batch_size: int, values: Mapping[str, Any] | None, due: Sequence[Any]) -> None:
+        """Counts the step, then reports it to every subscriber (values to those due)."""
+        step, self.step = self.step, self.step + 1
+        arrays = None if values is None else {k: np.asarray(v) for k, v in values.items()}
+        for subscription in list(self._subscriptions.values()):
+            wanted = arrays if any(subscription is d for d in due) else None
+            subscription.consume(StepReport(step - subscription.first_step, batch_size, wanted))
+
+    def end_fit(self) -> None:
+        """Ends every subscription, calling their `finish` (the fit is over)."""
+        subscriptions, self._subscriptions = self._subscriptions, {}
+        errors = []
+        for subscription in subscriptions.values():
+            if subscription.finish is not None:
+                try:
+                    subscription.finish()
+                except Exception as error:  # every subscriber is finished
+                    errors.append(error)
+        if errors:
+            raise errors[0]

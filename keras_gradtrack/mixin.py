@@ -1,0 +1,368 @@
+"""`GradientTrackingMixin`: per-example gradient tracking for any `keras.Model` class."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.engine import data as batch_data
+from keras_gradtrack.engine import distribute, tracking
+from keras_gradtrack.engine.plan import Plan, build_plan, format_summary
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
+from keras_gradtrack.engine.step import tracked_gradient
+from keras_gradtrack.statistics import Statistic
+
+
+class GradientTrackingMixin:
+    """Adds per-example gradient tracking to a `keras.Model` (TensorFlow backend).
+
+    Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
+    Its `train_step` is Keras' own, with `tape.gradient` replaced by
+    `self.tracked_gradient`; on the steps a gradient callback
+    (`HDF5GradientLogger`) asks for, that same backward pass also yields the
+    per-example statistics. A model with its own `train_step` keeps it: it
+    runs on every step, and calls `self.tracked_gradient(tape, loss,
+    variables)` where it would call `tape.gradient` (on a tracked step that
+    does not, the step raises before any weight changes). For layers whose
+    rule builds per-example gradients, the batch gradient is their sum: equal
+    up to float32 rounding.
+
+    When `x` is a dict holding `"example_id"`, the ids are removed before the
+    model is called (if exactly one other entry remains, its value is the
+    model's input) and are logged with every row.
+
+    Example:
+
+    ```python
+    import keras, keras_gradtrack as kgt
+
+    class Classifier(kgt.GradientTrackingMixin, keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(32, activation="relu")
+            self.out = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+    ```
+    """
+
+    @property
+    def gradient_tracking(self) -> GradientTrackingState:
+        """The model's step counter and its gradient callbacks' subscriptions."""
+        state = self.__dict__.get("_gradient_tracking_state")
+        if state is None:
+            state = GradientTrackingState()
+            self.__dict__["_gradient_tracking_state"] = state
+        return state
+
+    def gradient_tracking_plan(self) -> Plan:
+        """The tracked layers, in the column order of the per-layer statistics.
+
+        Raises:
+            ValueError: If the model cannot be tracked (no trainable weights, a
+                BatchNormalization layer in training mode, variables outside
+                layers). Call it on a built model.
+        """
+        if not self.built:
+            raise ValueError(
+                f"Model {self.name!r} is not built yet; call it on a batch or `build()` it "
+                "before asking for its tracking plan."
+            )
+        return build_plan(self)
+
+    @property
+    def tracked_layer_names(self) -> list[str]:
+        """Names of the per-layer statistic columns."""
+        return [tracked.name for tracked in self.gradient_tracking_plan()]
+
+    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
+        """Prints (and returns) which path computes each layer's per-example gradients.
+
+        The `form` column says, once a tracked step has been traced, whether the
+        rule builds the layer's per-example gradients (`materialized`: the batch
+        gradient of the layer is then their sum, and the backward pass skips it)
+        or computes the statistics without them (`direct`); `-` before the first
+        tracked step, `jacobian` on the fallback path. `note` says why a layer
+        has no rule.
+
+        Example:
+
+        ```python
+        model.gradient_tracking_summary()
+        # column  layer   class  params  path        form    note
+        # ------  ------  -----  ------  ----------  ------  ----
+        # 0       hidden  Dense  8256    rule:dense  direct
+        ```
+        """
+        text = format_summary(self.gradient_tracking_plan(), self.gradient_tracking.forms)
+        (print_fn or print)(text)
+        return text
+
+    def tracked_gradient(
+        self,
+        tape: tf.GradientTape,
+        loss: Any,
+        sources: Sequence[Any],
+        *,
+        per_example_loss: Any = None,
+    ) -> list[Any]:
+        """`tape.gradient(loss, sources)`, which on a tracked step also computes the statistics.
+
+        Call it in a `train_step` of your own in place of `tape.gradient`. The
+        per-example losses `l_i` come from the Keras losses the step computed
+        (`self.compute_loss`, or a `keras.losses.Loss` called on the batch), or
+        from `per_example_loss`, the `(B,)` losses that `loss` averages or sums.
+        The statistics cover the layers whose variables are in `sources` (the
+        per-layer columns of other layers are NaN). Call it once per step; for a
+        second gradient in the same step (a GAN's other network) use
+        `tape.gradient`.
+
+        Args:
+            tape: The tape that recorded the forward pass and the loss.
+            loss: The (scaled) loss the optimizer minimizes.
+            sources: The variables to differentiate, as for `tape.gradient`.
+            per_example_loss: Optional `(B,)` per-example losses of the batch.
+
+        Returns:
+            The gradients, as `tape.gradient(loss, sources)` returns them.
+
+        Example:
+
+        ```python
+        class VAE(kgt.GradientTrackingMixin, keras.Model):
+            def train_step(self, x):
+                with tf.GradientTape() as tape:
+                    reconstruction, kl = self(x)
+                    per_example = reconstruction + kl          # (B,)
+                    loss = tf.reduce_mean(per_example)
+                grads = self.tracked_gradient(
+                    tape, loss, self.trainable_weights, per_example_loss=per_example)
+                self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+                return {"loss": loss}
+        ```
+        """
+        context = tracking.active(self)
+        if context is None:
+            return tape.gradient(loss, sources)
+        if not context.recording:
+            raise ValueError(
+                "`tracked_gradient` was called twice in one step: the statistics are "
+                "those of one gradient. Use `tape.gradient` for the other one."
+            )
+        return tracked_gradient(context, tape, loss, sources, per_example_loss)
+
+    def gradient_statistics(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        statistics: Sequence[str | Statistic] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Computes gradient statistics for one batch, without updating the weights.
+
+        The same computation as a tracked `fit` step of the built-in
+        `train_step` (same per-example losses, same batch gradient `G`), for use
+        outside `fit`. The model must be compiled (the loss defines `l_i`).
+
+        Args:
+            x: Input batch (a dict with `"example_id"` is accepted).
+            y: Targets.
+            sample_weight: Optional per-example weights.
+            statistics: Names or `Statistic` objects; defaults to the built-ins.
+
+        Returns:
+            A dict of numpy arrays: each statistic, plus `batch_size` (and
+            `example_id` when `x` holds ids).
+
+        Example:
+
+        ```python
+        stats = model.gradient_statistics(x[:128], y[:128])
+        stats["cosine"]           # (128,) cosine of each example with the batch gradient
+        stats["layer_grad_norm"]  # (128, L)
+        ```
+        """
+        resolved = statistics_module.resolve(statistics)
+        key = tuple(statistic.name for statistic in resolved)
+        functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
+        if key not in functions:
+
+            def compute(data: Any) -> Any:
+                x, y, sample_weight, ids = batch_data.unpack_batch(data)
+                with self._tracking(data, resolved, ids) as context:
+                    with tf.GradientTape() as tape:
+                        _, loss = self._forward_and_loss(tape, x, y, sample_weight)
+                    self.tracked_gradient(tape, loss, self.trainable_weights)
+                assert context.result is not None
+                self.gradient_tracking.forms = dict(context.result.forms)
+                payload = dict(context.result.payload)
+                payload.pop("learning_rate")
+                return payload
+
+            functions[key] = tf.function(compute, reduce_retracing=True, autograph=False)
+        data = data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
+        payload = functions[key](data)
+        return {name: np.asarray(value) for name, value in payload.items()}
+
+    # -- Keras hooks --------------------------------------------------------
+
+    def train_step(self, data: Any) -> Any:
+        """Keras' train step, with `tracked_gradient` in place of `tape.gradient`."""
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred, loss = self._forward_and_loss(tape, x, y, sample_weight)
+            self._loss_tracker.update_state(  # type: ignore[attr-defined]
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=batch_data.batch_size_of(x),
+            )
+            if self.optimizer is not None:  # type: ignore[attr-defined]
+                loss = self.optimizer.scale_loss(loss)  # type: ignore[attr-defined]
+        trainable_weights = self.trainable_weights  # type: ignore[attr-defined]
+        if trainable_weights:
+            gradients = self.tracked_gradient(tape, loss, trainable_weights)
+            self.optimizer.apply_gradients(zip(gradients, trainable_weights))  # type: ignore[attr-defined]
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # type: ignore[attr-defined]
+
+    def _forward_and_loss(
+        self, tape: tf.GradientTape, x: Any, y: Any, sample_weight: Any
+    ) -> tuple[Any, Any]:
+        """`(y_pred, loss)` of the batch, inside `tape` (Keras' forward and compiled loss)."""
+        tracking.watch_inputs(self, tape, x)
+        if self._call_has_training_arg:  # type: ignore[attr-defined]
+            y_pred = self(x, training=True)  # type: ignore[operator]
+        else:
+            y_pred = self(x)  # type: ignore[operator]
+        loss = self._compute_loss(  # type: ignore[attr-defined]
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        return y_pred, loss
+
+    def test_step(self, data: Any) -> Any:
+        return super().test_step(batch_data.strip_example_ids(data))  # type: ignore[misc]
+
+    def predict_step(self, data: Any) -> Any:
+        return super().predict_step(batch_data.strip_example_ids(data))  # type: ignore[misc]
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        # Keras converts numpy inputs before any step, and fails on string ids
+        # with "Invalid dtype": say what ids must be first.
+        batch_data.check_example_ids(args[0] if args else kwargs.get("x"))
+        try:
+            return super().fit(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            # However fit ends (an exception, an interrupt), its subscribers finish:
+            # every tracked step they received reaches their files.
+            self.gradient_tracking.end_fit()
+
+    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        if self._distribute_strategy is None or iterator is None:  # type: ignore[attr-defined]
+            return super()._maybe_symbolic_build(iterator, data_batch)  # type: ignore[misc]
+        # Keras averages a distributed batch across replicas to learn its shapes,
+        # which fails for dict inputs under MultiWorkerMirroredStrategy; the
+        # first replica's values carry the same shapes.
+        strategy = self.distribute_strategy  # type: ignore[attr-defined]
+        for _, _, data_iterator in iterator:
+            batch = next(data_iterator)
+            break
+        data_batch = tree.map_structure(
+            lambda value: (
+                strategy.experimental_local_results(value)[0]
+                if isinstance(value, tf.distribute.DistributedValues)
+                else value
+            ),
+            batch,
+        )
+        with strategy.scope():
+            return self._symbolic_build(data_batch=data_batch)
+
+    def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        if data_batch is None and iterator is not None:
+            for _, _, data_or_iterator in iterator:
+                if isinstance(data_or_iterator, (list, tuple)):
+                    data_batch = data_or_iterator[0]
+                else:
+                    data_batch = next(data_or_iterator)
+                break
+        if data_batch is not None:
+            # Under a strategy Keras hands over a replica-averaged batch: ids
+            # arrive as floats here, and only shapes matter.
+            data_batch = batch_data.strip_example_ids(data_batch, validate=False)
+        return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
+
+    def _tracking(
+        self, data: Any, statistics: Sequence[Statistic], ids: Any
+    ) -> tracking.TrackingContext:
+        if not all(layer.built for layer in self._flatten_layers()):  # type: ignore[attr-defined]
+            # The taps are chosen before the forward pass, so a subclassed model
+            # whose first step would build it is built here, from this batch.
+            self._symbolic_build(data_batch=data)
+        return tracking.TrackingContext(self, build_plan(self), statistics, ids)
+
+    def _untracked_step(self, data: Any) -> Any:
+        x, _, _, _ = batch_data.unpack_batch(data)
+        logs = self.train_step(batch_data.strip_example_ids(data))
+        # The batch size lets callbacks number examples on untracked steps too.
+        (batch_size,) = distribute.all_reduce_sum([batch_data.batch_size_of(x)])
+        return {**logs, PAYLOAD_KEY: {"batch_size": batch_size}}
+
+    def _tracked_step(self, data: Any, statistics: Sequence[Statistic]) -> Any:
+        _, _, _, ids = batch_data.unpack_batch(data)
+        with self._tracking(data, statistics, ids) as context:
+            logs = self.train_step(batch_data.strip_example_ids(data))
+        if context.result is None:
+            raise ValueError(
+                f"The train_step of {type(self).__name__} did not call "
+                "`self.tracked_gradient(tape, loss, variables)`, so this tracked step has "
+                "no per-example statistics. Call it where the step calls "
+                "`tape.gradient(loss, variables)` (it returns the same gradients); "
+                "see GradientTrackingMixin.tracked_gradient."
+            )
+        self.gradient_tracking.forms = dict(context.result.forms)
+        return {**logs, PAYLOAD_KEY: context.result.payload}
+
+    def make_train_function(self, force: bool = False) -> Any:
+        if self.train_function is not None and not force:  # type: ignore[has-type]
+            return self.train_function  # type: ignore[has-type]
+        state = self.gradient_tracking
+        strategy = self.distribute_strategy  # type: ignore[attr-defined]
+
+        def compiled(step: Any) -> Any:
+            def protected_step(data: Any) -> Any:
+                return distribute.protect_from_replica_mean(step(data))
+
+            return self._make_function(protected_step)  # type: ignore[attr-defined]
+
+        untracked = compiled(self._untracked_step)
+        tracked_by_statistics: dict[tuple[str, ...], Any] = {}
+
+        def train_function(iterator: Any) -> Any:
+            due = state.due()
+            if not due:
+                outputs = distribute.unprotect(dict(untracked(iterator)), strategy)
+                payload = outputs.pop(PAYLOAD_KEY)
+                state.report(int(payload["batch_size"]), None, due)
+                return outputs
+            statistics = state.statistics(due)
+            key = tuple(statistic.name for statistic in statistics)
+            if key not in tracked_by_statistics:
+                tracked_by_statistics[key] = compiled(
+                    lambda data: self._tracked_step(data, statistics)
+                )
+            outputs = distribute.unprotect(dict(tracked_by_statistics[key](iterator)), strategy)
+            payload = outputs.pop(PAYLOAD_KEY)
+            state.report(int(payload["batch_size"]), payload, due)
+            return outputs
+
+        self.train_function = train_function
+        return train_function

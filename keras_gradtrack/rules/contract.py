@@ -1,0 +1,196 @@
+"""The rule contract: what a rule receives, what it returns, and what it is.
+
+A rule computes one layer's per-example primitives from what one forward and
+one backward pass already hold: each call's arguments and the gradient of the
+loss at the tensors its tap recorded. This module is all a rule needs to know of
+the engine; the engine builds `LayerCall`s, and looks rules up in the registry
+(`keras_gradtrack.rules.register_rule`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+    """One call of a tracked layer in the traced step.
+
+    Attributes:
+        args: Positional arguments that the layer's `call` received.
+        kwargs: Keyword arguments that the layer's `call` received.
+        tapped: The tensors whose gradient the engine takes: the pre-activation
+            output (one tensor) when the rule splits the activation off, the
+            call's float outputs by default, or what the rule's own `tap` chose.
+        saved: Extra tensors a rule's own `tap` kept from the forward pass.
+        output_grads: Per-example gradients of the loss at `tapped` (same
+            structure), times one positive scalar the engine divides out of the
+            rule's results; None in the shape tests, which run before the
+            backward pass.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    tapped: tuple[tf.Tensor, ...] = ()
+    saved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    output_grads: tuple[tf.Tensor, ...] | None = None
+
+    @property
+    def inputs(self) -> Any:
+        """The layer's main input (first positional argument or `inputs=`)."""
+        if self.args:
+            return self.args[0]
+        return self.kwargs["inputs"]
+
+    @property
+    def output_grad(self) -> tf.Tensor:
+        """The gradient at the first tapped tensor (the only one for most rules)."""
+        if self.output_grads is None:
+            raise ValueError("The output gradients of a call exist only after the backward pass.")
+        return self.output_grads[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The reference vector R (the batch gradient G) restricted to each variable.
+
+    `reference(variable)` is R on that variable: float32, dense, the variable's
+    shape, in the rules' scale (see `RuleFn`).
+
+    Attributes:
+        values: `{id(variable): R restricted to it}`.
+        batch_sums: Ids of the variables on which R is exactly the sum of this
+            step's per-example gradients as the rules see them (one replica, no
+            weight regularizer). There `<g_i, R> = sum_j <g_i, g_j>`, which a rule
+            may take from the Gram matrix when that costs less.
+    """
+
+    values: Mapping[int, tf.Tensor]
+    batch_sums: frozenset[int] = frozenset()
+
+    def __call__(self, variable: Any) -> tf.Tensor:
+        return self.values[id(variable)]
+
+    def is_batch_sum(self, variables: Sequence[Any]) -> bool:
+        """Whether R is the sum of the per-example gradients on all of `variables`."""
+        return all(id(variable) in self.batch_sums for variable in variables)
+
+
+class LayerPrimitives(NamedTuple):
+    """Per-example primitives of one layer.
+
+    Attributes:
+        sq_norm: `(B,)`, `||g_i^(k)||^2` over the layer's trainable variables.
+        dot: `(B,)`, `<g_i^(k), R^(k)>`.
+    """
+
+    sq_norm: tf.Tensor
+    dot: tf.Tensor
+
+
+# (layer, calls, reference) -> LayerPrimitives. `calls` holds every call of the
+# layer in this step (more than one for a shared layer); each call's
+# `output_grads` are `a * d l_i / d t_i` per example, for one positive scalar `a`
+# the engine divides out afterwards. Every rule must therefore be homogeneous in
+# the output gradients: per-example gradients and `dot` of degree 1, `sq_norm`
+# and Gram matrices of degree 2 (true of every formula built from products with
+# the output gradients).
+RuleFn = Callable[[Any, Sequence[LayerCall], Reference], LayerPrimitives]
+
+# Optional: (layer, calls) -> (B, B) Gram matrix <g_i^(k), g_j^(k)>. Rules
+# without one (and without `per_example`) get the layer's Gram matrix from the
+# exact per-layer fallback.
+GramFn = Callable[[Any, Sequence[LayerCall]], tf.Tensor]
+
+# Optional: (layer, calls) -> [(variable, (B, ...) per-example gradient)], one
+# pair per trainable variable of the layer, each `d l_i / d variable`.
+PerExampleFn = Callable[[Any, Sequence[LayerCall]], list[tuple[Any, tf.Tensor]]]
+
+# (layer, calls) -> whether `per_example` is the cheaper form for the calls'
+# static shapes. Called after the forward pass, before the backward pass: only
+# the shapes of `tapped` and the inputs are known, not `output_grads`.
+ShapeTest = Callable[[Any, Sequence[LayerCall]], bool]
+
+
+class Tapped(NamedTuple):
+    """What a rule's own tap returns for one call.
+
+    Attributes:
+        outputs: The call's outputs, as the layer's own call returns them.
+        tapped: The tensors whose per-example gradients the rule needs.
+        saved: Other forward values the rule needs afterwards.
+    """
+
+    outputs: Any
+    tapped: tuple[tf.Tensor, ...]
+    saved: Mapping[str, Any] = {}
+
+
+# Optional: (layer, call, args, kwargs) -> Tapped, run in place of the layer's
+# call during a tracked step (`call` is the layer's own, untapped). For layers
+# whose gradients live inside their call, such as a recurrent layer's loop.
+TapFn = Callable[[Any, Callable[..., Any], tuple[Any, ...], Mapping[str, Any]], Tapped]
+
+
+def always(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    return True
+
+
+def covers_every_instance(layer: Any) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How the per-example primitives of one layer class are computed.
+
+    Attributes:
+        name: Short name shown in `gradient_tracking_summary()`.
+        primitives: The rule function.
+        applies: Whether the rule covers this layer instance (for example, not
+            when LoRA or quantization replaced the kernel).
+        split_activation: Whether the tap records the pre-activation output
+            (the rule then receives `d l_i / d z_i` before the activation); the
+            layer must apply `self.activation` to its linear output in `call`.
+        tap: Optional tap of the rule's own, run in place of the layer's call
+            (see `TapFn`); `split_activation` is then ignored.
+        gram: Optional Gram-matrix function (for `pairwise_cosine`).
+        per_example: Optional per-example gradients of the layer's variables.
+            When `materializes` holds for a step's shapes, the engine uses them
+            instead of `primitives`, and takes the batch gradient of these
+            variables as their sum rather than from the backward pass, so the
+            per-example gradients replace work the step does anyway.
+        materializes: Whether `per_example` is the cheaper form for the calls'
+            shapes (only read when `per_example` is set).
+
+    Example:
+
+    ```python
+    def scale_per_example(layer, calls):
+        # y = x * w (w broadcast over the batch): g_i = sum over positions of x_i * d_i
+        grads = [tf.reduce_sum(call.inputs * call.output_grad, axis=range(1, rank - 1))
+                 for call in calls]  # rank = len(call.inputs.shape)
+        return [(layer.w, tf.add_n(grads))]
+
+    kgt.register_rule(Scale, kgt.rules.Rule(
+        "scale", kgt.rules.primitives_of(scale_per_example), split_activation=False,
+        per_example=scale_per_example))
+    ```
+    """
+
+    name: str
+    primitives: RuleFn
+    applies: Callable[[Any], bool] = covers_every_instance
+    split_activation: bool = True
+    tap: TapFn | None = None
+    gram: GramFn | None = None
+    per_example: PerExampleFn | None = None
+    materializes: ShapeTest = always
+
+    def derives_gradients(self, layer: Any, calls: Sequence[LayerCall]) -> bool:
+        """Whether this step takes the layer's gradients from `per_example`."""
+        return self.per_example is not None and self.materializes(layer, calls)

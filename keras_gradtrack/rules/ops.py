@@ -1,0 +1,146 @@
+"""Shared tensor math of the rules, and the switch for XLA-compiled steps."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.rules.contract import (
+    LayerCall,
+    LayerPrimitives,
+    PerExampleFn,
+    Reference,
+    RuleFn,
+)
+from keras_gradtrack.rules.cost import gram_is_cheaper
+
+# Whether `sum_of_squares` may use TensorFlow's one-pass EuclideanNorm kernel,
+# which XLA cannot compile (XLA fuses square and sum by itself).
+_ONE_PASS_NORMS = contextvars.ContextVar("one_pass_norms", default=True)
+
+
+@contextlib.contextmanager
+def compiled_with_xla(jit_compile: bool) -> Iterator[None]:
+    """Rules traced inside use only operations XLA compiles when `jit_compile` is true."""
+    token = _ONE_PASS_NORMS.set(not jit_compile)
+    try:
+        yield
+    finally:
+        _ONE_PASS_NORMS.reset(token)
+
+
+def has_plain_weights(layer: Any) -> bool:
+    """Whether the layer's weights are plain float variables (no LoRA, no quantization)."""
+    return not getattr(layer, "lora_enabled", False) and not getattr(
+        layer, "quantization_mode", None
+    )
+
+
+def sum_of_squares(tensor: tf.Tensor, axis: Any = None) -> tf.Tensor:
+    """`sum x^2` over `axis` (every axis by default) in one pass over the tensor
+    (`square` then `reduce_sum` writes and reads a tensor as large as the input)."""
+    if _ONE_PASS_NORMS.get():
+        return tf.square(tf.math.reduce_euclidean_norm(tensor, axis=axis))
+    return tf.reduce_sum(tf.square(tensor), axis=axis)
+
+
+def materialized(
+    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor]
+) -> LayerPrimitives:
+    """The primitives from per-example gradients `(B, n)` and their references (any shape, n values)."""
+    flat_references = [tf.reshape(reference, [-1]) for reference in references]
+    return LayerPrimitives(
+        sq_norm=tf.add_n([sum_of_squares(g, axis=1) for g in per_example]),
+        dot=tf.add_n([tf.linalg.matvec(g, r) for g, r in zip(per_example, flat_references)]),
+    )
+
+
+def primitives_of(per_example: PerExampleFn) -> RuleFn:
+    """The rule function computing a layer's primitives from its per-example gradients.
+
+    Example:
+
+    ```python
+    rule = Rule("scale", primitives_of(scale_per_example), per_example=scale_per_example)
+    ```
+    """
+
+    def primitives(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> LayerPrimitives:
+        pairs = per_example(layer, calls)
+        if not pairs:
+            raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
+        return materialized(
+            [flat_per_example(grad) for _, grad in pairs],
+            [reference(variable) for variable, _ in pairs],
+        )
+
+    return primitives
+
+
+def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
+    """`(B, B)` `<g_i, g_j>` summed over the given per-example gradients `(B, n)`."""
+    return tf.add_n([tf.matmul(g, g, transpose_b=True) for g in per_example])
+
+
+def zero_primitives(like: tf.Tensor) -> LayerPrimitives:
+    """Zero primitives for a batch the size of `like`'s first axis (every variable frozen)."""
+    zeros = tf.zeros([tf.shape(like)[0]], tf.float32)
+    return LayerPrimitives(sq_norm=zeros, dot=zeros)
+
+
+def summed(terms: Sequence[LayerPrimitives]) -> LayerPrimitives:
+    """The primitives of several variables' terms together."""
+    return LayerPrimitives(
+        sq_norm=tf.add_n([term.sq_norm for term in terms]),
+        dot=tf.add_n([term.dot for term in terms]),
+    )
+
+
+def flat_per_example(tensor: tf.Tensor) -> tf.Tensor:
+    """`(B, ...)` as `(B, n)`, keeping n static when it is known."""
+    return reshape_per_example(tensor, [-1])
+
+
+def reshape_per_example(tensor: tf.Tensor, dims: Sequence[int]) -> tf.Tensor:
+    """Reshapes to `(B, *dims)` keeping every static size static.
+
+    At most one of `dims` is -1. `fit` usually traces with an unknown batch
+    size; a plain `tf.reshape(t, [B, -1, d])` would then lose the static size
+    of the -1 axis, and the rules choose their cheapest form from static sizes.
+    """
+    dims = list(dims)
+    known = tensor.shape[1:]
+    if -1 in dims and known.is_fully_defined():
+        others = math.prod(d for d in dims if d != -1)
+        dims[dims.index(-1)] = math.prod(known) // others
+    return tf.reshape(tensor, [tf.shape(tensor)[0], *dims])
+
+
+def positions_per_example(tensors: Sequence[Any], channels_first: bool = False) -> int | None:
+    """Positions per example (every axis but the batch and channel axes), summed over
+    the tensors; None if a size is not static."""
+    total = 0
+    for tensor in tensors:
+        shape = tf.convert_to_tensor(tensor).shape
+        positions = shape[2:] if channels_first else shape[1:-1]
+        if not positions.is_fully_defined():
+            return None
+        total += math.prod(positions)
+    return total
+
+
+def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+    """`||A_i^T D_i||_F^2` per example for `A` (B, T, in) and `D` (B, T, out), by
+    whichever form costs less (`gram_is_cheaper`): `<A_i A_i^T, D_i D_i^T>` or the
+    materialized product."""
+    if gram_is_cheaper(a.shape[1], a.shape[2], d.shape[2]):
+        gram_a = tf.einsum("btd,bsd->bts", a, a)
+        gram_d = tf.einsum("bte,bse->bts", d, d)
+        return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
+    per_example_kernel = tf.einsum("btd,bte->bde", a, d)
+    return sum_of_squares(per_example_kernel, axis=[1, 2])
