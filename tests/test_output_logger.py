@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import h5py
 import keras
@@ -73,3 +74,66 @@ def test_output_gradient_logger_refuses_a_wrong_axis(tmp_path: Path) -> None:
     logger = kgt.OutputGradientLogger(tmp_path / "features.h5", probe, axis=3)
     with pytest.raises(ValueError, match=r"output of shape \(4, 12, 10\)"):
         model.fit(probe, rng.normal(size=(4, 12, 10)), verbose=0, callbacks=[logger])
+
+
+class ReadsTheLog(keras.callbacks.Callback):
+    """After the logger's turn at each step, reads its file as another reader would."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path, self.seen = path, []
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        with h5py.File(self.path, "r", swmr=True) as f:
+            lengths = {f[name].shape[0] for name in ("per_step/step", "per_step/epoch")}
+            lengths.add(f["per_step/output_grad_norm"].shape[0])
+            assert len(lengths) == 1  # every column of the table alike
+            assert np.isfinite(f["per_step/output_grad_norm"][:]).all()
+            self.seen.append(f["per_step/step"][:].tolist())
+
+
+def test_the_output_gradient_log_is_made_like_the_gradient_log(tmp_path: Path) -> None:
+    model = generator()
+    path = tmp_path / "features.h5"
+    probe = rng.normal(size=(4, 12, 3)).astype("float32")
+    x, y = rng.normal(size=(24, 12, 3)), rng.normal(size=(24, 12, 10))
+    logger = kgt.OutputGradientLogger(path, probe, every_n_steps=2, chunk_size=4)
+    reader = ReadsTheLog(path)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[logger, reader])
+    assert reader.seen == [[0], [0], [0, 2], [0, 2], [0, 2, 4], [0, 2, 4]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["features.h5"]  # no staging file
+    with h5py.File(path, "r") as f:  # closed cleanly: plain h5py opens it
+        assert f.attrs["output_gradients_schema_version"] == 1
+        assert {"library_version", "keras_version", "model_name", "created"} <= set(f.attrs)
+        assert (f.attrs["num_features"], f.attrs["axis"]) == (10, -1)
+        # Rows not yet written read as fill values, never as plausible numbers.
+        assert f["per_step/step"].fillvalue == -1
+        assert np.isnan(f["per_step/output_grad_norm"].fillvalue)
+        assert f["per_step/epoch"][:].tolist() == [0, 0, 1]
+
+
+def test_the_output_gradient_logger_appends_or_refuses_an_existing_file(tmp_path: Path) -> None:
+    model = generator()
+    path = tmp_path / "features.h5"
+    probe = rng.normal(size=(4, 12, 3)).astype("float32")
+    x, y = rng.normal(size=(24, 12, 3)), rng.normal(size=(24, 12, 10))
+
+    def fit(logger: Any) -> None:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[logger])
+
+    fit(kgt.OutputGradientLogger(path, probe, every_n_steps=2))
+    with pytest.raises(FileExistsError, match="append=True"):
+        fit(kgt.OutputGradientLogger(path, probe, every_n_steps=2))
+    fit(kgt.OutputGradientLogger(path, probe, every_n_steps=2, append=True))
+    with h5py.File(path, "r") as f:
+        assert f["per_step/step"][:].tolist() == [0, 2, 3, 5]  # on from the file's last step
+    with pytest.raises(ValueError, match="its num_features differ"):
+        fit(kgt.OutputGradientLogger(path, probe, axis=1, append=True))
+    fit(kgt.OutputGradientLogger(path, probe, every_n_steps=3, overwrite=True))
+    with h5py.File(path, "r") as f:
+        assert f["per_step/step"][:].tolist() == [0]
+
+
+def test_the_output_gradient_logger_uses_only_public_autodiff() -> None:
+    source = Path(kgt.output_logger.__file__).read_text()
+    assert "autodiff.OutputGradients(" in source and "autodiff._" not in source

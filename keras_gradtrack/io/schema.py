@@ -292,7 +292,7 @@ class OutputGradientLayout:
         chunk = min(self.chunk_size, features)
         for layer in self.layer_names:
             for name, shape in self.variables.get(layer, {}).items():
-                path = f"{OUTPUT_GRADIENTS_GROUP}/{layer}/{name}"
+                path = self.tensor_path(layer, name)
                 row_shape = (features, *shape)
                 columns.append(
                     Column(path, STATISTIC_DTYPE, row_shape, (1, chunk, *shape), streamed=True)
@@ -302,6 +302,11 @@ class OutputGradientLayout:
     def layout_attrs(self) -> dict[str, Any]:
         """Root attributes that belong to the layout (compared when appending)."""
         return {NUM_FEATURES_ATTR: self.num_features, AXIS_ATTR: self.axis}
+
+    @staticmethod
+    def tensor_path(layer: str, variable: str) -> str:
+        """The dataset of one variable's per-feature gradients."""
+        return f"{OUTPUT_GRADIENTS_GROUP}/{layer}/{variable}"
 
     @classmethod
     def read(cls, file: h5py.File, path: str) -> "OutputGradientLayout":
