@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import h5py
 import numpy as np
@@ -27,6 +27,9 @@ from keras_gradtrack.io.streamed import StreamedStep
 # The writers of this process that have a file open, by real path: a second writer
 # on the same file would interleave its rows with the first one's buffered block.
 _OPEN_WRITERS: dict[str, "BlockWriter"] = {}
+
+
+_Self = TypeVar("_Self", bound="BlockWriter")
 
 
 class BlockWriter:
@@ -318,7 +321,7 @@ class BlockWriter:
             self._file, self._datasets, self._pending = None, {}, []
             _OPEN_WRITERS.pop(os.path.realpath(self.path), None)
 
-    def __enter__(self) -> "BlockWriter":
+    def __enter__(self: _Self) -> _Self:
         if self._file is None:
             self.open()
         return self

@@ -174,7 +174,7 @@ def required_groups(
     for name, group in groups.items():
         if not isinstance(group, h5py.Group):
             raise ValueError(f"'{path}' is not a {description}: it has no group '/{name}'.")
-    return groups  # type: ignore[return-value]
+    return groups
 
 
 def member(group: h5py.Group, name: str) -> Any:

@@ -1,7 +1,7 @@
 """`LogReader`: reads a gradient log, also while it is being written."""
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import h5py
 import numpy as np
@@ -12,6 +12,9 @@ from keras_gradtrack.io.read_access import damage_reported, open_for_reading
 
 if TYPE_CHECKING:
     import pandas
+
+
+_Self = TypeVar("_Self", bound="LogReader")
 
 
 class LogReader:
@@ -193,7 +196,7 @@ class LogReader:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "LogReader":
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
