@@ -331,7 +331,7 @@ class BlockWriter:
 
     def __repr__(self) -> str:
         state = "open" if self._file is not None else "closed"
-        return f"<{type(self).__name__} '{self.path}' ({state}): {self.layout}>"
+        return f"<{type(self).__name__} '{self.path}' ({state}), a {self.layout.description}>"
 
     def _require_open(self) -> h5py.File:
         if self._file is None:

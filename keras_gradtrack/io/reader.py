@@ -126,7 +126,18 @@ class LogReader:
         return self.read(schema.PER_STEP_GROUP, name)
 
     def read(self, table: str, name: str) -> np.ndarray:
-        """One column of `table` (`"per_example"` or `"per_step"`): its complete rows.
+        """One column of `table`: its complete rows.
+
+        Args:
+            table: `"per_example"` or `"per_step"`.
+            name: column name (see `layout.columns(table)`).
+
+        Returns:
+            Array of shape (rows,) or, for a per-layer statistic, (rows, L).
+
+        Raises:
+            KeyError: for an unknown name; the message lists the available ones.
+            OSError: if the file turns out to be damaged.
 
         Example:
 
