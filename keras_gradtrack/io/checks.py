@@ -2,6 +2,7 @@
 
 import dataclasses
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -65,3 +66,13 @@ def check_same_layout(path: str, *, found: Any, given: Any) -> None:
                 f"Cannot append to '{path}': its {field.name} differ. "
                 f"Expected (in the file): {in_file}. Received: {field.name}={received}"
             )
+
+
+def check_layer_names(layer_names: Sequence[str]) -> None:
+    """Raises ValueError unless `layer_names` is a sequence of unique strings."""
+    if isinstance(layer_names, str) or not all(isinstance(n, str) for n in layer_names):
+        raise ValueError(
+            f"Expected layer_names to be a sequence of strings. Received: {layer_names=}"
+        )
+    if len(set(layer_names)) != len(layer_names):
+        raise ValueError(f"Expected unique layer names. Received: {layer_names=}")

@@ -48,6 +48,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from keras_gradtrack.io.checks import check_layer_names
 from keras_gradtrack.io.hdf5_tables import Column, Table, member, read_version, required_groups
 
 SCHEMA_VERSION = 1
@@ -148,7 +149,7 @@ class Layout:
                 other than one value per step, or widths other than `None` and
                 `len(layer_names)`.
         """
-        _check_layer_names(layer_names)
+        check_layer_names(layer_names)
         num_layers = len(layer_names)
         for table, widths in ((PER_EXAMPLE_GROUP, per_example), (PER_STEP_GROUP, per_step)):
             index_columns = list(INDEX_COLUMNS[table])
@@ -261,7 +262,7 @@ class OutputGradientLayout:
     version = OUTPUT_GRADIENTS_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        _check_layer_names(self.layer_names)
+        check_layer_names(self.layer_names)
         unknown = sorted(set(self.variables) - set(self.layer_names))
         if unknown:
             raise ValueError(
@@ -387,15 +388,6 @@ def checked_caller_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
             f"Received: attrs={dict(attrs)}"
         )
     return dict(attrs)
-
-
-def _check_layer_names(layer_names: Sequence[str]) -> None:
-    if isinstance(layer_names, str) or not all(isinstance(n, str) for n in layer_names):
-        raise ValueError(
-            f"Expected layer_names to be a sequence of strings. Received: {layer_names=}"
-        )
-    if len(set(layer_names)) != len(layer_names):
-        raise ValueError(f"Expected unique layer names. Received: {layer_names=}")
 
 
 def _layer_names(group: h5py.Group) -> list[str]:
