@@ -1,6 +1,7 @@
 """The writer core numbers, orders and keeps the steps it is given, whoever stops it."""
 
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -75,6 +76,35 @@ def test_buffered_steps_reach_the_file_when_the_process_exits(tmp_path, ending):
     )
     assert returncode == (0 if ending == "sys.exit" else 1), stderr
     assert file_steps(path)[0] == [0, 1, 2]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_leaves_its_parents_file_alone(tmp_path):
+    path = tmp_path / "run.h5"
+    returncode, stdout, stderr = run_child(
+        f"""
+        import os
+        from helpers_io import make_writer, write_steps
+        from keras_gradtrack.io import LogReader
+        writer = make_writer({str(path)!r}, flush_every=100, flush_seconds=None)
+        writer.open()
+        write_steps(writer, [4, 3])  # buffered when the child is forked
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.read(read_end, 1)
+            sys.exit(0)  # a normal exit runs the exit handlers, in the child too
+        write_steps(writer, [2])
+        writer.flush()
+        os.write(write_end, b"x")
+        assert os.waitpid(child, 0)[1] == 0
+        with LogReader({str(path)!r}) as log:
+            print(log.per_step("step").tolist(), log.num_examples)
+        writer.close()
+        """
+    )
+    assert (returncode, stdout.strip()) == (0, "[0, 1, 2] 9"), stderr
+    assert file_steps(path) == ([0, 1, 2], [0] * 4 + [1] * 3 + [2] * 2)
 
 
 def test_int64_and_uint64_ids_are_exact_or_refused(tmp_path):

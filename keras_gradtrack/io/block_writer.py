@@ -27,6 +27,8 @@ from keras_gradtrack.io.streamed import StreamedStep
 # The writers of this process that have a file open, by real path: a second writer
 # on the same file would interleave its rows with the first one's buffered block.
 _OPEN_WRITERS: dict[str, "BlockWriter"] = {}
+# The process they belong to: a forked child inherits the table, not the files.
+_OWNER = os.getpid()
 
 
 _Self = TypeVar("_Self", bound="BlockWriter")
@@ -119,13 +121,8 @@ class BlockWriter:
 
         Raises:
             OSError: (`errno.EBUSY`) if a writer of this process has the file open.
-            ValueError: if both `overwrite` and `append` are set.
-            IsADirectoryError: if `path` is a directory.
-            FileNotFoundError: if the parent directory does not exist.
-            NotADirectoryError: if the parent path is not a directory.
-            FileExistsError: if `path` exists and neither flag is set.
-            PermissionError: if the file, or the directory a new file goes to, is not
-                writable.
+            ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
+            IsADirectoryError, PermissionError: as `io.files.check_path` says.
 
         Example:
 
@@ -134,7 +131,7 @@ class BlockWriter:
         ```
         """
         path = os.fspath(path)
-        holder = _OPEN_WRITERS.get(os.path.realpath(path))
+        holder = _OPEN_WRITERS.get(os.path.realpath(path)) if os.getpid() == _OWNER else None
         if holder is not None:
             raise OSError(
                 errno.EBUSY,
@@ -386,9 +383,11 @@ class BlockWriter:
 def _close_open_writers() -> None:
     """Writes what the writers still open hold when the process exits normally.
 
-    A `fit` stopped by an exception never reaches `on_train_end`, so a logger may
-    still hold its last steps in memory.
+    A writer left open (a script that never closes it) may still hold its last
+    steps in memory.
     """
+    if os.getpid() != _OWNER:
+        return  # a forked child exiting: the files are its parent's to write
     for writer in list(_OPEN_WRITERS.values()):
         try:
             writer.close()
