@@ -27,8 +27,6 @@ from keras_gradtrack.io.streamed import StreamedStep
 # The writers of this process that have a file open, by real path: a second writer
 # on the same file would interleave its rows with the first one's buffered block.
 _OPEN_WRITERS: dict[str, "BlockWriter"] = {}
-# The process they belong to: a forked child inherits the table, not the files.
-_OWNER = os.getpid()
 
 
 _Self = TypeVar("_Self", bound="BlockWriter")
@@ -131,8 +129,8 @@ class BlockWriter:
         ```
         """
         path = os.fspath(path)
-        holder = _OPEN_WRITERS.get(os.path.realpath(path)) if os.getpid() == _OWNER else None
-        if holder is not None:
+        holder = _OPEN_WRITERS.get(os.path.realpath(path))
+        if holder is not None and holder._process == os.getpid():
             raise OSError(
                 errno.EBUSY,
                 f"'{path}' is already open for writing in this process, by {holder!r}. "
@@ -168,6 +166,8 @@ class BlockWriter:
         self._pending = []
         self._last_step = None
         self._last_block = time.monotonic()
+        # A forked child inherits the table, not the right to write its files.
+        self._process = os.getpid()
         _OPEN_WRITERS[os.path.realpath(self.path)] = self
 
     @property
@@ -386,9 +386,9 @@ def _close_open_writers() -> None:
     A writer left open (a script that never closes it) may still hold its last
     steps in memory.
     """
-    if os.getpid() != _OWNER:
-        return  # a forked child exiting: the files are its parent's to write
     for writer in list(_OPEN_WRITERS.values()):
+        if writer._process != os.getpid():
+            continue  # a forked child exiting: the file is its parent's to write
         try:
             writer.close()
         except OSError as error:
