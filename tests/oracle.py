@@ -8,6 +8,11 @@ that order, read from the variables' paths (not from the engine's plan). `G` is
 the gradient Keras' own train step would hand the optimizer for the whole batch
 (regularization included). Every statistic is then computed from these by its
 textbook definition.
+
+With BatchNormalization in training mode (`full_batch=True`), example i's loss
+depends on the whole batch, and a batch-of-one forward would change the
+statistics: `g_i` is then the gradient of `l_i` taken from the full-batch
+forward (one tape, a gradient per example), the other examples held fixed.
 """
 
 from __future__ import annotations
@@ -70,30 +75,31 @@ def summed_weighted_means(model: Any, sample_weight: Any) -> Any:
             loss.reduction = "mean_with_sample_weight"
 
 
-def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-    """Per-example losses and per-layer gradients, one tape per example."""
+def per_example_gradients(
+    model: Any, x: Any, y: Any, sample_weight: Any = None, full_batch: bool = False
+) -> dict[str, Any]:
+    """Per-example losses and per-layer gradients, one tape per example (or, with
+    `full_batch`, one gradient per example of the full-batch forward)."""
     names, column = layer_columns(model)
     variables = list(model.trainable_variables)
     batch = len(tree.flatten(x)[0])
     losses = np.zeros(batch)
     input_norms = np.zeros(batch)
     per_layer = [[] for _ in names]
+    # A forward in training mode updates state (moving statistics) that batch
+    # renormalization reads: every forward starts from the state of the first.
+    state = [(v, v.numpy()) for v in model.non_trainable_variables]
     with tf.GradientTape() as tape:
         prediction = model(x, training=True)
         total = model._compute_loss(x=x, y=y, y_pred=prediction, sample_weight=sample_weight)
     batch_gradients = tape.gradient(total, variables)
-    for i in range(batch):
-        xi = tree.map_structure(tf.convert_to_tensor, _take(x, i))
-        yi = _take(y, i)
-        wi = None if sample_weight is None else _take(sample_weight, i)
-        float_inputs = [t for t in tree.flatten(xi) if t.dtype.is_floating]
-        with tf.GradientTape(persistent=True) as tape, summed_weighted_means(model, wi):
-            tape.watch(float_inputs)
-            prediction = model(xi, training=True)
-            loss = model._compile_loss(yi, prediction, wi)
-        gradients = tape.gradient(loss, variables)
-        input_gradients = tape.gradient(loss, float_inputs)
-        del tape
+    for variable, value in state:
+        variable.assign(value)
+    for i, (loss, gradients, input_gradients) in enumerate(
+        _full_batch_examples(model, x, y, sample_weight)
+        if full_batch
+        else _single_examples(model, x, y, sample_weight)
+    ):
         input_norms[i] = np.sqrt(
             sum(
                 float(np.sum(np.asarray(g, np.float64) ** 2))
@@ -117,6 +123,48 @@ def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None)
         "g": [np.stack(rows) for rows in per_layer],  # L arrays of (B, P_k)
         "G": [np.concatenate(parts) for parts in reference],  # L arrays of (P_k,)
     }
+
+
+def _single_examples(model: Any, x: Any, y: Any, sample_weight: Any) -> Any:
+    """`(l_i, d l_i / d theta, d l_i / d x_i)` from a forward of example i alone."""
+    variables = list(model.trainable_variables)
+    for i in range(len(tree.flatten(x)[0])):
+        xi = tree.map_structure(tf.convert_to_tensor, _take(x, i))
+        yi = _take(y, i)
+        wi = None if sample_weight is None else _take(sample_weight, i)
+        float_inputs = [t for t in tree.flatten(xi) if t.dtype.is_floating]
+        with tf.GradientTape(persistent=True) as tape, summed_weighted_means(model, wi):
+            tape.watch(float_inputs)
+            prediction = model(xi, training=True)
+            loss = model._compile_loss(yi, prediction, wi)
+        yield loss, tape.gradient(loss, variables), tape.gradient(loss, float_inputs)
+        del tape
+
+
+def _full_batch_examples(model: Any, x: Any, y: Any, sample_weight: Any) -> Any:
+    """`(l_i, d l_i / d theta, d l_i / d x_i)` from one forward of the whole batch."""
+    variables = list(model.trainable_variables)
+    x = tree.map_structure(tf.convert_to_tensor, x)
+    float_inputs = [t for t in tree.flatten(x) if t.dtype.is_floating]
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(float_inputs)
+        prediction = model(x, training=True)
+        losses = []
+        for i in range(len(tree.flatten(x)[0])):
+            wi = None if sample_weight is None else _take(sample_weight, i)
+            with summed_weighted_means(model, wi):
+                losses.append(
+                    model._compile_loss(
+                        _take(y, i), tree.map_structure(lambda p, i=i: p[i : i + 1], prediction), wi
+                    )
+                )
+    for i, loss in enumerate(losses):
+        # Only example i's own rows of the input gradient: d l_i / d x_i.
+        own_inputs = [
+            None if g is None else np.asarray(g)[i] for g in tape.gradient(loss, float_inputs)
+        ]
+        yield loss, tape.gradient(loss, variables), own_inputs
+    del tape
 
 
 def oracle_from_losses(
@@ -159,9 +207,12 @@ def oracle_from_losses(
         return _statistics(found)
 
 
-def oracle_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-    """Every built-in statistic by its definition, from the per-example tapes."""
-    found = per_example_gradients(model, x, y, sample_weight)
+def oracle_statistics(
+    model: Any, x: Any, y: Any, sample_weight: Any = None, full_batch: bool = False
+) -> dict[str, Any]:
+    """Every built-in statistic by its definition, from the per-example tapes (with
+    `full_batch`, from the full-batch forward: BatchNormalization in training mode)."""
+    found = per_example_gradients(model, x, y, sample_weight, full_batch)
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero gradient has NaN cosine
         return _statistics(found)
 

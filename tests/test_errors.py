@@ -113,11 +113,19 @@ def test_plain_keras_model_is_refused(tmp_path: Path) -> None:
     )
 
 
-def test_batch_normalization_in_training_is_refused_with_advice(tmp_path: Path) -> None:
+def test_batch_normalization_in_training_is_refused_naming_the_opt_in_and_the_alternatives(
+    tmp_path: Path,
+) -> None:
     model = small_model(keras.layers.BatchNormalization())
     logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
-    fit_fails_without_touching_weights(model, logger, ValueError, "GroupNormalization")
+    opt_in = r"model\.track_batch_normalization = True"
+    fit_fails_without_touching_weights(model, logger, ValueError, opt_in)
     assert not (tmp_path / "run.h5").exists()
+    with pytest.raises(ValueError) as refused:
+        model.gradient_tracking_plan()
+    message = str(refused.value)
+    for advice in ("costs about", "layer.trainable = False", "kgt.convert_to_group_normalization"):
+        assert advice in message
 
 
 def test_frozen_batch_normalization_is_fine(tmp_path: Path) -> None:

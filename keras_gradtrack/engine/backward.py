@@ -35,6 +35,8 @@ class Backward:
         factor: `c s`, the loss's factor (table in `engine.losses`) times the loss scale.
         penalty_weights: Per recorded penalty, `dL/dpenalty` (None if not in the loss).
         input_gradients: Gradients at the watched inputs.
+        loss_cotangents: `(v, dL/dv)` for each loss value tensor the loss depends on
+            (the recorded reductions' values, or the step's `per_example_loss`).
     """
 
     weights: dict[int, Any]
@@ -43,6 +45,7 @@ class Backward:
     factor: tf.Tensor
     penalty_weights: list[tf.Tensor | None]
     input_gradients: list[tf.Tensor | None]
+    loss_cotangents: tuple[tuple[tf.Tensor, tf.Tensor], ...] = ()
 
 
 def run_backward(
@@ -99,8 +102,15 @@ def run_backward(
                 grads.append(tf.cast(tf.zeros_like(tensor) if grad is None else grad, tf.float32))
             filled.append(dataclasses.replace(call, output_grads=tuple(grads)))
         with_grads.append(tuple(filled))
+    loss_cotangents = tuple((t, g) for t, g in zip(loss_targets, loss_gradients) if g is not None)
     return Backward(
-        weight_gradients, tuple(with_grads), shares, factor, penalty_weights, input_gradients
+        weight_gradients,
+        tuple(with_grads),
+        shares,
+        factor,
+        penalty_weights,
+        input_gradients,
+        loss_cotangents,
     )
 
 

@@ -15,8 +15,9 @@ import tensorflow as tf
 
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Backward, Calls
+from keras_gradtrack.engine.coupled import CoupledGradients
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
-from keras_gradtrack.engine.plan import MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
 from keras_gradtrack.engine.tracking import TrackingContext
 from keras_gradtrack.rules import Reference
 from keras_gradtrack.rules.ops import flat_per_example, gram_of, materialized, sum_of_squares
@@ -31,6 +32,7 @@ def step_primitives(
     gradients: Iterable[tuple[Any, Any]],
     per_example: dict[int, tf.Tensor],
     penalties: dict[int, tf.Tensor],
+    coupled: CoupledGradients | None = None,
 ) -> StepPrimitives:
     """The batch reference and sums, every layer's primitives, gathered across replicas.
 
@@ -42,6 +44,7 @@ def step_primitives(
         gradients: `(variable, gradient the optimizer receives)` pairs.
         per_example: Per-example gradients of the materialized layers.
         penalties: Each regularized variable's penalty part of the gradient.
+        coupled: The Jacobian rows of the coupled layers, if any.
     """
     variables = [v for tracked in plan for v in tracked.variables]
     by_id = {id(v): gradient for v, gradient in gradients}
@@ -68,8 +71,12 @@ def step_primitives(
 
     # The rules see `c s d l_i / d z_i` and `s G`.
     sq_norms, dots = [], []
+    coupled_primitives = coupled.primitives(reference) if coupled is not None else {}
     for tracked, layer_calls, form in zip(plan, backward.calls, forms):
-        sq_norm, dot = layer_primitives(tracked, layer_calls, form, reference, per_example)
+        if form == COUPLED:
+            sq_norm, dot = coupled_primitives[tracked.name]
+        else:
+            sq_norm, dot = layer_primitives(tracked, layer_calls, form, reference, per_example)
         sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
         dots.append(dot * unscale / scale)
     rows = {
@@ -81,7 +88,7 @@ def step_primitives(
         rows["input_sq_norm"] = input_sq_norm(backward.input_gradients, unscale, rows["loss"])
     gram = None
     if any(statistic.needs_gram for statistic in context.statistics):
-        gram = step_gram(plan, backward.calls, forms, per_example) * tf.square(unscale)
+        gram = step_gram(plan, backward.calls, forms, per_example, coupled) * tf.square(unscale)
     rows = distribute.all_gather_rows(rows)
     return StepPrimitives(
         loss=rows["loss"],
@@ -133,7 +140,11 @@ def layer_primitives(
 
 
 def step_gram(
-    plan: Plan, calls: Sequence[Calls], forms: Sequence[str], per_example: dict[int, tf.Tensor]
+    plan: Plan,
+    calls: Sequence[Calls],
+    forms: Sequence[str],
+    per_example: dict[int, tf.Tensor],
+    coupled: CoupledGradients | None = None,
 ) -> tf.Tensor:
     """`(B, B)` `<g_i, g_j>` over every layer (in the rules' scale squared)."""
     if distribute.num_replicas() > 1:
@@ -142,9 +153,11 @@ def step_gram(
             "pairwise_cosine) pair examples across replicas and are not available "
             "under a tf.distribute strategy."
         )
-    grams = []
+    grams = list(coupled.grams().values()) if coupled is not None else []
     for tracked, layer_calls, form in zip(plan, calls, forms):
         rule = tracked.rule
+        if form == COUPLED:
+            continue
         if form == MATERIALIZED:
             grams.append(gram_of([per_example[id(v)] for v in tracked.variables]))
         elif rule is not None and rule.gram is not None:

@@ -46,15 +46,26 @@ class TrackedLayer:
 
 
 def refuse_example_mixing_layers(model: keras.Model) -> None:
-    """Raises when a layer makes one example's output depend on the others in training."""
+    """Raises when a layer mixes examples in training and the model did not opt in to that."""
+    if getattr(model, "track_batch_normalization", False):
+        return
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, EXAMPLE_MIXING_LAYERS) and layer.trainable:
             raise ValueError(
                 f"Layer {layer.name!r} is a {type(layer).__name__} in training mode: it "
-                "normalizes with statistics of the whole batch, so an example's gradient "
-                "depends on the other examples and per-example gradients are not defined. "
-                "Use keras.layers.GroupNormalization or LayerNormalization instead, or "
-                "freeze the layer (layer.trainable = False runs it in inference mode)."
+                "normalizes with statistics of the whole batch, so example i's loss depends "
+                "on the other examples. Choose one:\n"
+                "* exact per-example gradients of this model, through the batch statistics "
+                "(the other examples held fixed; they sum to the batch gradient): set "
+                "`model.track_batch_normalization = True`. A tracked step then costs about "
+                "one extra backward pass per example through the layers before the last "
+                "BatchNormalization (combine it with every_n_steps);\n"
+                "* fine-tuning a trained model: freeze the layer (`layer.trainable = False` "
+                "runs it in inference mode with its moving statistics): exact and cheap;\n"
+                "* training from scratch with per-example independence (as for differential "
+                "privacy): `model = kgt.convert_to_group_normalization(model)` replaces "
+                "every BatchNormalization by GroupNormalization (a change of the model), "
+                "tracked exactly and cheaply."
             )
 
 
@@ -76,6 +87,7 @@ Plan = tuple[TrackedLayer, ...]
 MATERIALIZED = "materialized"  # the rule builds per-example gradients; G is their sum
 DIRECT = "direct"  # the rule's primitives, without per-example gradients
 JACOBIAN = "jacobian"  # the fallback
+COUPLED = "coupled"  # rows of the loss vector's Jacobian (before a BatchNormalization in training)
 
 
 def build_plan(model: keras.Model) -> Plan:
@@ -132,7 +144,7 @@ def format_summary(plan: Sequence[TrackedLayer], forms: dict[str, str] | None = 
     forms = forms or {}
     rows = [("column", "layer", "class", "params", "path", "form", "note")]
     for index, tracked in enumerate(plan):
-        form = JACOBIAN if tracked.rule is None else forms.get(tracked.name, "-")
+        form = forms.get(tracked.name, JACOBIAN if tracked.rule is None else "-")
         rows.append(
             (
                 str(index),

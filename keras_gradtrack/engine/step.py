@@ -12,20 +12,28 @@ Each phase takes values and returns values; none writes into shared objects.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack.engine import checks, distribute
 from keras_gradtrack.engine.backward import (
+    Backward,
     Calls,
     materialized_gradients,
     penalty_gradients,
     run_backward,
     summed_gradient,
 )
+from keras_gradtrack.engine.coupled import (
+    CoupledGradients,
+    chunk_size_of,
+    coupled_layer_names,
+    refuse_coupled_input_gradients,
+)
 from keras_gradtrack.engine.per_layer import step_primitives
-from keras_gradtrack.engine.plan import DIRECT, JACOBIAN, MATERIALIZED, Plan
+from keras_gradtrack.engine.plan import COUPLED, DIRECT, JACOBIAN, MATERIALIZED, Plan
 from keras_gradtrack.engine.tracking import StepResult, TrackingContext
 from keras_gradtrack.rules.ops import compiled_with_xla
 from keras_gradtrack.statistics import Statistic
@@ -52,12 +60,14 @@ def tracked_gradient(
         for calls in recorded
     ]
     checks.refuse_tied_variables(context.plan, own_ops, context.forward.range)
+    refuse_coupled_input_gradients(context.coupling, context.statistics)
     plan = covered_plan(context.plan, sources)
     columns = [context.plan.index(tracked) for tracked in plan]
     calls = [tuple(r.call for r in recorded[column]) for column in columns]
-    forms = layer_forms(plan, calls)
+    forms = layer_forms(plan, calls, coupled_layer_names(context.coupling, plan))
     with compiled_with_xla(bool(getattr(model, "jit_compile", False))):
         backward = run_backward(context, tape, loss, sources, plan, calls, forms, per_example_loss)
+        coupled = coupled_gradients(context, plan, forms, backward)
         per_example = materialized_gradients(plan, backward.calls, forms)
         penalties = penalty_gradients(context, backward.penalty_weights)
         gradients = [
@@ -67,7 +77,7 @@ def tracked_gradient(
             for v in sources
         ]
         primitives = step_primitives(
-            context, plan, backward, forms, zip(sources, gradients), per_example, penalties
+            context, plan, backward, forms, zip(sources, gradients), per_example, penalties, coupled
         )
     payload = {s.name: s.compute(primitives) for s in context.statistics}
     payload = widened(payload, context.statistics, columns, len(context.plan))
@@ -111,17 +121,35 @@ def covered_plan(plan: Plan, sources: Sequence[Any]) -> Plan:
     return tuple(covered)
 
 
-def layer_forms(plan: Plan, calls: Sequence[Calls]) -> list[str]:
-    """Each layer's form in this step, from the calls' static shapes."""
+def layer_forms(
+    plan: Plan, calls: Sequence[Calls], coupled: AbstractSet[str] = frozenset()
+) -> list[str]:
+    """Each layer's form in this step: coupled (`coupled` names those layers), else from
+    the calls' static shapes."""
     forms = []
     for tracked, layer_calls in zip(plan, calls):
-        if tracked.rule is None:
+        if tracked.name in coupled:
+            forms.append(COUPLED)
+        elif tracked.rule is None:
             forms.append(JACOBIAN)
         elif tracked.rule.derives_gradients(tracked.layer, layer_calls):
             forms.append(MATERIALIZED)
         else:
             forms.append(DIRECT)
     return forms
+
+
+def coupled_gradients(
+    context: TrackingContext, plan: Plan, forms: Sequence[str], backward: Backward
+) -> CoupledGradients | None:
+    """The Jacobian rows of the coupled layers, if the step has any."""
+    layers = [tracked for tracked, form in zip(plan, forms) if form == COUPLED]
+    if not layers:
+        return None
+    assert context.coupling is not None and context.coupling.tape is not None
+    return CoupledGradients(
+        context.coupling.tape, layers, backward.loss_cotangents, chunk_size_of(context.model)
+    )
 
 
 def widened(

@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack.engine.coupled import CouplingRecorder, tracks_batch_normalization
 from keras_gradtrack.engine.data import float_inputs
 from keras_gradtrack.engine.losses import LossRecorder, recording_losses
 from keras_gradtrack.engine.plan import Plan
@@ -70,6 +71,8 @@ class TrackingContext:
         self.loss_scale: tf.Tensor | None = None
         self.watched_inputs: list[tf.Tensor] = []
         self.forward = OpRange()
+        # BatchNormalization in training mode, when the model opted in to it.
+        self.coupling = CouplingRecorder(model) if tracks_batch_normalization(model) else None
         self.result: StepResult | None = None
         self._recording: contextlib.ExitStack | None = None
 
@@ -84,6 +87,8 @@ class TrackingContext:
         self.losses = stack.enter_context(recording_losses())
         stack.enter_context(self._recording_penalties())
         stack.enter_context(self._recording_loss_scale())
+        if self.coupling is not None:
+            stack.enter_context(self.coupling.recording())
         self._recording = stack
         self._token = _ACTIVE.set(self)
         return self

@@ -45,6 +45,7 @@ from typing import Any
 
 import keras
 
+from keras_gradtrack.rules.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.rules.contract import (
     LayerCall,
     LayerPrimitives,
@@ -84,6 +85,7 @@ _REGISTRY: dict[type, Rule] = {
     keras.layers.GroupNormalization: GROUP_NORMALIZATION,
     keras.layers.RMSNormalization: RMS_NORMALIZATION,
     keras.layers.EinsumDense: EINSUM_DENSE,
+    keras.layers.BatchNormalization: BATCH_NORMALIZATION,
 }
 
 
@@ -163,6 +165,7 @@ def rule_for(layer: Any) -> Rule | None:
 
 
 __all__ = [
+    "BATCH_NORMALIZATION",
     "CONV",
     "CONV_TRANSPOSE",
     "DENSE",

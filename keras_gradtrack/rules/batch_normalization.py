@@ -1,0 +1,93 @@
+"""Rule for BatchNormalization: per-example gradients of gamma and beta.
+
+BatchNormalization computes `y = xhat * gamma + beta` per channel, with `xhat =
+(x - mean) / sqrt(variance + epsilon)` and the moments those of the batch in
+training mode (the layer is trainable and called with `training=True`) or its
+moving moments in inference mode. `xhat` does not depend on gamma or beta, so
+with `d_i` the gradient at example i's output, `g_i(gamma) = sum_pos d_i *
+xhat_i` and `g_i(beta) = sum_pos d_i`: as small as the parameters, materialized.
+
+In training mode `d_i` is example i's alone only when no other BatchNormalization
+in training mode follows the layer; otherwise the engine computes the layer's
+gamma and beta with the layers before it, through the batch statistics. The rule
+does not cover batch renormalization (`renorm=True`), whose correction factors
+also multiply gamma; such a layer is computed that way too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.rules.contract import LayerCall, Rule
+from keras_gradtrack.rules.ops import primitives_of
+
+
+def batch_normalization_applies(layer: Any) -> bool:
+    """The rule covers BatchNormalization without batch renormalization."""
+    return not getattr(layer, "renorm", False)
+
+
+def uses_batch_statistics(layer: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call of `layer.call(inputs, training=None, mask=None)` normalizes with the
+    batch's moments: Keras' condition, `training and self.trainable`."""
+    training = args[1] if len(args) > 1 else kwargs.get("training")
+    return bool(training) and bool(layer.trainable)
+
+
+def normalized_inputs(layer: Any, call: LayerCall) -> tf.Tensor:
+    """`xhat` of one call, from its input, with the moments the call used (float32)."""
+    x = tf.cast(call.inputs, tf.float32)
+    if uses_batch_statistics(layer, call.args, call.kwargs):
+        mask = call.args[2] if len(call.args) > 2 else call.kwargs.get("mask")
+        # Keras' own moments: the same reduction, and masked calls weigh positions alike.
+        mean, variance = layer._moments(x, mask)
+    else:
+        mean, variance = layer.moving_mean, layer.moving_variance
+    shape = [1] * x.shape.rank
+    axis = layer.axis % x.shape.rank
+    shape[axis] = x.shape[axis]
+    mean = tf.reshape(tf.cast(mean, tf.float32), shape)
+    variance = tf.reshape(tf.cast(variance, tf.float32), shape)
+    return (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
+
+
+def batch_normalization_per_example(
+    layer: Any, calls: Sequence[LayerCall]
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of BatchNormalization's gamma and beta.
+
+    Example:
+
+    ```python
+    # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} d_ihw * xhat_ihw,  g_i(beta) = sum_{h,w} d_ihw
+    ```
+    """
+    gamma = getattr(layer, "gamma", None)
+    beta = getattr(layer, "beta", None)
+    gamma = gamma if gamma is not None and gamma.trainable else None
+    beta = beta if beta is not None and beta.trainable else None
+    gamma_grads, beta_grads = [], []
+    for call in calls:
+        d = tf.cast(call.output_grad, tf.float32)
+        axis = layer.axis % d.shape.rank
+        summed = [a for a in range(1, d.shape.rank) if a != axis]
+        if gamma is not None:
+            gamma_grads.append(tf.reduce_sum(d * normalized_inputs(layer, call), axis=summed))
+        if beta is not None:
+            beta_grads.append(tf.reduce_sum(d, axis=summed))
+    pairs = [(gamma, tf.add_n(gamma_grads))] if gamma is not None else []
+    if beta is not None:
+        pairs.append((beta, tf.add_n(beta_grads)))
+    return pairs
+
+
+BATCH_NORMALIZATION = Rule(
+    "batch_normalization",
+    primitives_of(batch_normalization_per_example),
+    batch_normalization_applies,
+    split_activation=False,
+    per_example=batch_normalization_per_example,
+)
