@@ -304,3 +304,65 @@ def test_trainable_batch_normalization_in_inference_mode_uses_its_moving_statist
     assert_matches_oracle(stats, oracle_statistics(model, X, Y))
     assert model.gradient_tracking.forms["bn0"] == "materialized"
     assert model.gradient_tracking.forms["conv0"] == "materialized"
+
+
+# -- the GroupNormalization conversion ------------------------------------------------
+
+
+def test_conversion_replaces_trainable_batch_normalization_and_keeps_the_rest() -> None:
+    inner_inputs = keras.Input((6, 4))
+    inner_hidden = layers.BatchNormalization(name="inner_bn")(inner_inputs)
+    inner = keras.Model(inner_inputs, layers.Conv1D(4, 3, name="inner_conv")(inner_hidden))
+    inputs = keras.Input((6, 3))
+    hidden = layers.Conv1D(4, 3, padding="same", name="conv")(inputs)
+    hidden = layers.BatchNormalization(name="bn", gamma_initializer="random_uniform")(hidden)
+    hidden = layers.BatchNormalization(name="frozen_bn")(inner(hidden))
+    outputs = layers.Dense(3, name="head")(layers.GlobalAveragePooling1D()(hidden))
+    model = kgt.GradientTrackingModel(inputs, outputs)
+    model.get_layer("frozen_bn").trainable = False
+    model.compile(optimizer="sgd", loss=LOSS)
+
+    converted = kgt.convert_to_group_normalization(model, groups=3)
+
+    assert type(converted) is type(model) and converted.compiled
+    norm = converted.get_layer("bn")
+    assert isinstance(norm, layers.GroupNormalization) and norm.groups == 2  # 4 channels
+    np.testing.assert_array_equal(norm.gamma.numpy(), model.get_layer("bn").gamma.numpy())
+    nested = converted.layers[3]
+    assert isinstance(nested.get_layer("inner_bn"), layers.GroupNormalization)
+    assert isinstance(converted.get_layer("frozen_bn"), layers.BatchNormalization)
+    assert not converted.get_layer("frozen_bn").trainable
+    for name in ("conv", "head", "frozen_bn"):
+        for ours, theirs in zip(
+            converted.get_layer(name).get_weights(), model.get_layer(name).get_weights()
+        ):
+            np.testing.assert_array_equal(ours, theirs)
+    assert any(isinstance(layer, layers.BatchNormalization) for layer in model.layers)
+    # Examples are independent now: one example at a time is the oracle, no opt-in.
+    stats = converted.gradient_statistics(X, Y)
+    assert_matches_oracle(stats, oracle_statistics(converted, X, Y))
+
+
+def test_conversion_of_a_sequential_model() -> None:
+    model = kgt.GradientTrackingSequential(
+        [keras.Input((6, 3)), layers.Conv1D(8, 3), layers.BatchNormalization(), layers.Flatten()]
+    )
+    converted = kgt.convert_to_group_normalization(model)
+    assert [type(layer).__name__ for layer in converted.layers] == [
+        "Conv1D",
+        "GroupNormalization",
+        "Flatten",
+    ]
+    assert converted.layers[1].groups == 8
+
+
+@pytest.mark.parametrize(
+    ("build", "groups", "match"),
+    [
+        (InferenceModeNorm, 32, "Expected a functional or Sequential model"),
+        (timeseries_model, 0, "Expected groups to be a positive int"),
+    ],
+)
+def test_conversion_refuses_what_it_cannot_convert(build: Any, groups: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kgt.convert_to_group_normalization(build(), groups=groups)
