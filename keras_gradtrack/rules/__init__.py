@@ -44,6 +44,7 @@ import dataclasses
 from typing import Any
 
 import keras
+from keras.src.applications.convnext import LayerScale
 
 from keras_gradtrack.rules.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.rules.contract import (
@@ -60,6 +61,7 @@ from keras_gradtrack.rules.conv_transpose import CONV_TRANSPOSE
 from keras_gradtrack.rules.dense import DENSE
 from keras_gradtrack.rules.einsum import EINSUM_DENSE
 from keras_gradtrack.rules.embedding import EMBEDDING
+from keras_gradtrack.rules.layer_scale import LAYER_SCALE
 from keras_gradtrack.rules.normalization import (
     GROUP_NORMALIZATION,
     LAYER_NORMALIZATION,
@@ -86,6 +88,7 @@ _REGISTRY: dict[type, Rule] = {
     keras.layers.RMSNormalization: RMS_NORMALIZATION,
     keras.layers.EinsumDense: EINSUM_DENSE,
     keras.layers.BatchNormalization: BATCH_NORMALIZATION,
+    LayerScale: LAYER_SCALE,
 }
 
 
@@ -174,6 +177,7 @@ __all__ = [
     "EMBEDDING",
     "GROUP_NORMALIZATION",
     "LAYER_NORMALIZATION",
+    "LAYER_SCALE",
     "RMS_NORMALIZATION",
     "SEPARABLE_CONV",
     "LayerCall",

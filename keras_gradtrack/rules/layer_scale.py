@@ -1,0 +1,41 @@
+"""Rule for ConvNeXt's LayerScale (`keras.applications.convnext`): `y = x * gamma`.
+
+`gamma` spans the last axis and broadcasts over the others, so with `d_i` the
+gradient at example i's output, `g_i(gamma) = sum_pos x_i * d_i`: as small as
+`gamma`, materialized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.rules.contract import LayerCall, Rule
+from keras_gradtrack.rules.ops import primitives_of
+
+
+def layer_scale_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of LayerScale's `gamma`.
+
+    Example:
+
+    ```python
+    # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} x_ihw * d_ihw   (C,)
+    ```
+    """
+    grads = []
+    for call in calls:
+        x = tf.cast(call.inputs, tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
+        grads.append(tf.reduce_sum(x * d, axis=list(range(1, x.shape.rank - 1))))
+    return [(layer.gamma, tf.add_n(grads))]
+
+
+LAYER_SCALE = Rule(
+    "layer_scale",
+    primitives_of(layer_scale_per_example),
+    split_activation=False,
+    per_example=layer_scale_per_example,
+)
