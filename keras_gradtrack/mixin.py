@@ -13,19 +13,21 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, tracking
-from keras_gradtrack.engine.coupled import DEFAULT_CHUNK_SIZE
 from keras_gradtrack.engine.plan import Plan, build_plan, format_summary
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
 from keras_gradtrack.engine.step import tracked_gradient
 from keras_gradtrack.statistics import Statistic
 
 
-class GradientTrackingMixin:
+class GradientTrackingMixin(BatchNormalizationTracking):
     """Adds per-example gradient tracking to a `keras.Model` (TensorFlow backend).
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
+    Models with BatchNormalization in training mode opt in with
+    `track_batch_normalization` (see `BatchNormalizationTracking`).
     Its `train_step` is Keras' own, with `tape.gradient` replaced by
     `self.tracked_gradient`; on the steps a gradient callback
     (`HDF5GradientLogger`) asks for, that same backward pass also yields the
@@ -64,64 +66,6 @@ class GradientTrackingMixin:
             state = GradientTrackingState()
             self.__dict__["_gradient_tracking_state"] = state
         return state
-
-    @property
-    def track_batch_normalization(self) -> bool:
-        """Whether BatchNormalization layers may train on tracked steps (default False).
-
-        In training mode BatchNormalization normalizes with the batch's statistics,
-        so example i's loss depends on the other examples. With this set,
-        `g_i = d l_i / d theta` holds the other examples fixed and includes the
-        terms through the batch mean and variance (`sum_i g_i = G` exactly). It
-        costs, on each tracked step, about one backward pass per example through
-        the layers before the last BatchNormalization in training mode
-        (vectorized, `batch_normalization_chunk_size` examples at a time):
-        combine it with the logger's `every_n_steps`. Layers after it, and its
-        own gamma and beta, keep their rules. Unset, such a model is refused
-        with this advice and the alternatives (freezing the layers, or
-        `kgt.convert_to_group_normalization`).
-
-        Example:
-
-        ```python
-        model = kgt.GradientTrackingModel(inputs, outputs)   # Conv2D + BatchNormalization
-        model.track_batch_normalization = True
-        model.fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5", every_n_steps=50)])
-        ```
-        """
-        return bool(self.__dict__.get("_track_batch_normalization", False))
-
-    @track_batch_normalization.setter
-    def track_batch_normalization(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"Expected track_batch_normalization to be a bool. Received: {value!r}")
-        self.__dict__["_track_batch_normalization"] = value
-        self._forget_traced_steps()
-
-    @property
-    def batch_normalization_chunk_size(self) -> int:
-        """Examples whose gradients through BatchNormalization are computed at once (default 8).
-
-        Memory grows with it (chunk x the parameters of the layers before the
-        last BatchNormalization, and chunk x their activations); so, up to a
-        point, does speed. See `track_batch_normalization`.
-        """
-        return int(self.__dict__.get("_batch_normalization_chunk_size", DEFAULT_CHUNK_SIZE))
-
-    @batch_normalization_chunk_size.setter
-    def batch_normalization_chunk_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"Expected batch_normalization_chunk_size to be a positive int. Received: {value!r}"
-            )
-        self.__dict__["_batch_normalization_chunk_size"] = value
-        self._forget_traced_steps()
-
-    def _forget_traced_steps(self) -> None:
-        # Both settings are read when a tracked step is traced: trace again.
-        self.__dict__.pop("_gradient_statistics_functions", None)
-        if getattr(self, "train_function", None) is not None:
-            self.train_function = None
 
     def gradient_tracking_plan(self) -> Plan:
         """The tracked layers, in the column order of the per-layer statistics.

@@ -58,9 +58,12 @@ class MixingCall:
     inputs: tf.Tensor
 
 
-def tracks_batch_normalization(model: Any) -> bool:
-    """Whether the model opted in to exact per-example gradients through BatchNormalization."""
-    return bool(getattr(model, "track_batch_normalization", False))
+def coupling_recorder(model: Any) -> CouplingRecorder | None:
+    """A recorder for the model's tracked steps, if it opted in and has mixing layers."""
+    if not getattr(model, "track_batch_normalization", False):
+        return None
+    recorder = CouplingRecorder(model)
+    return recorder if recorder.layers else None
 
 
 def chunk_size_of(model: Any) -> int:

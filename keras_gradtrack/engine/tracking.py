@@ -19,7 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.coupled import CouplingRecorder, tracks_batch_normalization
+from keras_gradtrack.engine.coupled import coupling_recorder
 from keras_gradtrack.engine.data import float_inputs
 from keras_gradtrack.engine.losses import LossRecorder, recording_losses
 from keras_gradtrack.engine.plan import Plan
@@ -72,7 +72,7 @@ class TrackingContext:
         self.watched_inputs: list[tf.Tensor] = []
         self.forward = OpRange()
         # BatchNormalization in training mode, when the model opted in to it.
-        self.coupling = CouplingRecorder(model) if tracks_batch_normalization(model) else None
+        self.coupling = coupling_recorder(model)
         self.result: StepResult | None = None
         self._recording: contextlib.ExitStack | None = None
 
