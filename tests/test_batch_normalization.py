@@ -197,6 +197,19 @@ def test_fit_updates_the_weights_as_keras_does_and_logs_every_nth_step(tmp_path:
         assert np.isfinite(log.per_example("cosine")).all()
 
 
+def test_an_xla_compiled_step_is_exact(tmp_path: Path) -> None:
+    # Each chunk's example indices have a static length, which XLA requires.
+    model = compiled(timeseries_model(blocks=1))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=LOSS, jit_compile=True)
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", statistics=["layer_grad_norm"])
+    model.fit(X, Y, batch_size=5, shuffle=False, verbose=0, callbacks=[logger])
+    expected = oracle_statistics(model, X, Y, full_batch=True)
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        np.testing.assert_allclose(
+            log.per_example("layer_grad_norm"), expected["layer_grad_norm"], rtol=1e-4
+        )
+
+
 def test_mirrored_strategy_couples_the_examples_of_each_replica(
     tmp_path: Path, two_cpu_strategy: tf.distribute.MirroredStrategy
 ) -> None:

@@ -319,7 +319,7 @@ class CoupledGradients:
             )
 
         def chunk_values(start: tf.Tensor) -> tf.Tensor:
-            indices = tf.minimum(tf.range(start, start + chunk), batch - 1)
+            indices = tf.minimum(start + tf.range(chunk), batch - 1)
             return tf.vectorized_map(per_example, indices)
 
         starts = tf.range(0, batch, chunk)
