@@ -96,9 +96,11 @@ def test_sample_weights_and_pairwise_cosine() -> None:
     )
 
 
-def test_a_dense_network_with_batch_normalization_on_another_axis() -> None:
+def test_a_dense_network_with_batch_normalization_on_another_axis_and_a_regularizer() -> None:
+    # G includes the penalty's gradient, the coupled g_i do not (as for every layer).
     inputs = keras.Input((6, 3))
-    hidden = layers.Dense(4, name="dense")(inputs)
+    regularizer = keras.regularizers.L2(0.1)
+    hidden = layers.Dense(4, kernel_regularizer=regularizer, name="dense")(inputs)
     hidden = layers.BatchNormalization(axis=1, name="bn_positions")(hidden)
     hidden = layers.Dense(4, activation="relu", name="dense2")(layers.Flatten()(hidden))
     hidden = layers.BatchNormalization(name="bn_features")(hidden)
