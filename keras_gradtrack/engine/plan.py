@@ -24,7 +24,8 @@ class TrackedLayer:
     Attributes:
         name: Column name (the layer's name, made unique within the model).
         layer: The Keras layer.
-        variables: The layer's own trainable variables (not its sublayers').
+        variables: The layer's own trainable variables (not its sublayers', unless
+            its rule covers them: `Rule.covers_sublayers`).
         rule: The rule computing its primitives, or None for the fallback.
         reason: Why the layer has no rule (empty when it has one).
     """
@@ -60,11 +61,22 @@ def refuse_example_mixing_layers(model: keras.Model) -> None:
 
 def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]:
     """`(layer, its own trainable variables)` for every layer that has some, in the
-    order of `model.trainable_variables` (Keras' own order of the model's weights)."""
+    order of `model.trainable_variables` (Keras' own order of the model's weights).
+
+    A layer whose rule covers its sublayers (a recurrent layer and its cell) owns
+    their variables too; the outermost such layer, when they nest.
+    """
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    layers = list(model._flatten_layers(include_self=False))  # outer layers first
+    covering = [layer for layer in layers if lookup(layer).covers_sublayers]
+    owner: dict[int, Any] = {}
+    for layer in covering:
+        for v in layer.trainable_variables:
+            owner.setdefault(id(v), layer)
     groups = []
-    for layer in model._flatten_layers(include_self=False):
-        own = [v for v in layer._trainable_variables if id(v) in position]
+    for layer in layers:
+        variables = layer.trainable_variables if layer in covering else layer._trainable_variables
+        own = [v for v in variables if id(v) in position and owner.get(id(v), layer) is layer]
         if own:
             groups.append((layer, sorted(own, key=lambda v: position[id(v)])))
     return sorted(groups, key=lambda group: position[id(group[1][0])])

@@ -65,6 +65,7 @@ from keras_gradtrack.rules.normalization import (
     RMS_NORMALIZATION,
 )
 from keras_gradtrack.rules.ops import materialized, primitives_of
+from keras_gradtrack.rules.recurrent import RECURRENT
 from keras_gradtrack.rules.separable_conv import SEPARABLE_CONV
 
 _REGISTRY: dict[type, Rule] = {
@@ -84,6 +85,10 @@ _REGISTRY: dict[type, Rule] = {
     keras.layers.GroupNormalization: GROUP_NORMALIZATION,
     keras.layers.RMSNormalization: RMS_NORMALIZATION,
     keras.layers.EinsumDense: EINSUM_DENSE,
+    keras.layers.RNN: RECURRENT,
+    keras.layers.SimpleRNN: RECURRENT,
+    keras.layers.LSTM: RECURRENT,
+    keras.layers.GRU: RECURRENT,
 }
 
 
@@ -130,10 +135,14 @@ class Lookup:
     Attributes:
         rule: The rule, or None (the layer uses the fallback).
         reason: Why there is no rule; empty when there is one.
+        covers_sublayers: Whether the layer's column holds its sublayers'
+            variables (`Rule.covers_sublayers` of the rule registered along its
+            class's MRO, also when that rule does not apply to the layer).
     """
 
     rule: Rule | None
     reason: str = ""
+    covers_sublayers: bool = False
 
 
 def lookup(layer: Any) -> Lookup:
@@ -144,16 +153,18 @@ def lookup(layer: Any) -> Lookup:
         if rule is None:
             continue
         overriding = [c.__name__ for c in mro[:position] if "call" in vars(c)]
+        covers = rule.covers_sublayers
         if overriding:
             return Lookup(
                 None,
                 f"{overriding[0]} overrides the call() of {cls.__name__}, whose rule "
                 f"{rule.name!r} may not hold for it; register_rule({overriding[0]}, rule) "
                 "if its call computes the same",
+                covers,
             )
         if not rule.applies(layer):
-            return Lookup(None, f"rule {rule.name!r} does not cover this configuration")
-        return Lookup(rule)
+            return Lookup(None, f"rule {rule.name!r} does not cover this configuration", covers)
+        return Lookup(rule, covers_sublayers=covers)
     return Lookup(None, f"no rule registered for {type(layer).__name__}")
 
 
@@ -171,6 +182,7 @@ __all__ = [
     "EMBEDDING",
     "GROUP_NORMALIZATION",
     "LAYER_NORMALIZATION",
+    "RECURRENT",
     "RMS_NORMALIZATION",
     "SEPARABLE_CONV",
     "LayerCall",
