@@ -59,6 +59,25 @@ def refuse_example_mixing_layers(model: keras.Model) -> None:
             )
 
 
+def refuse_unrepeatable_call(layer: Any, reason: str) -> None:
+    """Raises when the fallback's second run of a recurrent layer's call would differ
+    from the first: a stateful layer advances its states again, and dropout masks are
+    drawn anew (`reason`: why the layer has no rule)."""
+    cells = getattr(layer, "cell", None)
+    cells = getattr(cells, "cells", [cells])  # StackedRNNCells holds several
+    dropout = any(
+        getattr(cell, "dropout", 0) or getattr(cell, "recurrent_dropout", 0) for cell in cells
+    )
+    if getattr(layer, "stateful", False) or dropout:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) has no rule ({reason}), so the "
+            "exact fallback would run its call a second time, and with "
+            f"{'stateful=True' if getattr(layer, 'stateful', False) else 'dropout'} that "
+            "second run differs from the first. Use a built-in SimpleRNN, LSTM or GRU cell "
+            "(their rule runs the call once), or drop that option."
+        )
+
+
 def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]:
     """`(layer, its own trainable variables)` for every layer that has some, in the
     order of `model.trainable_variables` (Keras' own order of the model's weights).
@@ -116,6 +135,8 @@ def build_plan(model: keras.Model) -> Plan:
     used_names: set[str] = set()
     for layer, own in layers_with_own_variables(model):
         found = lookup(layer)
+        if found.rule is None and found.covers_sublayers:
+            refuse_unrepeatable_call(layer, found.reason)
         name = unique_name(layer.name, used_names)
         plan.append(TrackedLayer(name, layer, tuple(own), found.rule, found.reason))
     covered = {id(v) for tracked in plan for v in tracked.variables}
