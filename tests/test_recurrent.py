@@ -65,10 +65,12 @@ def compiled(inputs: Any, outputs: Any, loss: Any = None, **kwargs: Any) -> Any:
 
 
 def sequences(length: int, features: int = 2, batch: int = BATCH) -> np.ndarray:
-    """Random sequences with zero steps (masked by `Masking`) anywhere but in example 0."""
+    """Random sequences with zero steps (masked by `Masking`) anywhere but in example 0;
+    every example keeps one step (a wholly masked example's average pooling is 0/0)."""
     x = rng.normal(size=(batch, length, features)).astype("float32")
     dropped = rng.random((batch, length)) < 0.35
     dropped[0] = False
+    dropped[np.arange(batch), rng.integers(0, length, batch)] = False
     x[dropped] = 0.0
     return x
 

@@ -165,7 +165,8 @@ def term_gradient(term: Term) -> tf.Tensor:
     """`(B, in, out)` `Σ_t a_tᵀ δ_t`, or `(B, out)` `Σ_t δ_t` for a bias."""
     if term.inputs is None:
         return tf.reduce_sum(term.grads, axis=1)
-    return tf.einsum("btd,bte->bde", term.inputs, term.grads)
+    # A batched product with the inputs transposed in the kernel, not copied.
+    return tf.linalg.matmul(term.inputs, term.grads, transpose_a=True)
 
 
 def recurrent_primitives(

@@ -67,9 +67,21 @@ def masked(sequence: tf.Tensor, mask: Any) -> tf.Tensor:
     return sequence if mask is None else sequence * mask[:, None, :]
 
 
-def columns_of(kernel: Any, columns: slice) -> Any:
-    whole = columns.start == 0 and columns.stop == kernel.shape[-1]
-    return kernel if whole else kernel[:, columns]
+def covers(weight: Any, columns: slice) -> bool:
+    return columns.start == 0 and columns.stop == weight.shape[-1]
+
+
+def columns_of(weight: Any, columns: slice) -> Any:
+    """`weight[..., columns]`, the weight itself when they are all of its columns."""
+    return weight if covers(weight, columns) else weight[..., columns]
+
+
+def kernel_term(kernel: Any, inputs: tf.Tensor, grads: tf.Tensor, columns: slice) -> Term:
+    """The term of `kernel[:, columns]`, for `grads` at the whole product (unsliced, so
+    not copied, when the term covers the kernel)."""
+    if covers(kernel, columns):
+        return Term(kernel, inputs, grads)
+    return Term(kernel, inputs, grads[..., columns], columns)
 
 
 def product(a: tf.Tensor, kernel: Any, gate_runs: Sequence[Run]) -> tf.Tensor:
@@ -123,13 +135,13 @@ class CellLoop:
             kernel = columns_of(self.cell.kernel, columns)
             part = tf.einsum("btd,dg->btg", masked(sequences, mask), kernel)
             if with_bias:
-                part = part + self.input_bias()[columns]
+                part = part + columns_of(self.input_bias(), columns)
             parts.append(part)
         return tf.concat(parts, axis=-1) if len(parts) > 1 else parts[0]
 
     def kernel_terms(self, inputs: tf.Tensor, grads: tf.Tensor) -> list[Term]:
         return [
-            Term(self.cell.kernel, masked(inputs, mask), grads[..., columns], columns)
+            kernel_term(self.cell.kernel, masked(inputs, mask), grads, columns)
             for mask, columns in self.input_runs()
         ]
 
@@ -137,7 +149,7 @@ class CellLoop:
         self, sequence: tf.Tensor, grads: tf.Tensor, gate_runs: Sequence[Run]
     ) -> list[Term]:
         return [
-            Term(self.cell.recurrent_kernel, masked(sequence, mask), grads[..., columns], columns)
+            kernel_term(self.cell.recurrent_kernel, masked(sequence, mask), grads, columns)
             for mask, columns in gate_runs
         ]
 
