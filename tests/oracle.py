@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -39,17 +40,24 @@ def _take(data: Any, index: int) -> Any:
 
 def layer_columns(model: Any) -> tuple[list[str], dict[int, int]]:
     """The owning layers' names, in order of `model.trainable_variables`, and each
-    variable's column; checked against the engine's column names."""
+    variable's column; checked against the engine's column names.
+
+    A Keras recurrent layer owns its cell's variables (its loop is the layer's)."""
+    recurrent: dict[int, str] = {}
+    for layer in model._flatten_layers(include_self=False):  # outer layers first
+        if isinstance(layer, keras.layers.RNN):
+            for variable in layer.trainable_variables:
+                recurrent.setdefault(id(variable), layer.path)
     owners: list[str] = []
     column = {}
     for variable in model.trainable_variables:
-        owner = variable.path.rpartition("/")[0]
+        owner = recurrent.get(id(variable), variable.path.rpartition("/")[0])
         if owner not in owners:
             owners.append(owner)
         column[id(variable)] = owners.index(owner)
     names: list[str] = []
     for owner in owners:
-        # Layers of the same name (a Bidirectional's two cells) are numbered: x, x_1, ...
+        # Layers of the same name are numbered: x, x_1, ...
         name, suffix = owner.rpartition("/")[2], 0
         while (name if not suffix else f"{name}_{suffix}") in names:
             suffix += 1

@@ -176,9 +176,8 @@ def sequence_regression() -> Case:
 
 
 def unrolled_recurrent_layers() -> Case:
-    """LSTM (whose cell returns `h, [h, c]`, with `h` computed from `c`) and GRU cells,
-    called once per step: the fallback must count each output's gradient from outside
-    the call only."""
+    """Unrolled Bidirectional LSTM and GRU: the recurrent rule over Keras' unrolled loop,
+    the same rule as over its `tf.while_loop` (tests/test_recurrent.py has the rest)."""
     inputs = keras.Input((4, 3))
     hidden = keras.layers.Bidirectional(keras.layers.LSTM(3, unroll=True))(inputs)
     sequence = keras.layers.GRU(2, return_sequences=True, unroll=True)(inputs)

@@ -57,18 +57,22 @@ def refuse_calls_inside_loops(
 ) -> None:
     """Raises when a tracked layer ran inside a loop or function body of the traced step.
 
-    A Keras RNN layer runs its cell in a `tf.while_loop`; the cell's inputs and
-    outputs there exist only inside the loop, out of the backward pass' reach.
+    The inputs and outputs of a call inside a `tf.while_loop` (or `tf.map_fn`,
+    `tf.scan`) exist only inside the loop, out of the backward pass' reach. Keras'
+    recurrent layers are tracked whole, loop included (their column holds their
+    cell's variables), so this concerns loops written in a layer's own `call`.
     """
     for tracked, calls in zip(plan, recorded):
         for call in calls:
             if graph is not None and call.graph is not graph:
                 raise ValueError(
                     f"Layer {tracked.layer.name!r} ({type(tracked.layer).__name__}) runs "
-                    "inside a loop of the traced step (a Keras RNN layer runs its cell in "
-                    "a tf.while_loop), where its per-example gradients cannot be taken. "
-                    "Pass unroll=True to the RNN layer: its cell is then called once per "
-                    "time step and tracked exactly (on the fallback path)."
+                    "inside a loop of the traced step (a tf.while_loop, tf.map_fn or tf.scan "
+                    "in another layer's call), where its per-example gradients cannot be "
+                    "taken. Call it outside the loop, or make the layer that runs the loop "
+                    "a keras.layers.RNN (its cell then runs in the loop and the RNN layer is "
+                    "tracked whole), or register a rule for that layer with "
+                    "covers_sublayers=True (keras_gradtrack.register_rule)."
                 )
 
 

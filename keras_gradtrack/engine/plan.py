@@ -24,7 +24,8 @@ class TrackedLayer:
     Attributes:
         name: Column name (the layer's name, made unique within the model).
         layer: The Keras layer.
-        variables: The layer's own trainable variables (not its sublayers').
+        variables: The layer's own trainable variables (not its sublayers', unless
+            its rule covers them: `Rule.covers_sublayers`).
         rule: The rule computing its primitives, or None for the fallback.
         reason: Why the layer has no rule (empty when it has one).
     """
@@ -69,13 +70,43 @@ def refuse_example_mixing_layers(model: keras.Model) -> None:
             )
 
 
+def refuse_unrepeatable_call(layer: Any, reason: str) -> None:
+    """Raises when the fallback's second run of a recurrent layer's call would differ
+    from the first: a stateful layer advances its states again, and dropout masks are
+    drawn anew (`reason`: why the layer has no rule)."""
+    cells = getattr(layer, "cell", None)
+    cells = getattr(cells, "cells", [cells])  # StackedRNNCells holds several
+    dropout = any(
+        getattr(cell, "dropout", 0) or getattr(cell, "recurrent_dropout", 0) for cell in cells
+    )
+    if getattr(layer, "stateful", False) or dropout:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) has no rule ({reason}), so the "
+            "exact fallback would run its call a second time, and with "
+            f"{'stateful=True' if getattr(layer, 'stateful', False) else 'dropout'} that "
+            "second run differs from the first. Use a built-in SimpleRNN, LSTM or GRU cell "
+            "(their rule runs the call once), or drop that option."
+        )
+
+
 def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]:
     """`(layer, its own trainable variables)` for every layer that has some, in the
-    order of `model.trainable_variables` (Keras' own order of the model's weights)."""
+    order of `model.trainable_variables` (Keras' own order of the model's weights).
+
+    A layer whose rule covers its sublayers (a recurrent layer and its cell) owns
+    their variables too; the outermost such layer, when they nest.
+    """
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    layers = list(model._flatten_layers(include_self=False))  # outer layers first
+    covering = [layer for layer in layers if lookup(layer).covers_sublayers]
+    owner: dict[int, Any] = {}
+    for layer in covering:
+        for v in layer.trainable_variables:
+            owner.setdefault(id(v), layer)
     groups = []
-    for layer in model._flatten_layers(include_self=False):
-        own = [v for v in layer._trainable_variables if id(v) in position]
+    for layer in layers:
+        variables = layer.trainable_variables if layer in covering else layer._trainable_variables
+        own = [v for v in variables if id(v) in position and owner.get(id(v), layer) is layer]
         if own:
             groups.append((layer, sorted(own, key=lambda v: position[id(v)])))
     return sorted(groups, key=lambda group: position[id(group[1][0])])
@@ -116,6 +147,8 @@ def build_plan(model: keras.Model) -> Plan:
     used_names: set[str] = set()
     for layer, own in layers_with_own_variables(model):
         found = lookup(layer)
+        if found.rule is None and found.covers_sublayers:
+            refuse_unrepeatable_call(layer, found.reason)
         name = unique_name(layer.name, used_names)
         plan.append(TrackedLayer(name, layer, tuple(own), found.rule, found.reason))
     covered = {id(v) for tracked in plan for v in tracked.variables}

@@ -68,6 +68,7 @@ from keras_gradtrack.rules.normalization import (
     RMS_NORMALIZATION,
 )
 from keras_gradtrack.rules.ops import materialized, primitives_of
+from keras_gradtrack.rules.recurrent import RECURRENT
 from keras_gradtrack.rules.separable_conv import SEPARABLE_CONV
 
 _REGISTRY: dict[type, Rule] = {
@@ -89,6 +90,10 @@ _REGISTRY: dict[type, Rule] = {
     keras.layers.EinsumDense: EINSUM_DENSE,
     keras.layers.BatchNormalization: BATCH_NORMALIZATION,
     LayerScale: LAYER_SCALE,
+    keras.layers.RNN: RECURRENT,
+    keras.layers.SimpleRNN: RECURRENT,
+    keras.layers.LSTM: RECURRENT,
+    keras.layers.GRU: RECURRENT,
 }
 
 
@@ -135,10 +140,14 @@ class Lookup:
     Attributes:
         rule: The rule, or None (the layer uses the fallback).
         reason: Why there is no rule; empty when there is one.
+        covers_sublayers: Whether the layer's column holds its sublayers'
+            variables (`Rule.covers_sublayers` of the rule registered along its
+            class's MRO, also when that rule does not apply to the layer).
     """
 
     rule: Rule | None
     reason: str = ""
+    covers_sublayers: bool = False
 
 
 def lookup(layer: Any) -> Lookup:
@@ -149,16 +158,18 @@ def lookup(layer: Any) -> Lookup:
         if rule is None:
             continue
         overriding = [c.__name__ for c in mro[:position] if "call" in vars(c)]
+        covers = rule.covers_sublayers
         if overriding:
             return Lookup(
                 None,
                 f"{overriding[0]} overrides the call() of {cls.__name__}, whose rule "
                 f"{rule.name!r} may not hold for it; register_rule({overriding[0]}, rule) "
                 "if its call computes the same",
+                covers,
             )
         if not rule.applies(layer):
-            return Lookup(None, f"rule {rule.name!r} does not cover this configuration")
-        return Lookup(rule)
+            return Lookup(None, f"rule {rule.name!r} does not cover this configuration", covers)
+        return Lookup(rule, covers_sublayers=covers)
     return Lookup(None, f"no rule registered for {type(layer).__name__}")
 
 
@@ -178,6 +189,7 @@ __all__ = [
     "GROUP_NORMALIZATION",
     "LAYER_NORMALIZATION",
     "LAYER_SCALE",
+    "RECURRENT",
     "RMS_NORMALIZATION",
     "SEPARABLE_CONV",
     "LayerCall",

@@ -166,6 +166,13 @@ class Rule:
             per-example gradients replace work the step does anyway.
         materializes: Whether `per_example` is the cheaper form for the calls'
             shapes (only read when `per_example` is set).
+        covers_sublayers: Whether the layer's column holds its sublayers'
+            trainable variables too, and the rule computes their primitives
+            from the layer's own calls (a recurrent layer: its weights belong
+            to its cell, but the loop that uses them is the layer's). Read
+            from the rule registered for the layer's class, also where the
+            rule does not apply to an instance: its column then goes to the
+            fallback whole.
 
     Example:
 
@@ -190,6 +197,7 @@ class Rule:
     gram: GramFn | None = None
     per_example: PerExampleFn | None = None
     materializes: ShapeTest = always
+    covers_sublayers: bool = False
 
     def derives_gradients(self, layer: Any, calls: Sequence[LayerCall]) -> bool:
         """Whether this step takes the layer's gradients from `per_example`."""

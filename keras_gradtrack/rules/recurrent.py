@@ -1,0 +1,237 @@
+"""Rule for Keras' recurrent layers: SimpleRNN, LSTM, GRU, and `keras.layers.RNN` over
+their cells, inside a `Bidirectional` or stacked alike.
+
+A recurrent layer's weights belong to its cell, but the loop that uses them is
+the layer's, so the rule covers the cell's variables from the layer's calls
+(`covers_sublayers`) and the column is the layer's. On a tracked step the
+layer's own `call` runs (initial and stateful states, masking, `go_backwards`,
+`return_sequences`, `return_state`, `unroll`: all Keras'), with its loop
+replaced by the same `backend.rnn` loop over a step split around the input
+projection (`recurrent_cells`): `P = X W` is taken before the loop, so the one
+backward pass gives `δ_t = dL/dP_t`, the gradient at the gate pre-activations,
+and the loop emits `h_{t-1}`. Each weight's per-example gradient is then a sum
+over time, `Σ_t a_tᵀ δ_t`, whose squared norm is the sequence-Dense form
+`Σ_{t,s} (a_t·a_s)(δ_t·δ_s)` or the materialized product, whichever costs less.
+Masked steps contribute nothing: the loop discards their step, so `δ_t = 0` there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras import tree
+from keras.src import backend as keras_backend
+
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
+from keras_gradtrack.rules.cost import materializing_is_cheaper
+from keras_gradtrack.rules.ops import positions_per_example, sequence_kernel_sq_norm, sum_of_squares
+from keras_gradtrack.rules.recurrent_cells import CellLoop, Term, loop_of
+
+
+def recurrent_applies(layer: Any) -> bool:
+    """The rule covers a layer whose cell is a built-in SimpleRNN, LSTM or GRU cell
+    (or a subclass keeping its `call`) with every weight trained."""
+    cell = getattr(layer, "cell", None)
+    if loop_of(cell) is None:
+        return False
+    weights = [cell.kernel, cell.recurrent_kernel, cell.bias]
+    return all(w.trainable for w in weights if w is not None)
+
+
+def runs_on_cudnn(layer: Any) -> bool:
+    """Whether Keras would run this layer's loop on cuDNN (LSTM or GRU on a GPU).
+
+    There a masked step of the output sequence is zero, whatever `zero_output_for_mask`
+    says (the generic loop repeats the last output unless it is set), and the last
+    output is the last state, as in the generic loop without it.
+    """
+    cell = layer.cell
+    if getattr(layer, "use_cudnn", False) not in (True, "auto") or cell.recurrent_dropout:
+        return False
+    if isinstance(layer, keras.layers.LSTM):
+        args = (cell.activation, cell.recurrent_activation, layer.unroll, cell.use_bias)
+        return bool(keras_backend.cudnn_ok(*args))
+    if isinstance(layer, keras.layers.GRU):
+        args = (cell.activation, cell.recurrent_activation, layer.unroll, cell.use_bias)
+        return bool(keras_backend.cudnn_ok(*args, reset_after=cell.reset_after))
+    return False
+
+
+class SplitLoop:
+    """The layer's `inner_loop` for one tracked call: Keras' loop over the split step.
+
+    Args:
+        layer: The recurrent layer.
+    """
+
+    def __init__(self, layer: Any):
+        self.layer = layer
+        self.projected: tf.Tensor | None = None
+        self.saved: dict[str, Any] = {}
+
+    def inner_loop(
+        self, sequences: Any, initial_state: Any, mask: Any, training: Any = False
+    ) -> tuple[Any, Any, Any]:
+        """`(last_output, outputs, states)`, as `RNN.inner_loop` returns them."""
+        layer, cell = self.layer, self.layer.cell
+        if tree.is_nested(mask):
+            mask = mask[0]
+        if not tree.is_nested(initial_state):
+            initial_state = [initial_state]
+        loop: CellLoop = loop_of(cell)(cell, training, sequences, initial_state)  # type: ignore[misc]
+        projected = loop.project(sequences)
+
+        def step(projected_t: tf.Tensor, states: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
+            output, new_states, emitted = loop.step(projected_t, states)
+            # One tensor per step: the unrolled loop stacks outputs, not structures.
+            return tf.concat([output, *emitted], axis=-1), new_states
+
+        cudnn = runs_on_cudnn(layer)
+        last_output, outputs, states = keras_backend.rnn(
+            step,
+            projected,
+            initial_state,
+            go_backwards=layer.go_backwards,
+            mask=mask,
+            unroll=layer.unroll,
+            input_length=sequences.shape[1],
+            zero_output_for_mask=layer.return_sequences if cudnn else layer.zero_output_for_mask,
+            return_all_outputs=True,  # the emitted sequences are needed whole
+        )
+        outputs, *emitted = tf.split(outputs, 1 + len(loop.emitted), axis=-1)
+        if layer.go_backwards:
+            # The loop emits in its order; pair each step with its input (P's order).
+            emitted = [tf.reverse(sequence, axis=[1]) for sequence in emitted]
+        self.projected = projected
+        self.saved = {"loop": loop, "inputs": sequences, **dict(zip(loop.emitted, emitted))}
+        return last_output[:, : cell.units], outputs, states
+
+
+def recurrent_tap(layer: Any, call: Any, args: tuple[Any, ...], kwargs: Any) -> Tapped:
+    """Runs the layer's own call with its loop split (`SplitLoop`); taps `P`."""
+    split = SplitLoop(layer)
+    shadowed = layer.__dict__.get("inner_loop")
+    layer.__dict__["inner_loop"] = split.inner_loop
+    try:
+        outputs = call(*args, **kwargs)
+    finally:
+        if shadowed is None:
+            layer.__dict__.pop("inner_loop", None)
+        else:
+            layer.__dict__["inner_loop"] = shadowed
+    if split.projected is None:
+        raise RuntimeError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) did not run its inner_loop in "
+            "call(), so its recurrent rule cannot see its steps."
+        )
+    return Tapped(outputs, (split.projected,), split.saved)
+
+
+def call_terms(call: LayerCall) -> list[Term]:
+    """The terms of one call, in float32."""
+    loop: CellLoop = call.saved["loop"]
+    emitted = {name: tf.cast(call.saved[name], tf.float32) for name in loop.emitted}
+    inputs = tf.cast(call.saved["inputs"], tf.float32)
+    return loop.terms(inputs, emitted, call.output_grad)
+
+
+def layer_terms(calls: Sequence[LayerCall]) -> list[Term]:
+    """The terms of every call, each call's steps side by side along time."""
+    per_call = [call_terms(call) for call in calls]
+    if len(per_call) == 1:
+        return per_call[0]
+    return [
+        dataclasses.replace(
+            parts[0],
+            inputs=None if parts[0].inputs is None else tf.concat([p.inputs for p in parts], 1),
+            grads=tf.concat([p.grads for p in parts], axis=1),
+        )
+        for parts in zip(*per_call)
+    ]
+
+
+def restricted(value: tf.Tensor, term: Term) -> tf.Tensor:
+    """The part of a weight-shaped tensor that `term` covers."""
+    if term.row is not None:
+        value = value[term.row]
+    return value if term.columns is None else value[..., term.columns]
+
+
+def term_gradient(term: Term) -> tf.Tensor:
+    """`(B, in, out)` `Σ_t a_tᵀ δ_t`, or `(B, out)` `Σ_t δ_t` for a bias."""
+    if term.inputs is None:
+        return tf.reduce_sum(term.grads, axis=1)
+    # A batched product with the inputs transposed in the kernel, not copied.
+    return tf.linalg.matmul(term.inputs, term.grads, transpose_a=True)
+
+
+def recurrent_primitives(
+    layer: Any, calls: Sequence[LayerCall], reference: Reference
+) -> LayerPrimitives:
+    """Per-example squared norm and dot with the reference, without per-example gradients.
+
+    Example:
+
+    ```python
+    # a: (B, T, in), d: (B, T, out)  =>  ||g_i||^2 = sum_{t,s} (a_t . a_s)(d_t . d_s),
+    #                                    <g_i, R> = sum_t a_t^T R d_t
+    ```
+    """
+    sq_norms, dots = [], []
+    for term in layer_terms(calls):
+        part = restricted(reference(term.variable), term)
+        if term.inputs is None:
+            grad = tf.reduce_sum(term.grads, axis=1)
+            sq_norms.append(sum_of_squares(grad, axis=1))
+            dots.append(tf.linalg.matvec(grad, part))
+        else:
+            sq_norms.append(sequence_kernel_sq_norm(term.inputs, term.grads))
+            projected = tf.einsum("btd,de->bte", term.inputs, part)
+            dots.append(tf.reduce_sum(projected * term.grads, axis=[1, 2]))
+    return LayerPrimitives(sq_norm=tf.add_n(sq_norms), dot=tf.add_n(dots))
+
+
+def recurrent_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of the cell's weights, `(B, *weight.shape)` each."""
+    parts: dict[int, list[Term]] = {}
+    variables = {}
+    for term in layer_terms(calls):
+        parts.setdefault(id(term.variable), []).append(term)
+        variables[id(term.variable)] = term.variable
+    pairs = []
+    for key, terms in parts.items():
+        if terms[0].row is not None:  # the rows of a GRU's (2, 3 units) bias
+            grad = tf.stack([term_gradient(t) for t in sorted(terms, key=lambda t: t.row)], 1)
+        else:
+            ordered = sorted(terms, key=lambda t: 0 if t.columns is None else t.columns.start)
+            grads = [term_gradient(t) for t in ordered]
+            grad = tf.concat(grads, axis=-1) if len(grads) > 1 else grads[0]
+        pairs.append((variables[key], grad))
+    return pairs
+
+
+def recurrent_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
+    """When materializing `Σ_t a_tᵀ δ_t` costs less for both kernels (`materializing_is_cheaper`,
+    with the calls' steps; always for sequences of unknown length)."""
+    steps = positions_per_example([call.inputs for call in calls])
+    cell = layer.cell
+    return all(
+        materializing_is_cheaper(steps, *kernel.shape)
+        for kernel in (cell.kernel, cell.recurrent_kernel)
+    )
+
+
+RECURRENT = Rule(
+    "recurrent",
+    recurrent_primitives,
+    recurrent_applies,
+    split_activation=False,
+    tap=recurrent_tap,
+    per_example=recurrent_per_example,
+    materializes=recurrent_materializes,
+    covers_sublayers=True,
+)
