@@ -15,6 +15,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, tracking
+from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.plan import Plan, build_plan, format_summary
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
 from keras_gradtrack.engine.step import tracked_gradient
@@ -197,6 +198,7 @@ class GradientTrackingMixin:
         if key not in functions:
 
             def compute(data: Any) -> Any:
+                data = with_unknown_batch_size(data)
                 x, y, sample_weight, ids = batch_data.unpack_batch(data)
                 with self._tracking(data, resolved, ids) as context:
                     with tf.GradientTape() as tape:
@@ -307,7 +309,7 @@ class GradientTrackingMixin:
             # The taps are chosen before the forward pass, so a subclassed model
             # whose first step would build it is built here, from this batch.
             self._symbolic_build(data_batch=data)
-        return tracking.TrackingContext(self, build_plan(self), statistics, ids)
+        return tracking.TrackingContext(self, build_plan(self), statistics, ids, batch=data)
 
     def _untracked_step(self, data: Any) -> Any:
         x, _, _, _ = batch_data.unpack_batch(data)
@@ -317,6 +319,7 @@ class GradientTrackingMixin:
         return {**logs, PAYLOAD_KEY: {"batch_size": batch_size}}
 
     def _tracked_step(self, data: Any, statistics: Sequence[Statistic]) -> Any:
+        data = with_unknown_batch_size(data)
         _, _, _, ids = batch_data.unpack_batch(data)
         with self._tracking(data, statistics, ids) as context:
             logs = self.train_step(batch_data.strip_example_ids(data))

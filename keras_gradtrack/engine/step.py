@@ -24,6 +24,7 @@ from keras_gradtrack.engine.backward import (
     run_backward,
     summed_gradient,
 )
+from keras_gradtrack.engine.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.engine.per_layer import step_primitives
 from keras_gradtrack.engine.plan import DIRECT, JACOBIAN, MATERIALIZED, Plan
 from keras_gradtrack.engine.tracking import StepResult, TrackingContext
@@ -52,6 +53,7 @@ def tracked_gradient(
         for calls in recorded
     ]
     checks.refuse_tied_variables(context.plan, own_ops, context.forward.range)
+    refuse_batchless_outputs_mixing_rows(context.taps, context.forward.range, context.batch)
     plan = covered_plan(context.plan, sources)
     columns = [context.plan.index(tracked) for tracked in plan]
     calls = [tuple(r.call for r in recorded[column]) for column in columns]
