@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from keras_gradtrack import autodiff, rules, statistics
     from keras_gradtrack.analysis import GradientLog
     from keras_gradtrack.callbacks import HDF5GradientLogger
+    from keras_gradtrack.engine.preflight import check
     from keras_gradtrack.mixin import GradientTrackingMixin
     from keras_gradtrack.model import GradientTrackingModel, GradientTrackingSequential
     from keras_gradtrack.output_logger import OutputGradientLogger
@@ -38,6 +39,7 @@ _LAZY = {
     "HDF5GradientLogger": "keras_gradtrack.callbacks",
     "OutputGradientLogger": "keras_gradtrack.output_logger",
     "autodiff": None,
+    "check": "keras_gradtrack.engine.preflight",
     "register_rule": "keras_gradtrack.rules",
     "rules": None,
     "statistics": None,
@@ -52,6 +54,7 @@ __all__ = [
     "OutputGradientLogger",
     "__version__",
     "autodiff",
+    "check",
     "register_rule",
     "rules",
     "statistics",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -45,17 +44,27 @@ class TrackedLayer:
         return sum(math.prod(v.shape) for v in self.variables)
 
 
+def example_mixing_refusal(layer: Any) -> str:
+    """Why the layer cannot be tracked: its training-mode output for one example
+    depends on the others (empty when it can be tracked)."""
+    mixes_examples = isinstance(layer, EXAMPLE_MIXING_LAYERS)
+    if mixes_examples and layer.trainable:
+        return (
+            f"Layer {layer.name!r} is a {type(layer).__name__} in training mode: it "
+            "normalizes with statistics of the whole batch, so an example's gradient "
+            "depends on the other examples and per-example gradients are not defined. "
+            "Use keras.layers.GroupNormalization or LayerNormalization instead, or "
+            "freeze the layer (layer.trainable = False runs it in inference mode)."
+        )
+    return ""
+
+
 def refuse_example_mixing_layers(model: keras.Model) -> None:
     """Raises when a layer makes one example's output depend on the others in training."""
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, EXAMPLE_MIXING_LAYERS) and layer.trainable:
-            raise ValueError(
-                f"Layer {layer.name!r} is a {type(layer).__name__} in training mode: it "
-                "normalizes with statistics of the whole batch, so an example's gradient "
-                "depends on the other examples and per-example gradients are not defined. "
-                "Use keras.layers.GroupNormalization or LayerNormalization instead, or "
-                "freeze the layer (layer.trainable = False runs it in inference mode)."
-            )
+        refusal = example_mixing_refusal(layer)
+        if refusal:
+            raise ValueError(refusal)
 
 
 def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]:
@@ -86,6 +95,12 @@ def build_plan(model: keras.Model) -> Plan:
             belong to no layer, or has a layer that mixes examples in training.
     """
     refuse_example_mixing_layers(model)
+    return tracked_layers(model)
+
+
+def tracked_layers(model: keras.Model) -> Plan:
+    """`build_plan` without refusing the layers that mix examples (for the summary,
+    which lists them as refused)."""
     trainable = list(model.trainable_variables)
     if not trainable:
         raise ValueError(
@@ -123,30 +138,3 @@ def unique_name(name: str, used: set[str]) -> str:
         suffix += 1
     used.add(candidate)
     return candidate
-
-
-def format_summary(plan: Sequence[TrackedLayer], forms: dict[str, str] | None = None) -> str:
-    """A table of the tracked layers: column, class, parameters, path, form, and why
-    a layer is on the fallback. `forms` maps column names to their form in the last
-    traced step (`-` before one)."""
-    forms = forms or {}
-    rows = [("column", "layer", "class", "params", "path", "form", "note")]
-    for index, tracked in enumerate(plan):
-        form = JACOBIAN if tracked.rule is None else forms.get(tracked.name, "-")
-        rows.append(
-            (
-                str(index),
-                tracked.name,
-                type(tracked.layer).__name__,
-                str(tracked.num_parameters),
-                tracked.path,
-                form,
-                tracked.reason,
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    fallbacks = sum(1 for tracked in plan if tracked.rule is None)
-    lines.append(f"{len(plan)} tracked layers, {fallbacks} on the fallback path")
-    return "\n".join(line.rstrip() for line in lines)
