@@ -58,8 +58,8 @@ class BatchDependence:
         self._sources = set() if self.eager else {t.ref() for t in tensors}
         leading = [t for t in tensors if t.shape.rank]
         self._first = leading[0] if leading else None
-        # Operations known not to depend on the batch, not even through its size.
-        self._independent: set[Any] = set()
+        # Per operation, whether it depends on the batch: through its size, or not.
+        self._memo: dict[bool, dict[Any, bool]] = {True: {}, False: {}}
 
     def batch_size(self) -> tf.Tensor:
         """The number of examples in the batch (int32 scalar)."""
@@ -67,10 +67,12 @@ class BatchDependence:
         return tf.shape(self._first)[0]
 
     def is_batchless(self, args: Any) -> bool:
-        """Whether no tensor among `args` (any structure) depends on the batch."""
-        if self._first is None:
+        """Whether `args` (any structure) hold dense tensors and none depends on the batch."""
+        values = [t for t in tree.flatten(args) if tf.is_tensor(t)]
+        tensors = [t for t in values if isinstance(t, tf.Tensor)]
+        # A sparse or ragged argument is not walked: the call is taken as it comes.
+        if self._first is None or not tensors or len(tensors) < len(values):
             return False
-        tensors = [t for t in tree.flatten(args) if tf.is_tensor(t)]
         if self.eager:
             size = self._first.shape[0]
             return all(not t.shape.rank or t.shape[0] != size for t in tensors)
@@ -84,20 +86,23 @@ class BatchDependence:
             through_shapes: Whether a path through the batch size counts (the size
                 of a non-batch axis never does).
         """
-        stack, seen = [tensor.op], set()
+        memo = self._memo[through_shapes]
+        # Post-order over the operations `tensor` comes from, each visited once per step.
+        stack = [(tensor.op, False)]
         while stack:
-            op = stack.pop()
-            if op in seen or op in self._independent:
+            op, inputs_known = stack.pop()
+            if op in memo:
                 continue
-            seen.add(op)
             if any(t.ref() in self._sources for t in op.outputs):
-                return True
-            if op.type == "Placeholder" and not is_capture(op):
-                return True  # an argument of the traced function that is not the batch
-            stack.extend(t.op for t in value_inputs(op, through_shapes))
-        if through_shapes:
-            self._independent.update(seen)
-        return False
+                memo[op] = True
+            elif op.type == "Placeholder" and not is_capture(op):
+                memo[op] = True  # an argument of the traced function that is not the batch
+            elif inputs_known:
+                memo[op] = any(memo[t.op] for t in value_inputs(op, through_shapes))
+            else:
+                stack.append((op, True))
+                stack.extend((t.op, False) for t in value_inputs(op, through_shapes))
+        return memo[tensor.op]
 
 
 def value_inputs(op: Any, through_shapes: bool) -> list[tf.Tensor]:
@@ -164,13 +169,12 @@ def broadcast_arguments(args: Any, batch_size: tf.Tensor) -> Any:
     prepended, so that a `(maxlen,)` index gives `(B, maxlen, dim)` outputs that
     broadcast against `(B, maxlen, dim)` the way `(maxlen, dim)` did.
     """
-    tensors = [t for t in tree.flatten(args) if tf.is_tensor(t)]
+    tensors = [t for t in tree.flatten(args) if isinstance(t, tf.Tensor)]
     replace_leading = bool(tensors) and all(t.shape.rank and t.shape[0] == 1 for t in tensors)
 
     def broadcast(value: Any) -> Any:
-        if not tf.is_tensor(value):
+        if not isinstance(value, tf.Tensor):
             return value
-        value = tf.convert_to_tensor(value)
         if not replace_leading:
             value = value[None]
         shape = tf.concat([[batch_size], tf.shape(value)[1:]], axis=0)
