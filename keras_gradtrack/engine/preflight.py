@@ -69,11 +69,15 @@ class TrackingCheck:
         model_refusals: Errors a tracked step would raise that concern no single
             tracked layer (a loss added in `call`).
         traced: Whether the forward pass was traced (forms known).
+        unknown_sizes: Whether an input size other than the batch's was unknown in
+            the trace (a sequence of any length): a step with known sizes may take
+            another form where the cheaper one depends on the length.
     """
 
     layers: tuple[LayerPath, ...]
     model_refusals: tuple[str, ...] = ()
     traced: bool = True
+    unknown_sizes: bool = False
 
     @property
     def refusals(self) -> list[str]:
@@ -148,7 +152,10 @@ def check(model: Any, x: Any = None, forms: dict[str, str] | None = None) -> Tra
         if forms and tracked.name in forms:
             form = forms[tracked.name]
         rows.append(layer_path(column, tracked, form, refusal, note))
-    return TrackingCheck(tuple(rows), tuple(model_refusals), specs is not None)
+    unknown_sizes = specs is not None and any(
+        None in spec.shape[1:] for spec in tree.flatten(specs)
+    )
+    return TrackingCheck(tuple(rows), tuple(model_refusals), specs is not None, unknown_sizes)
 
 
 def layer_path(column: int, tracked: TrackedLayer, form: str, refusal: str, note: str) -> LayerPath:
@@ -180,10 +187,17 @@ def input_specs(model: Any, x: Any = None) -> Any:
     inputs = getattr(functional, "_inputs_struct", None)
     if inputs is not None:
         return tree.map_structure(spec_of, inputs)
+    # A subclassed model called once on one tensor remembers its shape (not its dtype).
     shapes = list((getattr(model, "_build_shapes_dict", None) or {}).values())
-    if len(shapes) == 1 and isinstance(shapes[0], (tuple, list)):
+    if len(shapes) == 1 and is_shape(shapes[0]):
         return tf.TensorSpec([None, *shapes[0][1:]], tf.float32)
     return None
+
+
+def is_shape(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(
+        size is None or isinstance(size, int) for size in value
+    )
 
 
 def spec_of(value: Any) -> tf.TensorSpec:
@@ -219,7 +233,9 @@ def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, st
                 )
             except ValueError as error:
                 refusal = refusal or str(error)
-            (form,) = layer_forms((tracked,), [tuple(call.call for call in recorded)])
+            form = UNKNOWN
+            if not refusal:
+                (form,) = layer_forms((tracked,), [tuple(call.call for call in recorded)])
             note = (
                 "inputs do not depend on the batch: the call is broadcast to it"
                 if any(call.batchless for call in recorded)
@@ -259,6 +275,12 @@ def format_check(report: TrackingCheck) -> str:
         lines.append(
             "Forms (-) are known after the first tracked step, or from "
             "kgt.check(model, x=...) with inputs of the model's shapes."
+        )
+    if report.unknown_sizes:
+        lines.append(
+            "Some input sizes besides the batch's are unknown: where the cheaper form "
+            "depends on them, a step with known sizes may take the other one "
+            "(kgt.check(model, x=...) with inputs of your data's shapes tells)."
         )
     for refusal in report.refusals:
         lines.append(f"refused: {refusal}")
