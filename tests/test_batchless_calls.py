@@ -220,3 +220,27 @@ def test_an_eager_step_broadcasts_a_position_table(tmp_path: Path) -> None:
         logged = {name: log.per_example(name) for name in ("loss", "grad_norm", "cosine")}
         logged["layer_grad_norm"] = log.per_example("layer_grad_norm")
     assert_matches_oracle(logged, oracle_statistics(model, x, y))
+
+
+def test_a_dense_after_a_size_losing_layer_works_with_the_batch_size_unknown(
+    tmp_path: Path,
+) -> None:
+    """Tracked steps trace with the batch size unknown (so that sizes read from the batch
+    stay tied to it). A dilated convolution then loses its static length, and the
+    Flatten after it its static size: the Dense rule takes its sizes from its kernel."""
+    inputs = keras.Input((11, 3))
+    convolved = layers.DepthwiseConv1D(3, strides=2, dilation_rate=2, padding="same")(inputs)
+    model = kgt.GradientTrackingModel(inputs, layers.Dense(2)(layers.Flatten()(convolved)))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = rng.normal(size=(7, 11, 3)).astype("float32"), rng.normal(size=(7, 2))
+    model.fit(
+        x,
+        y,
+        batch_size=7,
+        verbose=0,
+        shuffle=False,
+        callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")],
+    )
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        logged = {name: log.per_example(name) for name in ("grad_norm", "layer_grad_norm")}
+    assert_matches_oracle(logged, oracle_statistics(model, x, y))
