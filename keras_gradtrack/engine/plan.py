@@ -47,7 +47,7 @@ class TrackedLayer:
 def example_mixing_refusal(layer: Any) -> str:
     """Why the layer cannot be tracked: its training-mode output for one example
     depends on the others (empty when it can be tracked)."""
-    mixes_examples = isinstance(layer, EXAMPLE_MIXING_LAYERS)
+    mixes_examples = any(isinstance(layer, cls) for cls in EXAMPLE_MIXING_LAYERS)
     if mixes_examples and layer.trainable:
         return (
             f"Layer {layer.name!r} is a {type(layer).__name__} in training mode: it "
