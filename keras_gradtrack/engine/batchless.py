@@ -60,6 +60,11 @@ class BatchDependence:
         self._first = leading[0] if leading else None
         # Per operation, whether it depends on the batch: through its size, or not.
         self._memo: dict[bool, dict[Any, bool]] = {True: {}, False: {}}
+        # The batch's static size that `with_unknown_batch_size` erased, if any.
+        self.static_batch_size = None
+        first = self._first
+        if not self.eager and first is not None and first.op.type == "PlaceholderWithDefault":
+            self.static_batch_size = first.op.inputs[0].shape[0]
 
     def batch_size(self) -> tf.Tensor:
         """The number of examples in the batch (int32 scalar)."""
@@ -77,6 +82,28 @@ class BatchDependence:
             size = self._first.shape[0]
             return all(not t.shape.rank or t.shape[0] != size for t in tensors)
         return not any(self.depends(t, through_shapes=True) for t in tensors)
+
+    def with_static_batch_size(self, args: Any) -> Any:
+        """`args` with the batch's static size restored on the tensors that depend on it.
+
+        For the rules only (the layer's call sees the tensors as they are): they
+        choose their cheaper form from static sizes, the batch size among them.
+        """
+        size = self.static_batch_size
+        if size is None:
+            return args
+
+        def restored(value: Any) -> Any:
+            if (
+                isinstance(value, tf.Tensor)
+                and value.shape.rank
+                and value.shape[0] is None
+                and self.depends(value, through_shapes=True)
+            ):
+                return tf.ensure_shape(value, [size, *value.shape[1:]])
+            return value
+
+        return tree.map_structure(restored, args)
 
     def depends(self, tensor: tf.Tensor, through_shapes: bool) -> bool:
         """Whether a path leads from the batch's data to `tensor`.
@@ -148,7 +175,9 @@ def with_unknown_batch_size(data: Any) -> Any:
     A size read from a static shape is a Python number, tied to nothing in the
     graph: `ops.zeros((ops.shape(x)[0], dim))` would look like a constant that
     does not depend on the batch. With the size unknown it is read from the data
-    (as in most `fit` steps), and the walk finds the batch. The values pass as they are.
+    (as in `fit` steps with a ragged last batch), and the walk finds the batch.
+    The values pass as they are; the rules get the static size back
+    (`BatchDependence.with_static_batch_size`).
     """
     if tf.executing_eagerly():
         return data

@@ -91,6 +91,8 @@ class LayerTap:
                 assert self.batch is not None
                 args, kwargs = broadcast_arguments((args, kwargs), self.batch.batch_size())
             outputs, tapped = self._tapped_call(args, kwargs)
+            if self.batch is not None and not batchless:
+                args, kwargs = self.batch.with_static_batch_size((args, kwargs))
         call = LayerCall(args=args, kwargs=kwargs, tapped=tapped.tapped, saved=tapped.saved)
         self.recorded.append(RecordedCall(call, ops.range, ops.graph, outputs, batchless))
         return outputs
