@@ -100,7 +100,8 @@ class TrackingContext:
     def __exit__(self, *exc_info: Any) -> None:
         _ACTIVE.reset(self._token)
         if self._recording is not None:
-            # The forward pass failed: its recorders see the error (taps add a note).
+            # The step failed before asking for its gradient (or never asked): the
+            # recorders see the error, if any; the taps add a note to it.
             stack, self._recording = self._recording, None
             stack.__exit__(*exc_info)
 
