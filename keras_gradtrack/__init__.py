@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from keras_gradtrack.analysis import GradientLog
     from keras_gradtrack.callbacks import HDF5GradientLogger
     from keras_gradtrack.convert import convert_to_group_normalization
+    from keras_gradtrack.engine.preflight import check
     from keras_gradtrack.mixin import GradientTrackingMixin
     from keras_gradtrack.model import GradientTrackingModel, GradientTrackingSequential
     from keras_gradtrack.output_logger import OutputGradientLogger
@@ -40,6 +41,7 @@ _LAZY = {
     "OutputGradientLogger": "keras_gradtrack.output_logger",
     "autodiff": None,
     "convert_to_group_normalization": "keras_gradtrack.convert",
+    "check": "keras_gradtrack.engine.preflight",
     "register_rule": "keras_gradtrack.rules",
     "rules": None,
     "statistics": None,
@@ -55,6 +57,7 @@ __all__ = [
     "__version__",
     "autodiff",
     "convert_to_group_normalization",
+    "check",
     "register_rule",
     "rules",
     "statistics",

@@ -15,8 +15,9 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine import data as batch_data
-from keras_gradtrack.engine import distribute, tracking
-from keras_gradtrack.engine.plan import Plan, build_plan, format_summary
+from keras_gradtrack.engine import distribute, preflight, tracking
+from keras_gradtrack.engine.batchless import with_unknown_batch_size
+from keras_gradtrack.engine.plan import Plan, build_plan
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
 from keras_gradtrack.engine.step import tracked_gradient
 from keras_gradtrack.statistics import Statistic
@@ -88,15 +89,24 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         """Names of the per-layer statistic columns."""
         return [tracked.name for tracked in self.gradient_tracking_plan()]
 
-    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
+    def gradient_tracking_summary(
+        self, print_fn: Callable[[str], Any] | None = None, *, x: Any = None
+    ) -> str:
         """Prints (and returns) which path computes each layer's per-example gradients.
 
-        The `form` column says, once a tracked step has been traced, whether the
-        rule builds the layer's per-example gradients (`materialized`: the batch
-        gradient of the layer is then their sum, and the backward pass skips it)
-        or computes the statistics without them (`direct`); `-` before the first
-        tracked step, `jacobian` on the fallback path. `note` says why a layer
-        has no rule.
+        Works before any step (`keras_gradtrack.check` traces the forward pass once
+        on symbolic inputs). `path` is the layer's rule, `fallback` (the exact
+        per-layer Jacobian, slower) or `refused` (what a tracked step would refuse,
+        with the error below the table). `form` says whether the rule builds the
+        layer's per-example gradients (`materialized`: the batch gradient of the
+        layer is then their sum, and the backward pass skips it) or computes the
+        statistics without them (`direct`); after a tracked step, the forms it
+        took. `note` says why a layer has no rule, or how it is called.
+
+        Args:
+            print_fn: Called with the text (default `print`).
+            x: Optional inputs of the model's shapes, for a subclassed model whose
+                input shapes Keras does not know.
 
         Example:
 
@@ -107,7 +117,8 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         # 0       hidden  Dense  8256    rule:dense  direct
         ```
         """
-        text = format_summary(self.gradient_tracking_plan(), self.gradient_tracking.forms)
+        report = preflight.check(self, x, forms=self.gradient_tracking.forms)
+        text = str(report)
         (print_fn or print)(text)
         return text
 
@@ -201,6 +212,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         if key not in functions:
 
             def compute(data: Any) -> Any:
+                data = with_unknown_batch_size(data)
                 x, y, sample_weight, ids = batch_data.unpack_batch(data)
                 with self._tracking(data, resolved, ids) as context:
                     with tf.GradientTape() as tape:
@@ -311,7 +323,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             # The taps are chosen before the forward pass, so a subclassed model
             # whose first step would build it is built here, from this batch.
             self._symbolic_build(data_batch=data)
-        return tracking.TrackingContext(self, build_plan(self), statistics, ids)
+        return tracking.TrackingContext(self, build_plan(self), statistics, ids, batch=data)
 
     def _untracked_step(self, data: Any) -> Any:
         x, _, _, _ = batch_data.unpack_batch(data)
@@ -321,6 +333,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         return {**logs, PAYLOAD_KEY: {"batch_size": batch_size}}
 
     def _tracked_step(self, data: Any, statistics: Sequence[Statistic]) -> Any:
+        data = with_unknown_batch_size(data)
         _, _, _, ids = batch_data.unpack_batch(data)
         with self._tracking(data, statistics, ids) as context:
             logs = self.train_step(batch_data.strip_example_ids(data))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -46,28 +45,38 @@ class TrackedLayer:
         return sum(math.prod(v.shape) for v in self.variables)
 
 
+def example_mixing_refusal(layer: Any, opted_in: bool = False) -> str:
+    """Why the layer cannot be tracked: its training-mode output for one example
+    depends on the others and the model did not opt in to that (empty when it can be
+    tracked)."""
+    mixes_examples = any(isinstance(layer, cls) for cls in EXAMPLE_MIXING_LAYERS)
+    if not mixes_examples or not layer.trainable or opted_in:
+        return ""
+    return (
+        f"Layer {layer.name!r} is a {type(layer).__name__} in training mode: it "
+        "normalizes with statistics of the whole batch, so example i's loss depends "
+        "on the other examples. Choose one:\n"
+        "* exact per-example gradients of this model, through the batch statistics "
+        "(the other examples held fixed; they sum to the batch gradient): set "
+        "`model.track_batch_normalization = True`. A tracked step then costs about "
+        "one extra backward pass per example through the layers before the last "
+        "BatchNormalization (combine it with every_n_steps);\n"
+        "* fine-tuning a trained model: freeze the layer (`layer.trainable = False` "
+        "runs it in inference mode with its moving statistics): exact and cheap;\n"
+        "* training from scratch with per-example independence (as for differential "
+        "privacy): `model = kgt.convert_to_group_normalization(model)` replaces "
+        "every BatchNormalization by GroupNormalization (a change of the model), "
+        "tracked exactly and cheaply."
+    )
+
+
 def refuse_example_mixing_layers(model: keras.Model) -> None:
     """Raises when a layer mixes examples in training and the model did not opt in to that."""
-    if getattr(model, "track_batch_normalization", False):
-        return
+    opted_in = getattr(model, "track_batch_normalization", False)
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, EXAMPLE_MIXING_LAYERS) and layer.trainable:
-            raise ValueError(
-                f"Layer {layer.name!r} is a {type(layer).__name__} in training mode: it "
-                "normalizes with statistics of the whole batch, so example i's loss depends "
-                "on the other examples. Choose one:\n"
-                "* exact per-example gradients of this model, through the batch statistics "
-                "(the other examples held fixed; they sum to the batch gradient): set "
-                "`model.track_batch_normalization = True`. A tracked step then costs about "
-                "one extra backward pass per example through the layers before the last "
-                "BatchNormalization (combine it with every_n_steps);\n"
-                "* fine-tuning a trained model: freeze the layer (`layer.trainable = False` "
-                "runs it in inference mode with its moving statistics): exact and cheap;\n"
-                "* training from scratch with per-example independence (as for differential "
-                "privacy): `model = kgt.convert_to_group_normalization(model)` replaces "
-                "every BatchNormalization by GroupNormalization (a change of the model), "
-                "tracked exactly and cheaply."
-            )
+        refusal = example_mixing_refusal(layer, opted_in)
+        if refusal:
+            raise ValueError(refusal)
 
 
 def refuse_unrepeatable_call(layer: Any, reason: str) -> None:
@@ -129,6 +138,12 @@ def build_plan(model: keras.Model) -> Plan:
             belong to no layer, or has a layer that mixes examples in training.
     """
     refuse_example_mixing_layers(model)
+    return tracked_layers(model)
+
+
+def tracked_layers(model: keras.Model) -> Plan:
+    """`build_plan` without refusing the layers that mix examples (for the summary,
+    which lists them as refused)."""
     trainable = list(model.trainable_variables)
     if not trainable:
         raise ValueError(
@@ -168,30 +183,3 @@ def unique_name(name: str, used: set[str]) -> str:
         suffix += 1
     used.add(candidate)
     return candidate
-
-
-def format_summary(plan: Sequence[TrackedLayer], forms: dict[str, str] | None = None) -> str:
-    """A table of the tracked layers: column, class, parameters, path, form, and why
-    a layer is on the fallback. `forms` maps column names to their form in the last
-    traced step (`-` before one)."""
-    forms = forms or {}
-    rows = [("column", "layer", "class", "params", "path", "form", "note")]
-    for index, tracked in enumerate(plan):
-        form = forms.get(tracked.name, JACOBIAN if tracked.rule is None else "-")
-        rows.append(
-            (
-                str(index),
-                tracked.name,
-                type(tracked.layer).__name__,
-                str(tracked.num_parameters),
-                tracked.path,
-                form,
-                tracked.reason,
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    fallbacks = sum(1 for tracked in plan if tracked.rule is None)
-    lines.append(f"{len(plan)} tracked layers, {fallbacks} on the fallback path")
-    return "\n".join(line.rstrip() for line in lines)

@@ -26,6 +26,7 @@ from keras_gradtrack.engine.backward import (
     run_backward,
     summed_gradient,
 )
+from keras_gradtrack.engine.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.engine.coupled import (
     CoupledGradients,
     chunk_size_of,
@@ -61,6 +62,7 @@ def tracked_gradient(
     ]
     checks.refuse_tied_variables(context.plan, own_ops, context.forward.range)
     refuse_coupled_input_gradients(context.coupling, context.statistics)
+    refuse_batchless_outputs_mixing_rows(context.taps, context.forward.range, context.batch)
     plan = covered_plan(context.plan, sources)
     columns = [context.plan.index(tracked) for tracked in plan]
     calls = [tuple(r.call for r in recorded[column]) for column in columns]

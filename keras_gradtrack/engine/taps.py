@@ -19,6 +19,7 @@ from typing import Any
 import tensorflow as tf
 from keras import tree
 
+from keras_gradtrack.engine.batchless import BatchDependence, broadcast_arguments
 from keras_gradtrack.rules.contract import LayerCall, Rule, Tapped
 
 
@@ -31,11 +32,16 @@ class RecordedCall:
         graph_ops: Positions, in the graph's operations, of the ops the call
             created (empty when run eagerly).
         graph: The graph the call was traced in (None when run eagerly).
+        outputs: What the call returned.
+        batchless: Whether the call's inputs did not depend on the batch (they
+            were broadcast to it).
     """
 
     call: LayerCall
     graph_ops: range = range(0)
     graph: Any = None
+    outputs: Any = None
+    batchless: bool = False
 
 
 class LayerTap:
@@ -44,11 +50,14 @@ class LayerTap:
     Args:
         layer: The Keras layer to tap.
         rule: The layer's rule (None for the fallback): it says what to record.
+        batch: Which tensors depend on the step's batch (None: calls are taken
+            as they come).
     """
 
-    def __init__(self, layer: Any, rule: Rule | None):
+    def __init__(self, layer: Any, rule: Rule | None, batch: BatchDependence | None = None):
         self.layer = layer
         self.rule = rule
+        self.batch = batch
         self.recorded: list[RecordedCall] = []
         self._original_call: Callable[..., Any] | None = None
         self._shadowed_call: Callable[..., Any] | None = None
@@ -77,9 +86,15 @@ class LayerTap:
 
     def _recording_call(self, *args: Any, **kwargs: Any) -> Any:
         with graph_ops_recorded() as ops:
+            batchless = self.batch is not None and self.batch.is_batchless((args, kwargs))
+            if batchless:
+                assert self.batch is not None
+                args, kwargs = broadcast_arguments((args, kwargs), self.batch.batch_size())
             outputs, tapped = self._tapped_call(args, kwargs)
+            if self.batch is not None and not batchless:
+                args, kwargs = self.batch.with_static_batch_size((args, kwargs))
         call = LayerCall(args=args, kwargs=kwargs, tapped=tapped.tapped, saved=tapped.saved)
-        self.recorded.append(RecordedCall(call, ops.range, ops.graph))
+        self.recorded.append(RecordedCall(call, ops.range, ops.graph, outputs, batchless))
         return outputs
 
     def _tapped_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Tapped]:
@@ -126,11 +141,25 @@ class LayerTap:
 
 @contextlib.contextmanager
 def installed(taps: Sequence[LayerTap]) -> Iterator[Sequence[LayerTap]]:
-    """Installs every tap for the duration of the block, then restores the layers."""
+    """Installs every tap for the duration of the block, then restores the layers.
+
+    An error raised in the block after a call was broadcast to the batch (a shape
+    mismatch further on, say) gets a note naming the broadcast layers.
+    """
     try:
         for tap in taps:
             tap.install()
         yield taps
+    except Exception as error:
+        broadcast = [tap.layer.name for tap in taps if any(c.batchless for c in tap.recorded)]
+        if broadcast:
+            error.add_note(
+                f"The tracked step broadcast the calls of layers {broadcast} to the batch size: "
+                "their inputs do not depend on the batch. If the error comes from there, "
+                "combine their outputs with the batch by broadcasting (`x + positions`, "
+                "`ops.broadcast_to(token, (batch, 1, dim))`) rather than tiling or reshaping."
+            )
+        raise
     finally:
         for tap in taps:
             tap.uninstall()

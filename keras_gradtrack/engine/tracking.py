@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack.engine.batchless import BatchDependence
 from keras_gradtrack.engine.coupled import coupling_recorder
 from keras_gradtrack.engine.data import float_inputs
 from keras_gradtrack.engine.losses import LossRecorder, recording_losses
@@ -56,16 +57,24 @@ class TrackingContext:
         plan: Its tracking plan.
         statistics: The statistics to compute.
         example_ids: The batch's ids, or None.
+        batch: The step's data: layer calls on values that do not depend on
+            them are broadcast to the batch (None: calls are taken as they come).
     """
 
     def __init__(
-        self, model: Any, plan: Plan, statistics: Sequence[Statistic], example_ids: Any
+        self,
+        model: Any,
+        plan: Plan,
+        statistics: Sequence[Statistic],
+        example_ids: Any,
+        batch: Any = None,
     ) -> None:
         self.model = model
         self.plan = plan
         self.statistics = list(statistics)
         self.example_ids = example_ids
-        self.taps = [LayerTap(tracked.layer, tracked.rule) for tracked in plan]
+        self.batch = None if batch is None else BatchDependence(batch)
+        self.taps = [LayerTap(tracked.layer, tracked.rule, self.batch) for tracked in plan]
         self.losses = LossRecorder()
         self.penalties: list[Penalty] = []
         self.loss_scale: tf.Tensor | None = None
@@ -93,9 +102,13 @@ class TrackingContext:
         self._token = _ACTIVE.set(self)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, *exc_info: Any) -> None:
         _ACTIVE.reset(self._token)
-        self.stop_recording()
+        if self._recording is not None:
+            # The step failed before asking for its gradient (or never asked): the
+            # recorders see the error, if any; the taps add a note to it.
+            stack, self._recording = self._recording, None
+            stack.__exit__(*exc_info)
 
     def stop_recording(self) -> None:
         """Ends the forward pass' recording (the taps come off the layers)."""

@@ -42,12 +42,19 @@ def trained_variables(layer: Any) -> tuple[Any | None, Any | None]:
     return kernel, bias
 
 
-def as_sequences(calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
-    """Stacks every call's input and output gradient as `(B, T, d_in)`, `(B, T, d_out)`."""
+def as_sequences(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """Stacks every call's input and output gradient as `(B, T, d_in)`, `(B, T, d_out)`.
+
+    `layer`'s kernel gives `d_in` and `d_out` where the static shape lost them (a
+    Flatten after a dilated convolution, with the batch size unknown).
+    """
     inputs, grads = [], []
     for call in calls:
         a = tf.cast(call.inputs, tf.float32)
         d = tf.cast(call.output_grad, tf.float32)
+        if layer is not None and (a.shape[-1] is None or d.shape[-1] is None):
+            a = tf.ensure_shape(a, [*a.shape[:-1], layer.kernel.shape[0]])
+            d = tf.ensure_shape(d, [*d.shape[:-1], layer.kernel.shape[1]])
         inputs.append(reshape_per_example(a, [-1, a.shape[-1]]))
         grads.append(reshape_per_example(d, [-1, d.shape[-1]]))
     if len(calls) == 1:
@@ -67,7 +74,7 @@ def dense_primitives(
     #                                  <g_i, R> = a_i^T R d_i
     ```
     """
-    a, d = as_sequences(calls)
+    a, d = as_sequences(calls, layer)
     kernel, bias = trained_variables(layer)
     if a.shape[1] == 1:
         return dense_2d_primitives(a[:, 0, :], d[:, 0, :], kernel, bias, reference)
@@ -141,7 +148,7 @@ def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     On 2-D inputs `<g_i, g_j> = (a_i . a_j)(d_i . d_j) (+ d_i . d_j for the bias)`;
     on sequences from the per-example gradients.
     """
-    a, d = as_sequences(calls)
+    a, d = as_sequences(calls, layer)
     kernel, bias = trained_variables(layer)
     if a.shape[1] == 1:
         return dense_2d_gram(a[:, 0, :], d[:, 0, :], kernel is not None, bias is not None)
@@ -161,7 +168,7 @@ def dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
 
 def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a Dense layer's kernel `A_i^T D_i` and bias `sum_t D_i`."""
-    a, d = as_sequences(calls)
+    a, d = as_sequences(calls, layer)
     kernel, bias = trained_variables(layer)
     pairs = []
     if kernel is not None:

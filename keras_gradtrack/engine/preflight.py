@@ -1,0 +1,290 @@
+"""Know before you train: the path each tracked layer will take, and why.
+
+`check(model)` lists every layer that owns trainable variables with the path its
+per-example gradients will take (a rule and its form, the fallback, or refused)
+before any step. The forms depend on shapes, so the model's forward pass is traced
+once with the taps on symbolic inputs of the model's input shapes, and the
+trace-time checks of a tracked step run on that trace. Nothing runs: no weight,
+no optimizer state and no random state changes. What depends on the loss (its
+reduction) is checked at the first tracked step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tensorflow as tf
+from keras import tree
+
+from keras_gradtrack.engine import checks
+from keras_gradtrack.engine.batchless import rows_mixing_errors
+from keras_gradtrack.engine.data import split_example_ids
+from keras_gradtrack.engine.plan import (
+    COUPLED,
+    JACOBIAN,
+    Plan,
+    TrackedLayer,
+    example_mixing_refusal,
+    tracked_layers,
+)
+from keras_gradtrack.engine.step import layer_forms
+from keras_gradtrack.engine.tracking import TrackingContext
+
+REFUSED = "refused"
+FALLBACK = "fallback"
+UNKNOWN = "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPath:
+    """One tracked layer's row in the summary.
+
+    Attributes:
+        column: Its column in the per-layer statistics.
+        name: The column name.
+        class_name: The layer's class.
+        num_parameters: Its trainable parameters.
+        path: `rule:<name>`, `fallback` (the exact per-layer Jacobian) or `refused`.
+        form: `materialized`, `direct`, `jacobian`, or `-` when the shapes are unknown.
+        note: Why the layer has no rule, why it is refused, or how it is called.
+        refusal: The error a tracked step would raise for it (empty if none).
+    """
+
+    column: int
+    name: str
+    class_name: str
+    num_parameters: int
+    path: str
+    form: str
+    note: str = ""
+    refusal: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackingCheck:
+    """What `check` found: one row per tracked layer and every refusal.
+
+    Attributes:
+        layers: The rows, in column order.
+        model_refusals: Errors a tracked step would raise that concern no single
+            tracked layer (a loss added in `call`).
+        traced: Whether the forward pass was traced (forms known).
+        unknown_sizes: Whether an input size other than the batch's was unknown in
+            the trace (a sequence of any length): a step with known sizes may take
+            another form where the cheaper one depends on the length.
+    """
+
+    layers: tuple[LayerPath, ...]
+    model_refusals: tuple[str, ...] = ()
+    traced: bool = True
+    unknown_sizes: bool = False
+
+    @property
+    def refusals(self) -> list[str]:
+        """Every error a tracked step of this model would raise."""
+        return [row.refusal for row in self.layers if row.refusal] + list(self.model_refusals)
+
+    @property
+    def fallback_layers(self) -> list[str]:
+        """Names of the layers on the exact per-layer fallback (slower than a rule)."""
+        return [row.name for row in self.layers if row.path == FALLBACK]
+
+    def __str__(self) -> str:
+        return format_check(self)
+
+
+def check(model: Any, x: Any = None, forms: dict[str, str] | None = None) -> TrackingCheck:
+    """Which path each tracked layer of `model` will take, known before training.
+
+    Per layer: its rule and the form the rule takes for the model's shapes
+    (`materialized` or `direct`), the exact per-layer fallback (`jacobian`, slower),
+    or `refused` with the error a tracked step would raise (a BatchNormalization
+    in training mode, a layer inside a loop, tied weights...). The forward pass is
+    traced once on symbolic inputs; nothing runs and no weight changes.
+
+    Args:
+        model: A built model with `GradientTrackingMixin`.
+        x: Optional inputs (arrays, tensors or `tf.TensorSpec`s; only their shapes
+            and dtypes are read), for a subclassed model whose input shapes Keras
+            does not know.
+        forms: Forms of a traced tracked step, shown instead of the predicted ones.
+
+    Returns:
+        A `TrackingCheck`: `.layers` (one `LayerPath` per column), `.refusals`,
+        `.fallback_layers`; `str()` of it is the table
+        `model.gradient_tracking_summary()` prints.
+
+    Raises:
+        TypeError: If `model` is not a Keras model with `GradientTrackingMixin`.
+        ValueError: If the model is not built, or cannot be tracked at all (no
+            trainable weights, variables outside layers).
+
+    Example:
+
+    ```python
+    report = kgt.check(model)
+    print(report)                  # column, layer, class, params, path, form, note
+    assert not report.refusals and not report.fallback_layers
+    ```
+    """
+    if not hasattr(model, "tracked_gradient"):
+        raise TypeError(
+            "Expected a Keras model with GradientTrackingMixin (kgt.GradientTrackingModel, "
+            f"kgt.GradientTrackingSequential). Received: {type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built yet; call it on a batch or `build()` it "
+            "before checking how its layers will be tracked."
+        )
+    plan = tracked_layers(model)
+    specs = input_specs(model, x)
+    traced = trace_forward(model, plan, specs) if specs is not None else {}
+    model_refusals = []
+    try:
+        checks.refuse_activation_losses(model)
+    except ValueError as error:
+        model_refusals.append(str(error))
+    opted_in = getattr(model, "track_batch_normalization", False)
+    rows = []
+    for column, tracked in enumerate(plan):
+        form, refusal, note = traced.get(tracked.name, (UNKNOWN, "", ""))
+        refusal = example_mixing_refusal(tracked.layer, opted_in) or refusal
+        if forms and tracked.name in forms:
+            form = forms[tracked.name]
+        rows.append(layer_path(column, tracked, form, refusal, note))
+    unknown_sizes = specs is not None and any(
+        None in spec.shape[1:] for spec in tree.flatten(specs)
+    )
+    return TrackingCheck(tuple(rows), tuple(model_refusals), specs is not None, unknown_sizes)
+
+
+def layer_path(column: int, tracked: TrackedLayer, form: str, refusal: str, note: str) -> LayerPath:
+    if refusal:
+        path, form = REFUSED, UNKNOWN
+    elif tracked.rule is None:
+        # Before a BatchNormalization in training, even a fallback layer's rows are coupled.
+        path, form = FALLBACK, COUPLED if form == COUPLED else JACOBIAN
+    else:
+        path = tracked.path
+    notes = [n for n in (tracked.reason, note) if n]
+    return LayerPath(
+        column,
+        tracked.name,
+        type(tracked.layer).__name__,
+        tracked.num_parameters,
+        path,
+        form,
+        "; ".join(notes),
+        refusal,
+    )
+
+
+def input_specs(model: Any, x: Any = None) -> Any:
+    """`tf.TensorSpec`s of the model's inputs (batch size unknown), or None if unknown."""
+    if x is not None:
+        x, _ = split_example_ids(x, validate=False)
+        return tree.map_structure(spec_of, x)
+    functional = getattr(model, "_functional", None) or model  # Sequential keeps one
+    inputs = getattr(functional, "_inputs_struct", None)
+    if inputs is not None:
+        return tree.map_structure(spec_of, inputs)
+    # A subclassed model called once on one tensor remembers its shape (not its dtype).
+    shapes = list((getattr(model, "_build_shapes_dict", None) or {}).values())
+    if len(shapes) == 1 and is_shape(shapes[0]):
+        return tf.TensorSpec([None, *shapes[0][1:]], tf.float32)
+    return None
+
+
+def is_shape(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(
+        size is None or isinstance(size, int) for size in value
+    )
+
+
+def spec_of(value: Any) -> tf.TensorSpec:
+    return tf.TensorSpec([None, *value.shape[1:]], value.dtype)
+
+
+def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, str, str]]:
+    """`{column name: (form, refusal, note)}` from one symbolic trace of the forward pass."""
+    found: dict[str, tuple[str, str, str]] = {}
+
+    def forward(inputs: Any) -> None:
+        with TrackingContext(model, plan, (), None, batch=inputs) as context:
+            if model._call_has_training_arg:
+                model(inputs, training=True)
+            else:
+                model(inputs)
+            context.stop_recording()
+        graph, forward_ops = context.forward.graph, context.forward.range
+        mixing = {
+            id(layer): str(error)
+            for layer, error in rows_mixing_errors(context.taps, forward_ops, context.batch)
+        }
+        for tracked, tap in zip(plan, context.taps):
+            recorded = tuple(tap.recorded)
+            if not recorded:
+                found[tracked.name] = (UNKNOWN, "", "not called in the forward pass")
+                continue
+            refusal = mixing.get(id(tracked.layer), "")
+            try:
+                checks.refuse_calls_inside_loops([tracked], [recorded], graph)
+                checks.refuse_tied_variables(
+                    [tracked], [[call.graph_ops for call in recorded]], forward_ops
+                )
+            except ValueError as error:
+                refusal = refusal or str(error)
+            form = UNKNOWN
+            if not refusal:
+                (form,) = layer_forms((tracked,), [tuple(call.call for call in recorded)])
+            note = (
+                "inputs do not depend on the batch: the call is broadcast to it"
+                if any(call.batchless for call in recorded)
+                else ""
+            )
+            found[tracked.name] = (form, refusal, note)
+
+    tf.function(forward, autograph=False).get_concrete_function(specs)
+    return found
+
+
+def format_check(report: TrackingCheck) -> str:
+    """The summary table: column, layer, class, parameters, path, form, note; then
+    every refusal in full."""
+    rows = [("column", "layer", "class", "params", "path", "form", "note")]
+    for row in report.layers:
+        note = "refused, see below" if row.refusal else row.note
+        rows.append(
+            (
+                str(row.column),
+                row.name,
+                row.class_name,
+                str(row.num_parameters),
+                row.path,
+                row.form,
+                note,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    count = len(report.layers)
+    fallbacks = len(report.fallback_layers)
+    refused = sum(1 for row in report.layers if row.refusal)
+    lines.append(f"{count} tracked layers, {fallbacks} on the fallback path, {refused} refused")
+    if not report.traced:
+        lines.append(
+            "Forms (-) are known after the first tracked step, or from "
+            "kgt.check(model, x=...) with inputs of the model's shapes."
+        )
+    if report.unknown_sizes:
+        lines.append(
+            "Some input sizes besides the batch's are unknown: where the cheaper form "
+            "depends on them, a step with known sizes may take the other one "
+            "(kgt.check(model, x=...) with inputs of your data's shapes tells)."
+        )
+    for refusal in report.refusals:
+        lines.append(f"refused: {refusal}")
+    return "\n".join(line.rstrip() for line in lines)
