@@ -13,8 +13,9 @@ import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.engine.schedule import StepReport
+from keras_gradtrack.engine.targets import TargetSet
 from keras_gradtrack.io.checks import check_flush_seconds
-from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
+from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE, TARGET_INFLUENCE
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
@@ -74,6 +75,12 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         append: Continue an existing log (step numbers continue after its last).
         overwrite: Replace an existing file.
         compression: HDF5 compression filter (`"gzip"`, `"lzf"` or None).
+        targets: `(x, y)` of examples to explain (TracIn, see the attribution
+            docs): every tracked step also logs, per example row i,
+            `/per_example/target_influence[i, j] = lr_t <g_i, g_target_j>` at the
+            weights of that step, before its update. A dict `x` may hold
+            `"example_id"` (default ids `0..T-1`). Needs a model compiled with a
+            loss; the targets' gradients are taken in inference mode.
 
     Raises:
         ValueError: At construction, for an unknown statistic (the message lists
@@ -101,6 +108,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         append: bool = False,
         overwrite: bool = False,
         compression: str | None = "gzip",
+        targets: Any = None,
     ):
         super().__init__()
         if append and overwrite:
@@ -130,6 +138,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self.append = append
         self.overwrite = overwrite
         self.compression = compression
+        self.targets = None if targets is None else TargetSet.from_argument(targets)
         self.writer: LogWriter | None = None
         self._epoch = 0
         self._epoch_position = 0
@@ -144,8 +153,21 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self._writes = is_chief(self.model)
         if self._writes:
             LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
+        requests = []
+        if self.targets is not None:
+            if getattr(self.model, "_compile_loss", None) is None:
+                raise ValueError(
+                    "targets= needs the model's loss for the targets' gradients: compile "
+                    f"the model with `loss=`. Received: model {self.model.name!r} without one."
+                )
+            requests.append(self.targets)
         self.model.gradient_tracking.subscribe(
-            id(self), self.statistics, self.every_n_steps, self._consume, finish=self.close
+            id(self),
+            self.statistics,
+            self.every_n_steps,
+            self._consume,
+            finish=self.close,
+            requests=requests,
         )
         # A subclassed model's layers may only be built by the first step; the
         # layer names (and the file's datasets) wait for it then.
@@ -198,12 +220,18 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             }
 
         per_step = {**columns(False), LEARNING_RATE: None}
+        per_example = columns(True)
+        target_ids = ()
+        if self.targets is not None:
+            target_ids = tuple(self.targets.example_ids)
+            per_example[TARGET_INFLUENCE] = len(target_ids)
 
         self.writer = LogWriter(
             self.path,
             layer_names=layer_names,
-            per_example=columns(True),
+            per_example=per_example,
             per_step=per_step,
+            target_ids=target_ids,
             attrs={
                 "library_version": __version__,
                 "keras_version": keras.__version__,
@@ -226,11 +254,15 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         example_ids = values.get(EXAMPLE_ID)
         if example_ids is None:
             example_ids = self._epoch_position + np.arange(batch_size, dtype=np.int64)
+        per_example = {s.name: values[s.name] for s in self.statistics if s.per_example}
+        if self.targets is not None:
+            # TracIn's term of this step: the products times the rate the step used.
+            per_example[TARGET_INFLUENCE] = values[self.targets.key] * values[LEARNING_RATE]
         self.writer.write_step(
             step=step,
             epoch=self._epoch,
             example_ids=example_ids,
-            per_example={s.name: values[s.name] for s in self.statistics if s.per_example},
+            per_example=per_example,
             per_step={
                 LEARNING_RATE: values[LEARNING_RATE],
                 **{s.name: values[s.name] for s in self.statistics if not s.per_example},

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
@@ -24,6 +24,9 @@ from keras_gradtrack.engine.losses import LossRecorder, recording_losses
 from keras_gradtrack.engine.plan import Plan
 from keras_gradtrack.engine.taps import LayerTap, OpRange, graph_ops_recorded, installed
 from keras_gradtrack.statistics import Statistic
+
+if TYPE_CHECKING:
+    from keras_gradtrack.engine.targets import AttributionRequest
 
 _ACTIVE: contextvars.ContextVar[TrackingContext | None] = contextvars.ContextVar(
     "gradient_tracking_context", default=None
@@ -55,15 +58,23 @@ class TrackingContext:
         plan: Its tracking plan.
         statistics: The statistics to compute.
         example_ids: The batch's ids, or None.
+        requests: Per-example rows asked for beside the statistics (products
+            with targets' gradients, gradient sketches).
     """
 
     def __init__(
-        self, model: Any, plan: Plan, statistics: Sequence[Statistic], example_ids: Any
+        self,
+        model: Any,
+        plan: Plan,
+        statistics: Sequence[Statistic],
+        example_ids: Any,
+        requests: Sequence[AttributionRequest] = (),
     ) -> None:
         self.model = model
         self.plan = plan
         self.statistics = list(statistics)
         self.example_ids = example_ids
+        self.requests = tuple(requests)
         self.taps = [LayerTap(tracked.layer, tracked.rule) for tracked in plan]
         self.losses = LossRecorder()
         self.penalties: list[Penalty] = []
