@@ -13,9 +13,17 @@ import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.engine.schedule import StepReport
-from keras_gradtrack.engine.targets import TargetSet
+from keras_gradtrack.engine.sketches import GradientSketch
+from keras_gradtrack.engine.targets import AttributionRequest, TargetSet
+from keras_gradtrack.io.checkpoints import check_checkpoints, checkpoint_path, remove_checkpoints
 from keras_gradtrack.io.checks import check_flush_seconds
-from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE, TARGET_INFLUENCE
+from keras_gradtrack.io.schema import (
+    BATCH_SIZE,
+    EXAMPLE_ID,
+    GRADIENT_SKETCH,
+    LEARNING_RATE,
+    TARGET_INFLUENCE,
+)
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
@@ -53,7 +61,7 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
 class HDF5GradientLogger(keras.callbacks.Callback):
     """Streams per-example and per-step gradient statistics to an HDF5 file.
 
-    The file follows schema version 1 (see the docs): `/per_example/<stat>`
+    The file follows schema version 2 (see the docs): `/per_example/<stat>`
     holds one row per example seen, `/per_step/<stat>` one row per tracked
     step (plus `/per_step/learning_rate`, the rate the optimizer used at that
     step), `/layers` the per-layer column names. Rows are written in blocks:
@@ -81,6 +89,15 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             weights of that step, before its update. A dict `x` may hold
             `"example_id"` (default ids `0..T-1`). Needs a model compiled with a
             loss; the targets' gradients are taken in inference mode.
+        sketch_dim: For targets chosen after training: log a sketch of each
+            example's gradient, `/per_example/gradient_sketch` (each side of each
+            weight matrix projected to at most `sketch_dim` dimensions), and save
+            checkpoints; `GradientLog.influence(targets=..., model=...)` reads them.
+        sketch_seed: The seed of the sketches' random projections.
+        checkpoint_every: Save the weights every this many steps, beside the log
+            (`<log>.checkpoints/step_<step>.weights.h5`, the weights that step
+            began with). With `sketch_dim` and no `checkpoint_every`, at the
+            first step of every epoch.
 
     Raises:
         ValueError: At construction, for an unknown statistic (the message lists
@@ -109,6 +126,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         overwrite: bool = False,
         compression: str | None = "gzip",
         targets: Any = None,
+        sketch_dim: int | None = None,
+        sketch_seed: int = 0,
+        checkpoint_every: int | None = None,
     ):
         super().__init__()
         if append and overwrite:
@@ -116,7 +136,10 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 "Pass at most one of `append` and `overwrite`. "
                 f"Received: append={append}, overwrite={overwrite}"
             )
-        for name, value in (("every_n_steps", every_n_steps), ("flush_every", flush_every)):
+        counts = [("every_n_steps", every_n_steps), ("flush_every", flush_every)]
+        if checkpoint_every is not None:
+            counts.append(("checkpoint_every", checkpoint_every))
+        for name, value in counts:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
         check_flush_seconds(flush_seconds)
@@ -139,6 +162,11 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self.overwrite = overwrite
         self.compression = compression
         self.targets = None if targets is None else TargetSet.from_argument(targets)
+        self.sketch = None if sketch_dim is None else GradientSketch(sketch_dim, sketch_seed)
+        self.checkpoint_every = checkpoint_every
+        # Sketches are only of use with weights to sketch targets at.
+        self._checkpoints = checkpoint_every is not None or sketch_dim is not None
+        self._first_step = 0
         self.writer: LogWriter | None = None
         self._epoch = 0
         self._epoch_position = 0
@@ -153,7 +181,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self._writes = is_chief(self.model)
         if self._writes:
             LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
-        requests = []
+            if self._checkpoints:
+                check_checkpoints(self.path, overwrite=self.overwrite, append=self.append)
+        requests: list[AttributionRequest] = []
         if self.targets is not None:
             if getattr(self.model, "_compile_loss", None) is None:
                 raise ValueError(
@@ -161,6 +191,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                     f"the model with `loss=`. Received: model {self.model.name!r} without one."
                 )
             requests.append(self.targets)
+        if self.sketch is not None:
+            requests.append(self.sketch)
+        self._first_step = self.model.gradient_tracking.step
         self.model.gradient_tracking.subscribe(
             id(self),
             self.statistics,
@@ -177,6 +210,21 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch
         self._epoch_position = 0
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if not (self._checkpoints and self._writes):
+            return
+        step = self.model.gradient_tracking.step - self._first_step
+        due = step % self.checkpoint_every == 0 if self.checkpoint_every else batch == 0
+        if not due or not self.model.built:
+            return
+        if self.writer is None:
+            self._open_writer()
+        assert self.writer is not None
+        path = checkpoint_path(self.path, self.writer.step_offset + step)
+        path.parent.mkdir(exist_ok=True)
+        # Before the step runs: the weights of its gradients, as the log's rows use them.
+        self.model.save_weights(path)
 
     def _consume(self, report: StepReport) -> None:
         if report.values is not None and self._writes:
@@ -225,6 +273,12 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         if self.targets is not None:
             target_ids = tuple(self.targets.example_ids)
             per_example[TARGET_INFLUENCE] = len(target_ids)
+        sketch = None
+        if self.sketch is not None:
+            sketch = self.sketch.layout(self.model)
+            per_example[GRADIENT_SKETCH] = sum(sketch.widths)
+        if self._checkpoints and self.overwrite:
+            remove_checkpoints(self.path)
 
         self.writer = LogWriter(
             self.path,
@@ -232,6 +286,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             per_example=per_example,
             per_step=per_step,
             target_ids=target_ids,
+            sketch=sketch,
             attrs={
                 "library_version": __version__,
                 "keras_version": keras.__version__,
@@ -258,6 +313,8 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         if self.targets is not None:
             # TracIn's term of this step: the products times the rate the step used.
             per_example[TARGET_INFLUENCE] = values[self.targets.key] * values[LEARNING_RATE]
+        if self.sketch is not None:
+            per_example[GRADIENT_SKETCH] = values[self.sketch.key]
         self.writer.write_step(
             step=step,
             epoch=self._epoch,

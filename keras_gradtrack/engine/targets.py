@@ -138,7 +138,9 @@ class TargetSet(AttributionRequest):
         return len(self.example_ids)
 
     def rows(self, batch: BatchGradients) -> tf.Tensor:
-        target_calls, target_factor = target_pass(batch, self.x, self.y)
+        target_calls, target_factor = target_pass(
+            batch.model, batch.plan, self.x, self.y, batch.loss_scale
+        )
         products = []
         for tracked, calls, targets, form in zip(
             batch.plan, batch.calls, target_calls, batch.forms
@@ -147,23 +149,31 @@ class TargetSet(AttributionRequest):
         return tf.add_n(products) / (batch.factor * target_factor)
 
 
-def target_pass(batch: BatchGradients, x: Any, y: Any) -> tuple[tuple[Calls, ...], tf.Tensor]:
-    """The targets' forward and backward pass at the step's weights, in inference mode.
+def target_pass(
+    model: Any, plan: Plan, x: Any, y: Any, loss_scale: tf.Tensor | None = None
+) -> tuple[tuple[Calls, ...], tf.Tensor]:
+    """The targets' forward and backward pass at the current weights, in inference mode.
+
+    Args:
+        model: The model (its taps uninstalled).
+        plan: The layers to tap.
+        x: The targets' inputs.
+        y: Their labels.
+        loss_scale: The step's loss scale (float16 gradients stay in range), or None.
 
     Returns:
-        Per layer of `batch.plan`, its calls on the targets with their output
-        gradients (in the targets' rules' scale), and that scale's factor `c' s`.
+        Per layer of `plan`, its calls on the targets with their output gradients
+        (in the targets' rules' scale), and that scale's factor `c' s`.
 
     Raises:
         ValueError: if the model has no compiled loss.
     """
-    model = batch.model
     if getattr(model, "_compile_loss", None) is None:
         raise ValueError(
             f"Targets' gradients need the loss of `compile(loss=...)`; model {model.name!r} "
             "was compiled without one."
         )
-    taps = [LayerTap(tracked.layer, tracked.rule) for tracked in batch.plan]
+    taps = [LayerTap(tracked.layer, tracked.rule) for tracked in plan]
     with (
         installed(taps),
         losses.recording_losses() as recorder,
@@ -175,16 +185,16 @@ def target_pass(batch: BatchGradients, x: Any, y: Any) -> tuple[tuple[Calls, ...
         else:
             prediction = model(x)
         loss = model._compile_loss(y, prediction)
-        if batch.loss_scale is not None:
-            loss = loss * tf.cast(batch.loss_scale, loss.dtype)
+        if loss_scale is not None:
+            loss = loss * tf.cast(loss_scale, loss.dtype)
     losses.refuse_unknown_reductions(recorder)
     tapped = [t for tap in taps for recorded in tap.recorded for t in recorded.call.tapped]
     values = [record.values for record in recorder.records]
     gradients = tape.gradient(loss, [*tapped, *values])
     connected = [r for r, g in zip(recorder.records, gradients[len(tapped) :]) if g is not None]
     factor = losses.loss_factor(connected, tf.shape(tree.flatten(x)[0])[0])
-    if batch.loss_scale is not None:
-        factor = factor * batch.loss_scale
+    if loss_scale is not None:
+        factor = factor * loss_scale
     grads = iter(gradients[: len(tapped)])
     calls = []
     for tap in taps:

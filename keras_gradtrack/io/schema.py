@@ -251,6 +251,26 @@ class Layout:
         """Every column of `table` in file order: the index columns, then the values."""
         return [*INDEX_COLUMNS[table], *self.widths(table)]
 
+    def per_layer(self, table: str) -> list[str]:
+        """The value columns of `table` with one column per layer, in file order."""
+        return [
+            name
+            for name, width in self.widths(table).items()
+            if width is not None and name not in (TARGET_INFLUENCE, GRADIENT_SKETCH)
+        ]
+
+    def labels(self, table: str, name: str) -> list[str] | None:
+        """What the columns of a 2-D dataset are: layer names, target ids or sketch
+        positions; None for a dataset of one value per row."""
+        width = self.widths(table).get(name)
+        if width is None:
+            return None
+        if table == PER_EXAMPLE_GROUP and name == TARGET_INFLUENCE:
+            return [str(target) for target in self.target_ids]
+        if table == PER_EXAMPLE_GROUP and name == GRADIENT_SKETCH:
+            return [str(position) for position in range(width)]
+        return list(self.layer_names)
+
     def tables(self) -> dict[str, Table]:
         """The datasets to create, per table; per-example rows number `batch_size` per step."""
         tables = {}
