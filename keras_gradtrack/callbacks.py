@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.engine.schedule import StepReport
-from keras_gradtrack.engine.sketches import GradientSketch
+from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
 from keras_gradtrack.engine.targets import AttributionRequest, TargetSet
 from keras_gradtrack.io.checkpoints import check_checkpoints, checkpoint_path, remove_checkpoints
 from keras_gradtrack.io.checks import check_flush_seconds
@@ -224,7 +224,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         path = checkpoint_path(self.path, self.writer.step_offset + step)
         path.parent.mkdir(exist_ok=True)
         # Before the step runs: the weights of its gradients, as the log's rows use them.
-        self.model.save_weights(path)
+        save_checkpoint(self.model, path)
 
     def _consume(self, report: StepReport) -> None:
         if report.values is not None and self._writes:

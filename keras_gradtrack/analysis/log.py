@@ -154,10 +154,13 @@ class GradientLog(LogReader):
     def checkpoints(self) -> dict[int, Path]:
         """`{step: weights file}` of the checkpoints saved beside the log (`io.checkpoints`).
 
+        Each is a Keras `.weights.h5` file of the model's weights alone (no optimizer
+        state), those the step began with.
+
         Example:
 
         ```python
-        model.load_weights(log.checkpoints()[100])  # the weights step 100 began with
+        model.load_weights(log.checkpoints()[100])  # Keras notes: no optimizer state
         ```
         """
         return checkpoints(self.path)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from keras.src.saving import saving_lib
 
 from keras_gradtrack.engine.backward import Calls
 from keras_gradtrack.engine.plan import DIRECT, MATERIALIZED, Plan, TrackedLayer, build_plan
@@ -186,6 +187,18 @@ def example_sketches(model: Any, layout: SketchLayout, targets: TargetSet) -> np
     return sketches().numpy()
 
 
+def save_checkpoint(model: Any, path: Path) -> None:
+    """Saves the model's weights (not the optimizer's) as a Keras `.weights.h5` file."""
+    skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
+    saving_lib.save_weights_only(model, path, objects_to_skip=skipped)
+
+
+def load_checkpoint(model: Any, path: Path) -> None:
+    """Loads weights `save_checkpoint` saved; the model's optimizer is left as it is."""
+    skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
+    saving_lib.load_weights_only(model, path, objects_to_skip=skipped)
+
+
 def checkpoint_sketches(
     model: Any, layout: SketchLayout, checkpoints: Mapping[int, Path], targets: TargetSet
 ) -> dict[int, np.ndarray]:
@@ -208,7 +221,7 @@ def checkpoint_sketches(
     try:
         sketches = {}
         for step, path in sorted(checkpoints.items()):
-            model.load_weights(path)
+            load_checkpoint(model, path)
             sketches[step] = example_sketches(model, layout, targets)
         return sketches
     finally:
