@@ -15,6 +15,8 @@ Three measurements, each a markdown table:
   from gradient sketches and checkpoints, at each sketch size offered, against the exact
   scores: Spearman correlation per target (median over targets), overlap of the top-10
   proponents and opponents, and the flipped share among the estimated top-10 opponents.
+  Dim 64 projects nothing on this MLP (no side is larger): its rows show what the
+  checkpoints alone cost (their weights in place of each step's).
 
 ```
 python benchmarks/attribution.py                    # all of it (~10 min on 2 cores)
@@ -163,7 +165,7 @@ def findings(influence: Any, data: dict[str, np.ndarray], wrong: np.ndarray) -> 
         for t in influence.target_ids
     ]
     toward_prediction = [
-        np.mean(data["y"][influence.proponents(int(t), TOP).example_id] == data["predicted"][t])
+        np.mean(data["y"][influence.opponents(int(t), TOP).example_id] == data["predicted"][t])
         for t in wrong
     ]
     summed = analysis.ExampleScores(
@@ -173,7 +175,7 @@ def findings(influence: Any, data: dict[str, np.ndarray], wrong: np.ndarray) -> 
     return {
         "flipped among top-10 opponents (mispredicted targets)": float(np.mean(opponent_share)),
         "top-10 proponents with the target's label (all targets)": float(np.mean(same_label)),
-        "top-10 proponents with the predicted label (mispredicted)": float(
+        "top-10 opponents trained with the predicted label (mispredicted)": float(
             np.mean(toward_prediction)
         ),
         "ROC AUC of -sum over targets (mislabel detector)": detection.roc_auc,
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flip-fraction", type=float, default=0.15)
     parser.add_argument("--held-out", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sketch-dims", default="4,8,16,32")
+    parser.add_argument("--sketch-dims", default="4,8,16,32,64")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
     parser.add_argument("--out", help="also write the tables to this file")
     args = parser.parse_args(argv)

@@ -38,7 +38,7 @@ from keras_gradtrack.engine.targets import (
     target_pass,
 )
 from keras_gradtrack.io.schema import SketchLayout
-from keras_gradtrack.rules.contract import Projection
+from keras_gradtrack.rules import Projection
 from keras_gradtrack.rules.ops import reshape_per_example, sketch_of
 
 

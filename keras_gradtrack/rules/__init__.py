@@ -46,12 +46,15 @@ from typing import Any
 import keras
 
 from keras_gradtrack.rules.contract import (
+    CrossFn,
     LayerCall,
     LayerPrimitives,
     PerExampleFn,
+    Projection,
     Reference,
     Rule,
     RuleFn,
+    SketchFn,
     Tapped,
 )
 from keras_gradtrack.rules.conv import CONV, DEPTHWISE_CONV
@@ -173,13 +176,16 @@ __all__ = [
     "LAYER_NORMALIZATION",
     "RMS_NORMALIZATION",
     "SEPARABLE_CONV",
+    "CrossFn",
     "LayerCall",
     "LayerPrimitives",
     "Lookup",
     "PerExampleFn",
+    "Projection",
     "Reference",
     "Rule",
     "RuleFn",
+    "SketchFn",
     "Tapped",
     "lookup",
     "materialized",
