@@ -5,7 +5,8 @@ Three measurements, each a markdown table:
 * `cost`: the time per training step of plain `keras.Model.fit`, of tracked `fit` with
   `HDF5GradientLogger` (the default statistics), and of the same with 64 and 256 targets
   (`targets=`) and with gradient sketches (`sketch_dim=`), on the MLP and the CNN of
-  `overhead.py` at B=128. Interleaved rounds; ratios are medians of per-round ratios.
+  `overhead.py` at B=128. Interleaved rounds; ratios are medians of per-round ratios, of
+  wall-clock time and of the process's CPU time (steadier on a loaded machine).
 * `digits`: scikit-learn's digits, 15% of the training labels flipped, 200 clean held-out
   targets, an MLP 64-64-10 trained with SGD (momentum 0.9) for 10 epochs; exact influence
   on every target. For the mispredicted targets, the share of flipped labels among their
@@ -45,7 +46,7 @@ import keras_gradtrack as kgt
 from keras_gradtrack import analysis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import build_model, compile_default, fit_step_seconds, repeated_dataset
+from overhead import build_model, compile_default, repeated_dataset
 
 TOP = 10
 
@@ -59,9 +60,34 @@ def load_average() -> str:
 # -- cost -------------------------------------------------------------------------------
 
 
+class StepClock(keras.callbacks.Callback):
+    """Wall-clock and CPU time of each step (the CPU time of all of the process's
+    threads moves less with other processes' load than the wall clock does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._begin = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.wall.append(time.perf_counter() - self._begin[0])
+        self.cpu.append(time.process_time() - self._begin[1])
+
+
+def step_times(model: Any, dataset: Any, steps: int, loggers: list[Any]) -> tuple[float, float]:
+    """Median wall and CPU seconds per step over `steps` steps (after 2 dropped ones)."""
+    clock = StepClock()
+    # The clock last: a step's time includes the logger's work.
+    model.fit(dataset, steps_per_epoch=steps + 2, verbose=0, callbacks=[*loggers, clock])
+    return statistics.median(clock.wall[2:]), statistics.median(clock.cpu[2:])
+
+
 def measure_cost(model_name: str, batch_size: int, targets: list[int], sketch_dim: int,
-                 steps: int, rounds: int, out: Path) -> list[tuple[str, float, float]]:  # fmt: skip
-    """`(variant, ms per step, ratio to plain)` per variant, interleaved over rounds."""
+                 steps: int, rounds: int, out: Path) -> list[tuple[str, float, float, float]]:  # fmt: skip
+    """`(variant, wall ms per step, wall and CPU ratio to plain)`, interleaved over rounds."""
     keras.utils.set_random_seed(0)
     plain = compile_default(build_model(model_name, keras.Model))
     dataset = repeated_dataset(model_name, batch_size, static_batch=False)
@@ -79,18 +105,18 @@ def measure_cost(model_name: str, batch_size: int, targets: list[int], sketch_di
     for count in targets:
         tracked(f"+{count} targets", targets=(x.numpy()[:count], y.numpy()[:count]))
     tracked(f"+sketch dim {sketch_dim}", sketch_dim=sketch_dim)
-    for model, callbacks in variants.values():
-        fit_step_seconds(model, dataset, 3, callbacks)  # traces
-    per_round: dict[str, list[float]] = {name: [] for name in variants}
+    for model, loggers in variants.values():
+        step_times(model, dataset, 3, loggers)  # traces
+    per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for _ in range(rounds):
-        for name, (model, callbacks) in variants.items():
-            per_round[name].append(
-                statistics.median(fit_step_seconds(model, dataset, steps, callbacks))
-            )
+        for name, (model, loggers) in variants.items():
+            per_round[name].append(step_times(model, dataset, steps, loggers))
     rows = []
-    for name, seconds in per_round.items():
-        ratios = [s / p for s, p in zip(seconds, per_round["plain"])]
-        rows.append((name, 1000 * statistics.median(seconds), statistics.median(ratios)))
+    for name, times in per_round.items():
+        wall = [t[0] / p[0] for t, p in zip(times, per_round["plain"])]
+        cpu = [t[1] / p[1] for t, p in zip(times, per_round["plain"])]
+        milliseconds = 1000 * statistics.median(t[0] for t in times)
+        rows.append((name, milliseconds, statistics.median(wall), statistics.median(cpu)))
     return rows
 
 
@@ -98,16 +124,16 @@ def cost_table(args: argparse.Namespace, out: Path) -> str:
     lines = [
         f"### Cost per training step, B={args.batch_size} ({load_average()} at the start)",
         "",
-        "| model | variant | ms/step | / plain |",
-        "| --- | --- | --- | --- |",
+        "| model | variant | ms/step | / plain (wall) | / plain (CPU time) |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name in args.models.split(","):
         print(f"cost: {name}", file=sys.stderr, flush=True)
         targets = [int(t) for t in args.targets.split(",")]
-        for variant, ms, ratio in measure_cost(
+        for variant, ms, wall, cpu in measure_cost(
             name, args.batch_size, targets, args.cost_sketch_dim, args.steps, args.rounds, out
         ):
-            lines.append(f"| {name} | {variant} | {ms:.1f} | {ratio:.2f}x |")
+            lines.append(f"| {name} | {variant} | {ms:.1f} | {wall:.2f}x | {cpu:.2f}x |")
     return "\n".join(lines)
 
 
