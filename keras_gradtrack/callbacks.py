@@ -101,10 +101,14 @@ class HDF5GradientLogger(keras.callbacks.Callback):
 
     Raises:
         ValueError: At construction, for an unknown statistic (the message lists
-            the valid names), both `append` and `overwrite`, or non-positive
-            step counts. In `on_train_begin` (before any weight changes), for
+            the valid names), both `append` and `overwrite`, non-positive step
+            counts, or targets that are not one row per target with distinct
+            integer ids. In `on_train_begin` (before any weight changes), for
             an existing file without `append`/`overwrite`, a missing or
-            unwritable directory, or a log of another model when appending.
+            unwritable directory, a log of another model (or other targets)
+            when appending, or targets for a model compiled without a loss.
+        FileExistsError: In `on_train_begin`, for checkpoints of another log
+            beside the path, without `append`/`overwrite`.
 
     Example:
 
@@ -112,6 +116,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     logger = kgt.HDF5GradientLogger("run.h5", every_n_steps=10)
     model.fit(x, y, epochs=5, callbacks=[logger])
     kgt.GradientLog("run.h5").per_example("cosine")
+
+    # Which training examples pushed the model toward or away from 64 test examples:
+    logger = kgt.HDF5GradientLogger("run.h5", targets=(x_test[:64], y_test[:64]))
     ```
     """
 

@@ -109,12 +109,13 @@ def data(shape: tuple[int, ...] | None, count: int) -> tuple[np.ndarray, np.ndar
 
 
 def fit_with_targets(
-    model: Any, x: Any, y: Any, targets: Any, path: Path, **logger: Any
+    model: Any, x: Any, y: Any, targets: Any, path: Path, sample_weight: Any = None, **logger: Any
 ) -> WeightsAtEachStep:
     weights = WeightsAtEachStep()
     model.fit(
         x,
         y,
+        sample_weight=sample_weight,
         batch_size=BATCH,
         shuffle=False,
         verbose=0,
@@ -138,9 +139,11 @@ def test_target_influence_and_sketches_match_the_oracle_at_every_step(
     x_targets, y_targets = data(shape, len(TARGET_IDS))
     targets = ({"inputs": x_targets, "example_id": TARGET_IDS}, y_targets)
     path = tmp_path / "run.h5"
+    # Sample weights are part of l_i (not of the targets' losses).
+    sample_weights = rng.uniform(0.5, 2.0, len(y)).astype("float32")
     # dim 2 projects every side larger than 2: a real random projection.
     steps = fit_with_targets(model, {"inputs": x, "example_id": np.arange(16)}, y, targets, path,
-                             sketch_dim=2, checkpoint_every=1)  # fmt: skip
+                             sample_weight=sample_weights, sketch_dim=2, checkpoint_every=1)  # fmt: skip
     with kgt.GradientLog(path) as log:
         logged = log.per_example("target_influence")
         sketches = log.per_example("gradient_sketch")
@@ -154,12 +157,15 @@ def test_target_influence_and_sketches_match_the_oracle_at_every_step(
     for step, weights in enumerate(steps.weights):
         at_weights(model, weights)
         rows = slice(step * BATCH, (step + 1) * BATCH)
-        expected = oracle_target_products(model, x[rows], y[rows], None, x_targets, y_targets)
+        expected = oracle_target_products(
+            model, x[rows], y[rows], sample_weights[rows], x_targets, y_targets
+        )
         scale = np.abs(expected).max()
         np.testing.assert_allclose(
             logged[rows], rates[step] * expected, rtol=RTOL, atol=RTOL * rates[step] * scale
         )
-        gradients = np.concatenate(per_example_gradients(model, x[rows], y[rows])["g"], axis=1)
+        found = per_example_gradients(model, x[rows], y[rows], sample_weights[rows])
+        gradients = np.concatenate(found["g"], axis=1)
         expected_sketches = oracle_sketches(gradients, shapes, matrices)
         np.testing.assert_allclose(
             sketches[rows],
@@ -488,3 +494,33 @@ def test_the_plot_shows_each_target_beside_its_proponents_and_opponents(tmp_path
     ]  # fmt: skip
     assert rows[1, 3].get_title().startswith("5*")  # the lowest on target 31
     assert rows[0, 1].images[0].get_array().shape == (4, 4)
+
+
+@pytest.mark.parametrize("variant", ["mixed_float16", "jit_compile"])
+def test_products_under_mixed_precision_and_xla_match_the_float32_oracle(
+    variant: str, tmp_path: Path
+) -> None:
+    x, y = data((5,), BATCH)
+    x_targets, y_targets = data((5,), 3)
+    reference = dense_model()
+    expected = 0.1 * oracle_target_products(reference, x, y, None, x_targets, y_targets)
+    if variant == "mixed_float16":
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+        model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=variant == "jit_compile",
+    )
+    model.set_weights(reference.get_weights())
+    fit_with_targets(model, x, y, (x_targets, y_targets), tmp_path / "run.h5")
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        logged = log.per_example("target_influence")
+    # float16 keeps 11 significant bits; the loss scale is divided out.
+    rtol = 1e-2 if variant == "mixed_float16" else RTOL
+    np.testing.assert_allclose(logged, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
