@@ -20,7 +20,7 @@ building `M`; other layers project their per-example gradients.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,16 +155,22 @@ class GradientSketch(AttributionRequest):
         return tf.concat(columns, axis=1) / batch.factor
 
 
-def example_sketches(model: Any, layout: SketchLayout, targets: TargetSet) -> np.ndarray:
-    """`(n, K)` gradient sketches of examples at the model's current weights.
+def sketch_function(model: Any, layout: SketchLayout, targets: TargetSet) -> Callable[[], Any]:
+    """A compiled function giving the `(n, K)` sketches of `targets` at the model's
+    current weights (loading other weights needs no new trace).
 
     The gradients are those of the compiled loss in inference mode, as for targets.
 
     Raises:
-        ValueError: if the model's tracked variables differ from those of `layout`
-            in number or in shape (their names may differ: a model built anew
-            numbers its layers on).
+        ValueError: if the model is not built, or its tracked variables differ from
+            those of `layout` in number or in shape (their names may differ: a model
+            built anew numbers its layers on).
     """
+    if not model.built:
+        raise ValueError(
+            f"Expected a built model of the log's architecture. Received: model "
+            f"{model.name!r}, not built yet (call it on a batch first)."
+        )
     plan = build_plan(model)
     found = sketch_layout(plan, layout.dim, layout.seed)
     if found.widths != layout.widths:
@@ -184,7 +190,7 @@ def example_sketches(model: Any, layout: SketchLayout, targets: TargetSet) -> np
             columns += layer_sketches(tracked, layer_calls, DIRECT, {}, projection)
         return tf.concat(columns, axis=1) / factor
 
-    return sketches().numpy()
+    return sketches
 
 
 def save_checkpoint(model: Any, path: Path) -> None:
@@ -217,12 +223,13 @@ def checkpoint_sketches(
             "Sketched influence needs the weights saved during training; the log has no "
             "checkpoint (HDF5GradientLogger(sketch_dim=..., checkpoint_every=...) saves them)."
         )
+    compute = sketch_function(model, layout, targets)
     original = [np.array(w) for w in model.get_weights()]
     try:
         sketches = {}
         for step, path in sorted(checkpoints.items()):
             load_checkpoint(model, path)
-            sketches[step] = example_sketches(model, layout, targets)
+            sketches[step] = compute().numpy()
         return sketches
     finally:
         model.set_weights(original)
