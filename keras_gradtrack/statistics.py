@@ -1,7 +1,7 @@
 """Statistics: what is logged per example and per step, built from the primitives.
 
 Every statistic is a function of the step's primitives (see
-`keras_gradtrack.engine.primitives.StepPrimitives`): per-example, per-layer
+`StepPrimitives`): per-example, per-layer
 squared gradient norms and dot products with the batch gradient, the batch
 gradient's per-layer squared norms, the squared norms of the summed
 per-example gradients, and the per-example losses. The computation runs inside
@@ -26,12 +26,63 @@ logger = kgt.HDF5GradientLogger("run.h5", statistics=["cosine", MaxLayerNorm()])
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.primitives import StepPrimitives
 from keras_gradtrack.io.schema import RESERVED_NAMES
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrimitives:
+    """Everything a statistic may use, for one step of B examples and L layers.
+
+    All tensors are float32. `g_i` is example i's gradient of its own loss `l_i`
+    (regularization excluded), `G` the gradient the optimizer receives
+    (unscaled), `S = sum_i g_i`.
+
+    Attributes:
+        loss: `(B,)` per-example losses `l_i`, sample weights included.
+        sq_norm: `(B, L)` `||g_i^(k)||^2`.
+        dot: `(B, L)` `<g_i^(k), G^(k)>`.
+        reference_sq_norm: `(L,)` `||G^(k)||^2`.
+        sum_sq_norm: `(L,)` `||S^(k)||^2`.
+        batch_size: scalar, B as float32.
+        gram: `(B, B)` `<g_i, g_j>`, only when a statistic asks for it
+            (`Statistic.needs_gram`), else None.
+        input_sq_norm: `(B,)` `‖d l_i / d x_i‖^2` over the float inputs, only
+            when a statistic asks for it (`Statistic.needs_input_gradients`).
+    """
+
+    loss: tf.Tensor
+    sq_norm: tf.Tensor
+    dot: tf.Tensor
+    reference_sq_norm: tf.Tensor
+    sum_sq_norm: tf.Tensor
+    batch_size: tf.Tensor
+    gram: tf.Tensor | None = None
+    input_sq_norm: tf.Tensor | None = None
+
+    @property
+    def grad_sq_norm(self) -> tf.Tensor:
+        """`(B,)` `||g_i||^2` over all layers."""
+        return tf.reduce_sum(self.sq_norm, axis=1)
+
+    @property
+    def grad_norm(self) -> tf.Tensor:
+        """`(B,)` `||g_i||`."""
+        return tf.sqrt(self.grad_sq_norm)
+
+    @property
+    def reference_norm(self) -> tf.Tensor:
+        """Scalar `||G||`."""
+        return tf.sqrt(tf.reduce_sum(self.reference_sq_norm))
+
+    @property
+    def cosine(self) -> tf.Tensor:
+        """`(B,)` `cos(g_i, G)`; NaN where a norm is 0."""
+        return tf.reduce_sum(self.dot, axis=1) / (self.grad_norm * self.reference_norm)
 
 
 class Statistic:

@@ -32,6 +32,14 @@ def main(path: str) -> None:
         verbose=0,
         callbacks=[kgt.HDF5GradientLogger(path)],
     )
+    # A second fit appends to the chief's file, which already holds 6 steps: every worker
+    # must still track the same steps (the model's count, not the file's, decides).
+    model.fit(
+        dataset.batch(16),
+        epochs=2,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(path, append=True, every_n_steps=4)],
+    )
     print("worker done", flush=True)
 
 

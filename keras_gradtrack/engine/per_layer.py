@@ -17,10 +17,10 @@ from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Backward, Calls
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import MATERIALIZED, Plan, TrackedLayer
-from keras_gradtrack.engine.primitives import StepPrimitives
 from keras_gradtrack.engine.tracking import TrackingContext
 from keras_gradtrack.rules import Reference
 from keras_gradtrack.rules.ops import flat_per_example, gram_of, materialized, sum_of_squares
+from keras_gradtrack.statistics import StepPrimitives
 
 
 def step_primitives(
