@@ -243,7 +243,7 @@ def digits_tables(args: argparse.Namespace, out: Path) -> str:
             label = f"sketch dim {dim}, checkpoints every {'epoch' if every is None else f'{every} steps'}"
             name = f"digits_sketch{dim}_{'epoch' if every is None else every}.h5"
             with kgt.GradientLog(out / name) as log:
-                estimate = log.influence(targets=targets, model=digits_model())
+                estimate = kgt.attribution.estimate_influence(log, digits_model(), targets)
                 width = log.layout.widths("per_example")["gradient_sketch"]
             rows[label] = findings(estimate, data, wrong)
             comparisons.append((label, width, compare(exact, estimate)))

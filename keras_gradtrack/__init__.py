@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from keras_gradtrack.version import __version__
 
 if TYPE_CHECKING:
-    from keras_gradtrack import autodiff, rules, statistics
+    from keras_gradtrack import attribution, autodiff, rules, statistics
     from keras_gradtrack.analysis import GradientLog
     from keras_gradtrack.callbacks import HDF5GradientLogger
     from keras_gradtrack.mixin import GradientTrackingMixin
@@ -37,6 +37,7 @@ _LAZY = {
     "GradientTrackingSequential": "keras_gradtrack.model",
     "HDF5GradientLogger": "keras_gradtrack.callbacks",
     "OutputGradientLogger": "keras_gradtrack.output_logger",
+    "attribution": None,
     "autodiff": None,
     "register_rule": "keras_gradtrack.rules",
     "rules": None,
@@ -51,6 +52,7 @@ __all__ = [
     "HDF5GradientLogger",
     "OutputGradientLogger",
     "__version__",
+    "attribution",
     "autodiff",
     "register_rule",
     "rules",

@@ -23,6 +23,7 @@ from keras_gradtrack.io.schema import (
     GRADIENT_SKETCH,
     LEARNING_RATE,
     TARGET_INFLUENCE,
+    SketchLayout,
 )
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
@@ -92,7 +93,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         sketch_dim: For targets chosen after training: log a sketch of each
             example's gradient, `/per_example/gradient_sketch` (each side of each
             weight matrix projected to at most `sketch_dim` dimensions), and save
-            checkpoints; `GradientLog.influence(targets=..., model=...)` reads them.
+            checkpoints; `keras_gradtrack.attribution.estimate_influence` reads them.
         sketch_seed: The seed of the sketches' random projections.
         checkpoint_every: Save the weights every this many steps, beside the log
             (`<log>.checkpoints/step_<step>.weights.h5`, the weights that step
@@ -282,8 +283,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             per_example[TARGET_INFLUENCE] = len(target_ids)
         sketch = None
         if self.sketch is not None:
-            sketch = self.sketch.layout(self.model)
-            per_example[GRADIENT_SKETCH] = sum(sketch.widths)
+            paths, widths = zip(*self.sketch.widths(self.model))
+            sketch = SketchLayout(self.sketch.dim, self.sketch.seed, paths, widths)
+            per_example[GRADIENT_SKETCH] = sum(widths)
         if self._checkpoints and self.overwrite:
             remove_checkpoints(self.path)
 

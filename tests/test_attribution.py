@@ -152,7 +152,7 @@ def test_target_influence_and_sketches_match_the_oracle_at_every_step(
         layout = log.layout.sketch
     np.testing.assert_allclose(rates, [0.1, 0.05])
     shapes = [tuple(v.shape) for v in model.trainable_variables]
-    matrices = projection_matrices(layout, shapes)
+    matrices = projection_matrices(layout.dim, layout.seed, shapes)
     assert any(rows.shape[0] != rows.shape[1] for rows, _ in matrices)  # not all identities
     for step, weights in enumerate(steps.weights):
         at_weights(model, weights)
@@ -185,13 +185,13 @@ def test_sketched_influence_of_targets_chosen_later_matches_the_oracle(tmp_path:
     before = [np.array(w) for w in fresh.get_weights()]
     with kgt.GradientLog(path) as log:
         assert sorted(log.checkpoints()) == [0, 2]
-        estimate = log.influence(targets=(later_x, later_y), model=fresh)
+        estimate = kgt.attribution.estimate_influence(log, fresh, (later_x, later_y))
         layout = log.layout.sketch
     for kept, now in zip(before, fresh.get_weights()):
         np.testing.assert_array_equal(kept, now)
     # Oracle: each step's sketches with the targets' sketches at its checkpoint (0, 0, 2).
     shapes = [tuple(v.shape) for v in model.trainable_variables]
-    matrices = projection_matrices(layout, shapes)
+    matrices = projection_matrices(layout.dim, layout.seed, shapes)
     expected = np.zeros((3 * BATCH, 2))
     for step, rate in enumerate([0.1, 0.05, 0.025]):
         at_weights(model, steps.weights[2 if step == 2 else 0])
@@ -207,6 +207,18 @@ def test_sketched_influence_of_targets_chosen_later_matches_the_oracle(tmp_path:
     )
     assert estimate.method == "sketch (dim 3, 2 checkpoints)"
     np.testing.assert_array_equal(estimate.target_ids, [0, 1])
+
+
+def test_sketches_without_projection_at_every_step_give_the_exact_scores(tmp_path: Path) -> None:
+    model = dense_model()
+    x, y = data((5,), 2 * BATCH)
+    targets = data((5,), 3)
+    # No side of any variable exceeds 8: the sketches are the gradients themselves.
+    fit_with_targets(model, x, y, targets, tmp_path / "run.h5", sketch_dim=8, checkpoint_every=1)
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        exact = log.influence()
+        estimate = kgt.attribution.estimate_influence(log, dense_model(), targets)
+    np.testing.assert_allclose(estimate.scores, exact.scores, rtol=RTOL, atol=1e-6)
 
 
 def two_output_model() -> Any:
@@ -311,9 +323,7 @@ def test_a_log_without_targets_says_how_to_get_influence(tmp_path: Path) -> None
         with pytest.raises(KeyError, match=r"Pass targets=\(x, y\) to HDF5GradientLogger"):
             log.influence()
         with pytest.raises(KeyError, match="written without sketch_dim"):
-            log.influence(targets=(x, y), model=dense_model())
-        with pytest.raises(ValueError, match=r"Pass both targets=\(x, y\) and model="):
-            log.influence(targets=(x, y))
+            kgt.attribution.estimate_influence(log, dense_model(), (x, y))
 
 
 def test_a_version_1_log_still_reads(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ log.to_csv("run.per_example.csv")
 ```
 """
 
-from keras_gradtrack.analysis.influence import Influence, influence, sketched_influence
+from keras_gradtrack.analysis.influence import Influence, influence, influence_from_sketches
 from keras_gradtrack.analysis.log import GradientLog
 from keras_gradtrack.analysis.scores import (
     DetectionMetrics,
@@ -51,13 +51,13 @@ __all__ = [
     "detection_metrics",
     "example_history",
     "influence",
+    "influence_from_sketches",
     "layer_summary",
     "most_influential",
     "most_opposing",
     "negative_cosine_frequency",
     "per_example_learning_rate",
     "self_influence",
-    "sketched_influence",
     "step_quantiles",
     "summary",
     "table_columns",

@@ -4,8 +4,10 @@ TracIn (Pruthi et al. 2020): `influence(i, j) = sum over the logged steps that
 trained on example i of lr_t <g_i(theta_t), g_target_j(theta_t)>`. A positive
 score makes i a *proponent* of target j (training on i lowered j's loss, to first
 order), a negative one an *opponent*. `influence` sums the exact products the
-logger wrote for targets given before training; `sketched_influence` estimates
-them from gradient sketches for targets chosen afterwards.
+logger wrote for targets given before training; `influence_from_sketches`
+estimates them from gradient sketches for targets chosen afterwards (the targets'
+sketches at the checkpoints come from `keras_gradtrack.attribution`, which needs
+TensorFlow).
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ def influence(log: LogReader) -> Influence:
         raise KeyError(
             f"'{log.path}' has no {TARGET_INFLUENCE}: it was written without targets. "
             "Pass targets=(x, y) to HDF5GradientLogger to log exact influence, or "
-            "sketch_dim=... and then log.influence(targets=(x, y), model=model)."
+            "sketch_dim=... and estimate it afterwards with "
+            "keras_gradtrack.attribution.estimate_influence(log, model, targets=(x, y))."
         )
     target_ids = np.asarray(log.layout.target_ids, np.int64)
     train_ids, inverse = np.unique(log.per_example("example_id"), return_inverse=True)
@@ -144,7 +147,7 @@ def influence(log: LogReader) -> Influence:
     return Influence(train_ids.astype(np.int64), target_ids, scores, rows)
 
 
-def sketched_influence(
+def influence_from_sketches(
     log: LogReader, target_sketches: Mapping[int, np.ndarray], target_ids: np.ndarray
 ) -> Influence:
     """TracIn scores estimated from the log's gradient sketches.
@@ -165,7 +168,7 @@ def sketched_influence(
     Example:
 
     ```python
-    estimate = sketched_influence(log, sketches, np.arange(5))
+    estimate = influence_from_sketches(log, sketches, np.arange(5))
     ```
     """
     require_sketches(log)

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from keras_gradtrack.analysis.influence import (
-    Influence,
-    influence,
-    require_sketches,
-    sketched_influence,
-)
+from keras_gradtrack.analysis.influence import Influence, influence
 from keras_gradtrack.analysis.scores import (
     ExampleScores,
     most_influential,
@@ -105,51 +99,24 @@ class GradientLog(LogReader):
         """
         return most_influential(self, k, learning_rate)
 
-    def influence(self, targets: Any = None, model: Any = None) -> Influence:
-        """TracIn scores of every training example on targets (`analysis.influence`).
+    def influence(self) -> Influence:
+        """Exact TracIn scores of every training example on the log's targets
+        (`analysis.influence`; a log written with `HDF5GradientLogger(targets=...)`).
 
-        Without arguments, the exact scores of the targets the log was written
-        with (`HDF5GradientLogger(targets=...)`). For targets chosen after
-        training, pass them with a model of the log's architecture: the scores
-        are then estimated from the log's gradient sketches and checkpoints
-        (`HDF5GradientLogger(sketch_dim=...)`; this needs TensorFlow, and the
-        model's weights are put back afterwards).
-
-        Args:
-            targets: `(x, y)` of the targets; a dict `x` may hold `"example_id"`.
-            model: The model, with the architecture the log was written with.
+        For targets chosen after training, see
+        `keras_gradtrack.attribution.estimate_influence`.
 
         Raises:
-            KeyError: if the log has no targets (without arguments) or no
-                sketches (with them).
-            ValueError: for only one of `targets` and `model`, a model of another
-                architecture, or a log without checkpoints.
+            KeyError: if the log has no targets.
 
         Example:
 
         ```python
         influence = log.influence()
         influence.opponents(target_id=7, k=10).example_id
-        later = log.influence(targets=(x_test[:5], y_test[:5]), model=model)
         ```
         """
-        if targets is None and model is None:
-            return influence(self)
-        if targets is None or model is None:
-            raise ValueError(
-                "Pass both targets=(x, y) and model= for targets chosen after training, or "
-                f"neither. Received: targets={type(targets).__name__}, "
-                f"model={type(model).__name__}"
-            )
-        require_sketches(self)
-        # TensorFlow is imported for this estimate only; reading needs none.
-        from keras_gradtrack.engine.sketches import checkpoint_sketches
-        from keras_gradtrack.engine.targets import TargetSet
-
-        target_set = TargetSet.from_argument(targets)
-        assert self.layout.sketch is not None
-        sketches = checkpoint_sketches(model, self.layout.sketch, self.checkpoints(), target_set)
-        return sketched_influence(self, sketches, target_set.example_ids)
+        return influence(self)
 
     def checkpoints(self) -> dict[int, Path]:
         """`{step: weights file}` of the checkpoints saved beside the log (`io.checkpoints`).

@@ -37,7 +37,6 @@ from keras_gradtrack.engine.targets import (
     layer_per_example,
     target_pass,
 )
-from keras_gradtrack.io.schema import SketchLayout
 from keras_gradtrack.rules import Projection
 from keras_gradtrack.rules.ops import reshape_per_example, sketch_of
 
@@ -49,17 +48,16 @@ def matrix_sides(shape: Sequence[int]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def sketch_layout(plan: Plan, dim: int, seed: int) -> SketchLayout:
-    """What the sketches of `plan`'s variables are: their paths and widths."""
-    variables = [v for tracked in plan for v in tracked.variables]
+def sketch_widths(plan: Plan, dim: int) -> list[tuple[str, int]]:
+    """`(path, r_in * r_out)` of each of `plan`'s variables, in column order."""
     widths = []
-    for variable in variables:
+    for variable in (v for tracked in plan for v in tracked.variables):
         rows, cols = matrix_sides(variable.shape)
-        widths.append(min(rows, dim) * min(cols, dim))
-    return SketchLayout(dim, seed, tuple(v.path for v in variables), tuple(widths))
+        widths.append((variable.path, min(rows, dim) * min(cols, dim)))
+    return widths
 
 
-def projection_matrices(layout: SketchLayout, shapes: Sequence[Sequence[int]]) -> list[tuple]:
+def projection_matrices(dim: int, seed: int, shapes: Sequence[Sequence[int]]) -> list[tuple]:
     """Per variable, `(R, C)` as float32 numpy arrays (identity for a side kept as is).
 
     The same `(seed, position)` always gives the same matrices, so sketches made
@@ -67,22 +65,22 @@ def projection_matrices(layout: SketchLayout, shapes: Sequence[Sequence[int]]) -
     """
     matrices = []
     for position, shape in enumerate(shapes):
-        rng = np.random.default_rng([layout.seed, position])
+        rng = np.random.default_rng([seed, position])
         sides = []
         for size in matrix_sides(shape):
-            if size <= layout.dim:
+            if size <= dim:
                 sides.append(np.eye(size, dtype=np.float32))
             else:
-                gaussian = rng.standard_normal((size, layout.dim)) / math.sqrt(layout.dim)
+                gaussian = rng.standard_normal((size, dim)) / math.sqrt(dim)
                 sides.append(gaussian.astype(np.float32))
         matrices.append(tuple(sides))
     return matrices
 
 
-def projection_of(plan: Plan, layout: SketchLayout) -> Projection:
+def projection_of(plan: Plan, dim: int, seed: int) -> Projection:
     """The rules' view of the projections of `plan`'s variables (constants of the graph)."""
     variables = [v for tracked in plan for v in tracked.variables]
-    matrices = projection_matrices(layout, [v.shape for v in variables])
+    matrices = projection_matrices(dim, seed, [v.shape for v in variables])
     return Projection(
         {
             id(v): (tf.constant(rows), tf.constant(columns))
@@ -134,14 +132,13 @@ class GradientSketch(AttributionRequest):
         self.dim = dim
         self.seed = seed
 
-    def layout(self, model: Any) -> SketchLayout:
-        """The sketches' layout for `model` (every tracked layer's variables)."""
-        return sketch_layout(build_plan(model), self.dim, self.seed)
+    def widths(self, model: Any) -> list[tuple[str, int]]:
+        """`(path, width)` of the sketched variables of `model` (every tracked layer's)."""
+        return sketch_widths(build_plan(model), self.dim)
 
     def rows(self, batch: BatchGradients) -> tf.Tensor:
         full_plan = build_plan(batch.model)
-        layout = sketch_layout(full_plan, self.dim, self.seed)
-        projection = projection_of(full_plan, layout)
+        projection = projection_of(full_plan, self.dim, self.seed)
         sketches = {}
         for tracked, calls, form in zip(batch.plan, batch.calls, batch.forms):
             layer = layer_sketches(tracked, calls, form, batch.per_example, projection)
@@ -150,21 +147,30 @@ class GradientSketch(AttributionRequest):
         # Variables the step's gradient does not cover have no gradient: zeros.
         columns = [
             sketches[path] if path in sketches else tf.zeros([count, width])
-            for path, width in zip(layout.variables, layout.widths)
+            for path, width in sketch_widths(full_plan, self.dim)
         ]
         return tf.concat(columns, axis=1) / batch.factor
 
 
-def sketch_function(model: Any, layout: SketchLayout, targets: TargetSet) -> Callable[[], Any]:
+def sketch_function(
+    model: Any, dim: int, seed: int, widths: Sequence[int], targets: TargetSet
+) -> Callable[[], Any]:
     """A compiled function giving the `(n, K)` sketches of `targets` at the model's
     current weights (loading other weights needs no new trace).
 
     The gradients are those of the compiled loss in inference mode, as for targets.
 
+    Args:
+        model: A built model of the log's architecture.
+        dim: The sketches' `dim`.
+        seed: The sketches' seed.
+        widths: The log's width of each sketched variable, to check the model with.
+        targets: The examples.
+
     Raises:
         ValueError: if the model is not built, or its tracked variables differ from
-            those of `layout` in number or in shape (their names may differ: a model
-            built anew numbers its layers on).
+            the log's in number or in shape (their names may differ: a model built
+            anew numbers its layers on).
     """
     if not model.built:
         raise ValueError(
@@ -172,19 +178,18 @@ def sketch_function(model: Any, layout: SketchLayout, targets: TargetSet) -> Cal
             f"{model.name!r}, not built yet (call it on a batch first)."
         )
     plan = build_plan(model)
-    found = sketch_layout(plan, layout.dim, layout.seed)
-    if found.widths != layout.widths:
+    found = sketch_widths(plan, dim)
+    if [width for _, width in found] != list(widths):
         raise ValueError(
-            "Expected the model the log was written with: the sketched variables "
-            f"differ. Expected (in the log): {list(layout.variables)} with widths "
-            f"{list(layout.widths)}. Received: {list(found.variables)} with widths "
-            f"{list(found.widths)}"
+            "Expected a model of the architecture the log was written with: the sketched "
+            f"variables differ. Expected (in the log) widths {list(widths)}. Received: "
+            f"{found}"
         )
 
     @tf.function(autograph=False)
     def sketches() -> tf.Tensor:
         calls, factor = target_pass(model, plan, targets.x, targets.y)
-        projection = projection_of(plan, layout)
+        projection = projection_of(plan, dim, seed)
         columns = []
         for tracked, layer_calls in zip(plan, calls):
             columns += layer_sketches(tracked, layer_calls, DIRECT, {}, projection)
@@ -206,15 +211,22 @@ def load_checkpoint(model: Any, path: Path) -> None:
 
 
 def checkpoint_sketches(
-    model: Any, layout: SketchLayout, checkpoints: Mapping[int, Path], targets: TargetSet
+    model: Any,
+    dim: int,
+    seed: int,
+    widths: Sequence[int],
+    checkpoints: Mapping[int, Path],
+    targets: TargetSet,
 ) -> dict[int, np.ndarray]:
     """`{step: (n, K) sketches}` of examples at each checkpoint's weights.
 
     The model's own weights are put back afterwards.
 
     Args:
-        model: A model of the log's architecture (built).
-        layout: The log's sketch layout.
+        model: A built model of the log's architecture.
+        dim: The sketches' `dim`.
+        seed: The sketches' seed.
+        widths: The log's width of each sketched variable.
         checkpoints: `{step: weights file}`, as `io.checkpoints.checkpoints` lists them.
         targets: The examples.
     """
@@ -223,7 +235,7 @@ def checkpoint_sketches(
             "Sketched influence needs the weights saved during training; the log has no "
             "checkpoint (HDF5GradientLogger(sketch_dim=..., checkpoint_every=...) saves them)."
         )
-    compute = sketch_function(model, layout, targets)
+    compute = sketch_function(model, dim, seed, widths, targets)
     original = [np.array(w) for w in model.get_weights()]
     try:
         sketches = {}
