@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from keras_gradtrack.version import __version__
 
 if TYPE_CHECKING:
-    from keras_gradtrack import autodiff, rules, statistics
+    from keras_gradtrack import attribution, autodiff, rules, statistics
     from keras_gradtrack.analysis import GradientLog
     from keras_gradtrack.callbacks import HDF5GradientLogger
     from keras_gradtrack.convert import convert_to_group_normalization
@@ -39,6 +39,7 @@ _LAZY = {
     "GradientTrackingSequential": "keras_gradtrack.model",
     "HDF5GradientLogger": "keras_gradtrack.callbacks",
     "OutputGradientLogger": "keras_gradtrack.output_logger",
+    "attribution": None,
     "autodiff": None,
     "convert_to_group_normalization": "keras_gradtrack.convert",
     "check": "keras_gradtrack.engine.preflight",
@@ -55,6 +56,7 @@ __all__ = [
     "HDF5GradientLogger",
     "OutputGradientLogger",
     "__version__",
+    "attribution",
     "autodiff",
     "convert_to_group_normalization",
     "check",

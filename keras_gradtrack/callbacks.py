@@ -13,8 +13,18 @@ import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.engine.schedule import StepReport
+from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
+from keras_gradtrack.engine.targets import AttributionRequest, TargetSet
+from keras_gradtrack.io.checkpoints import check_checkpoints, checkpoint_path, remove_checkpoints
 from keras_gradtrack.io.checks import check_flush_seconds
-from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
+from keras_gradtrack.io.schema import (
+    BATCH_SIZE,
+    EXAMPLE_ID,
+    GRADIENT_SKETCH,
+    LEARNING_RATE,
+    TARGET_INFLUENCE,
+    SketchLayout,
+)
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
@@ -52,7 +62,7 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
 class HDF5GradientLogger(keras.callbacks.Callback):
     """Streams per-example and per-step gradient statistics to an HDF5 file.
 
-    The file follows schema version 1 (see the docs): `/per_example/<stat>`
+    The file follows schema version 2 (see the docs): `/per_example/<stat>`
     holds one row per example seen, `/per_step/<stat>` one row per tracked
     step (plus `/per_step/learning_rate`, the rate the optimizer used at that
     step), `/layers` the per-layer column names. Rows are written in blocks:
@@ -74,13 +84,32 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         append: Continue an existing log (step numbers continue after its last).
         overwrite: Replace an existing file.
         compression: HDF5 compression filter (`"gzip"`, `"lzf"` or None).
+        targets: `(x, y)` of examples to explain (TracIn, see the attribution
+            docs): every tracked step also logs, per example row i,
+            `/per_example/target_influence[i, j] = lr_t <g_i, g_target_j>` at the
+            weights of that step, before its update. A dict `x` may hold
+            `"example_id"` (default ids `0..T-1`). Needs a model compiled with a
+            loss; the targets' gradients are taken in inference mode.
+        sketch_dim: For targets chosen after training: log a sketch of each
+            example's gradient, `/per_example/gradient_sketch` (each side of each
+            weight matrix projected to at most `sketch_dim` dimensions), and save
+            checkpoints; `keras_gradtrack.attribution.estimate_influence` reads them.
+        sketch_seed: The seed of the sketches' random projections.
+        checkpoint_every: Save the weights every this many steps, beside the log
+            (`<log>.checkpoints/step_<step>.weights.h5`, the weights that step
+            began with). With `sketch_dim` and no `checkpoint_every`, at the
+            first step of every epoch.
 
     Raises:
         ValueError: At construction, for an unknown statistic (the message lists
-            the valid names), both `append` and `overwrite`, or non-positive
-            step counts. In `on_train_begin` (before any weight changes), for
+            the valid names), both `append` and `overwrite`, non-positive step
+            counts, or targets that are not one row per target with distinct
+            integer ids. In `on_train_begin` (before any weight changes), for
             an existing file without `append`/`overwrite`, a missing or
-            unwritable directory, or a log of another model when appending.
+            unwritable directory, a log of another model (or other targets)
+            when appending, or targets for a model compiled without a loss.
+        FileExistsError: In `on_train_begin`, for checkpoints of another log
+            beside the path, without `append`/`overwrite`.
 
     Example:
 
@@ -88,6 +117,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     logger = kgt.HDF5GradientLogger("run.h5", every_n_steps=10)
     model.fit(x, y, epochs=5, callbacks=[logger])
     kgt.GradientLog("run.h5").per_example("cosine")
+
+    # Which training examples pushed the model toward or away from 64 test examples:
+    logger = kgt.HDF5GradientLogger("run.h5", targets=(x_test[:64], y_test[:64]))
     ```
     """
 
@@ -101,6 +133,10 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         append: bool = False,
         overwrite: bool = False,
         compression: str | None = "gzip",
+        targets: Any = None,
+        sketch_dim: int | None = None,
+        sketch_seed: int = 0,
+        checkpoint_every: int | None = None,
     ):
         super().__init__()
         if append and overwrite:
@@ -108,7 +144,10 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 "Pass at most one of `append` and `overwrite`. "
                 f"Received: append={append}, overwrite={overwrite}"
             )
-        for name, value in (("every_n_steps", every_n_steps), ("flush_every", flush_every)):
+        counts = [("every_n_steps", every_n_steps), ("flush_every", flush_every)]
+        if checkpoint_every is not None:
+            counts.append(("checkpoint_every", checkpoint_every))
+        for name, value in counts:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
         check_flush_seconds(flush_seconds)
@@ -130,6 +169,12 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self.append = append
         self.overwrite = overwrite
         self.compression = compression
+        self.targets = None if targets is None else TargetSet.from_argument(targets)
+        self.sketch = None if sketch_dim is None else GradientSketch(sketch_dim, sketch_seed)
+        self.checkpoint_every = checkpoint_every
+        # Sketches are only of use with weights to sketch targets at.
+        self._checkpoints = checkpoint_every is not None or sketch_dim is not None
+        self._first_step = 0
         self.writer: LogWriter | None = None
         self._epoch = 0
         self._epoch_position = 0
@@ -144,8 +189,26 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         self._writes = is_chief(self.model)
         if self._writes:
             LogWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
+            if self._checkpoints:
+                check_checkpoints(self.path, overwrite=self.overwrite, append=self.append)
+        requests: list[AttributionRequest] = []
+        if self.targets is not None:
+            if getattr(self.model, "_compile_loss", None) is None:
+                raise ValueError(
+                    "targets= needs the model's loss for the targets' gradients: compile "
+                    f"the model with `loss=`. Received: model {self.model.name!r} without one."
+                )
+            requests.append(self.targets)
+        if self.sketch is not None:
+            requests.append(self.sketch)
+        self._first_step = self.model.gradient_tracking.step
         self.model.gradient_tracking.subscribe(
-            id(self), self.statistics, self.every_n_steps, self._consume, finish=self.close
+            id(self),
+            self.statistics,
+            self.every_n_steps,
+            self._consume,
+            finish=self.close,
+            requests=requests,
         )
         # A subclassed model's layers may only be built by the first step; the
         # layer names (and the file's datasets) wait for it then.
@@ -155,6 +218,21 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch
         self._epoch_position = 0
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if not (self._checkpoints and self._writes):
+            return
+        step = self.model.gradient_tracking.step - self._first_step
+        due = step % self.checkpoint_every == 0 if self.checkpoint_every else batch == 0
+        if not due or not self.model.built:
+            return
+        if self.writer is None:
+            self._open_writer()
+        assert self.writer is not None
+        path = checkpoint_path(self.path, self.writer.step_offset + step)
+        path.parent.mkdir(exist_ok=True)
+        # Before the step runs: the weights of its gradients, as the log's rows use them.
+        save_checkpoint(self.model, path)
 
     def _consume(self, report: StepReport) -> None:
         if report.values is not None and self._writes:
@@ -198,12 +276,26 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             }
 
         per_step = {**columns(False), LEARNING_RATE: None}
+        per_example = columns(True)
+        target_ids = ()
+        if self.targets is not None:
+            target_ids = tuple(self.targets.example_ids)
+            per_example[TARGET_INFLUENCE] = len(target_ids)
+        sketch = None
+        if self.sketch is not None:
+            paths, widths = zip(*self.sketch.widths(self.model))
+            sketch = SketchLayout(self.sketch.dim, self.sketch.seed, paths, widths)
+            per_example[GRADIENT_SKETCH] = sum(widths)
+        if self._checkpoints and self.overwrite:
+            remove_checkpoints(self.path)
 
         self.writer = LogWriter(
             self.path,
             layer_names=layer_names,
-            per_example=columns(True),
+            per_example=per_example,
             per_step=per_step,
+            target_ids=target_ids,
+            sketch=sketch,
             attrs={
                 "library_version": __version__,
                 "keras_version": keras.__version__,
@@ -226,11 +318,17 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         example_ids = values.get(EXAMPLE_ID)
         if example_ids is None:
             example_ids = self._epoch_position + np.arange(batch_size, dtype=np.int64)
+        per_example = {s.name: values[s.name] for s in self.statistics if s.per_example}
+        if self.targets is not None:
+            # TracIn's term of this step: the products times the rate the step used.
+            per_example[TARGET_INFLUENCE] = values[self.targets.key] * values[LEARNING_RATE]
+        if self.sketch is not None:
+            per_example[GRADIENT_SKETCH] = values[self.sketch.key]
         self.writer.write_step(
             step=step,
             epoch=self._epoch,
             example_ids=example_ids,
-            per_example={s.name: values[s.name] for s in self.statistics if s.per_example},
+            per_example=per_example,
             per_step={
                 LEARNING_RATE: values[LEARNING_RATE],
                 **{s.name: values[s.name] for s in self.statistics if not s.per_example},

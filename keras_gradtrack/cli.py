@@ -3,6 +3,7 @@
 ```
 keras-gradtrack summary LOG                  steps, examples, layers, range of every statistic
 keras-gradtrack top LOG -k 20                most influential example ids (TracIn self-influence)
+keras-gradtrack influence LOG --target 7     proponents and opponents of a logged target
 keras-gradtrack plot LOG --out DIR           PNGs of the log (needs matplotlib)
 keras-gradtrack export LOG --format csv      the tables as CSV or Parquet files
 keras-gradtrack watch LOG --interval 2       a summary refreshed while training writes the log
@@ -130,6 +131,27 @@ def _top(args: argparse.Namespace) -> None:
     print(analysis.text_table(rows, header=("rank", "example_id", scores.name, "rows")))
 
 
+def _influence(args: argparse.Namespace) -> None:
+    with GradientLog(args.log) as log:
+        influence = log.influence()
+    targets = influence.target_ids if args.target is None else [args.target]
+    sections = []
+    for target in targets:
+        for title, scores in (
+            ("proponents", influence.proponents(int(target), args.k)),
+            ("opponents", influence.opponents(int(target), args.k)),
+        ):
+            rows = [
+                (rank, example_id, f"{score:.6g}", count)
+                for rank, (example_id, score, count) in enumerate(
+                    zip(scores.example_id, scores.score, scores.rows), start=1
+                )
+            ]
+            table = analysis.text_table(rows, header=("rank", "example_id", "influence", "rows"))
+            sections.append(f"target {target}, {title}:\n{table}")
+    print("\n\n".join(sections))
+
+
 def _plot(args: argparse.Namespace) -> None:
     from keras_gradtrack import plots
 
@@ -184,6 +206,17 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="constant learning rate for logs without /per_step/learning_rate",
     )
+    influence = command(
+        "influence",
+        _influence,
+        "The training examples that pushed the model toward a target (proponents: "
+        "positive TracIn influence) and away from it (opponents), for a log written "
+        "with targets.",
+    )
+    influence.add_argument(
+        "--target", type=int, default=None, help="the target's id (default: every target)"
+    )
+    influence.add_argument("-k", type=_positive_int, default=10, help="how many (default 10)")
     plot = command("plot", _plot, "Write the plots of the log as PNG files.")
     plot.add_argument("--out", help="output directory (default: LOG without .h5 + '_plots')")
     plot.add_argument("--dpi", type=_positive_int, default=110, help="resolution (default 110)")

@@ -317,13 +317,15 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
 
     def _tracking(
-        self, data: Any, statistics: Sequence[Statistic], ids: Any
+        self, data: Any, statistics: Sequence[Statistic], ids: Any, requests: Sequence[Any] = ()
     ) -> tracking.TrackingContext:
         if not all(layer.built for layer in self._flatten_layers()):  # type: ignore[attr-defined]
             # The taps are chosen before the forward pass, so a subclassed model
             # whose first step would build it is built here, from this batch.
             self._symbolic_build(data_batch=data)
-        return tracking.TrackingContext(self, build_plan(self), statistics, ids, batch=data)
+        return tracking.TrackingContext(
+            self, build_plan(self), statistics, ids, requests, batch=data
+        )
 
     def _untracked_step(self, data: Any) -> Any:
         x, _, _, _ = batch_data.unpack_batch(data)
@@ -332,10 +334,12 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         (batch_size,) = distribute.all_reduce_sum([batch_data.batch_size_of(x)])
         return {**logs, PAYLOAD_KEY: {"batch_size": batch_size}}
 
-    def _tracked_step(self, data: Any, statistics: Sequence[Statistic]) -> Any:
+    def _tracked_step(
+        self, data: Any, statistics: Sequence[Statistic], requests: Sequence[Any] = ()
+    ) -> Any:
         data = with_unknown_batch_size(data)
         _, _, _, ids = batch_data.unpack_batch(data)
-        with self._tracking(data, statistics, ids) as context:
+        with self._tracking(data, statistics, ids, requests) as context:
             logs = self.train_step(batch_data.strip_example_ids(data))
         if context.result is None:
             raise ValueError(
@@ -361,7 +365,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             return self._make_function(protected_step)  # type: ignore[attr-defined]
 
         untracked = compiled(self._untracked_step)
-        tracked_by_statistics: dict[tuple[str, ...], Any] = {}
+        tracked_by_statistics: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
 
         def train_function(iterator: Any) -> Any:
             due = state.due()
@@ -370,11 +374,14 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 payload = outputs.pop(PAYLOAD_KEY)
                 state.report(int(payload["batch_size"]), None, due)
                 return outputs
-            statistics = state.statistics(due)
-            key = tuple(statistic.name for statistic in statistics)
+            statistics, requests = state.statistics(due), state.requests(due)
+            key = (
+                tuple(statistic.name for statistic in statistics),
+                tuple(request.key for request in requests),
+            )
             if key not in tracked_by_statistics:
                 tracked_by_statistics[key] = compiled(
-                    lambda data: self._tracked_step(data, statistics)
+                    lambda data: self._tracked_step(data, statistics, requests)
                 )
             outputs = distribute.unprotect(dict(tracked_by_statistics[key](iterator)), strategy)
             payload = outputs.pop(PAYLOAD_KEY)

@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras_gradtrack import autodiff
 from keras_gradtrack.callbacks import is_chief
 from keras_gradtrack.engine.plan import layers_with_own_variables
-from keras_gradtrack.io import schema
+from keras_gradtrack.io import output_schema, schema
 from keras_gradtrack.io.block_writer import BlockWriter
 from keras_gradtrack.rules.ops import sum_of_squares
 from keras_gradtrack.version import __version__
@@ -113,7 +113,7 @@ class OutputGradientLogger(keras.callbacks.Callback):
             self.model, variables, self.axis, self.chunk_size
         )
         self._num_features = int(output.shape[self.axis])
-        layout = schema.OutputGradientLayout(
+        layout = output_schema.OutputGradientLayout(
             [name for name, _ in self._groups],
             self._num_features,
             self.axis,
@@ -184,7 +184,9 @@ class OutputGradientLogger(keras.callbacks.Callback):
                     norms[chunk, column] = np.sqrt(np.asarray(tf.add_n(squares)))
                     if self.save_tensors:
                         for variable, gradient in zip(variables, layer_grads):
-                            path = schema.OutputGradientLayout.tensor_path(layer, variable.name)
+                            path = output_schema.OutputGradientLayout.tensor_path(
+                                layer, variable.name
+                            )
                             step.write_part(path, chunk, np.asarray(gradient))
             step.set_rows(
                 {schema.PER_STEP_GROUP: {schema.EPOCH: self._epoch, schema.OUTPUT_GRAD_NORM: norms}}

@@ -37,6 +37,7 @@ from keras_gradtrack.io.schema import LEARNING_RATE
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from keras_gradtrack.analysis.influence import Influence
     from keras_gradtrack.io.reader import LogReader
 
 BAND = (0.1, 0.5, 0.9)
@@ -228,6 +229,74 @@ def plot_self_influence(
     return figure
 
 
+def plot_proponents_and_opponents(
+    influence: Influence,
+    target_ids: Iterable[int],
+    images: Any,
+    labels: Any,
+    target_images: Any,
+    target_labels: Any = None,
+    predicted: Any = None,
+    k: int = 5,
+    highlight: Iterable[int] | None = None,
+    highlight_label: str = "highlighted",
+    image_shape: tuple[int, ...] | None = None,
+) -> Figure:
+    """Each target's image beside the training images that pushed toward it and away.
+
+    One row per target: the target (its label and the model's prediction), its `k`
+    proponents (highest TracIn influence, green titles) and `k` opponents (most
+    negative, red titles), each with its id, the label it was trained with and its
+    score. Ids in `highlight` (e.g. known flipped labels) are marked with `*`.
+
+    Args:
+        influence: from `GradientLog.influence()`.
+        target_ids: the targets to show.
+        images: training images indexed by training id (`images[id]`).
+        labels: the labels the training examples were trained with, by id.
+        target_images: the targets' images, indexed by target id.
+        target_labels: the targets' true labels, by target id (optional).
+        predicted: the model's predicted labels, by target id (optional).
+        k: proponents and opponents shown per target.
+        highlight: training ids to mark; `highlight_label` says what they are.
+        image_shape: the shape to draw each image with; default: as stored (a flat
+            image of square size as a square).
+
+    Example:
+
+    ```python
+    plot_proponents_and_opponents(log.influence(), wrong[:4], x, y, x_test, y_test, predicted)
+    ```
+    """
+    shown = [int(t) for t in target_ids]
+    marked = set(() if highlight is None else (int(i) for i in highlight))
+    figure = _figure(figsize=(1.3 * (2 * k + 1), 1.6 * max(len(shown), 1)))
+    grid = figure.subplots(max(len(shown), 1), 2 * k + 1, squeeze=False)
+    for row, target in zip(grid, shown):
+        title = f"target {target}"
+        if target_labels is not None:
+            title += f"\nlabel {target_labels[target]}"
+        if predicted is not None:
+            title += f", pred {predicted[target]}"
+        _image(row[0], target_images[target], image_shape, title, "black")
+        sides = (
+            (influence.proponents(target, k), "tab:green"),
+            (influence.opponents(target, k), "tab:red"),
+        )
+        for offset, (scores, color) in enumerate(sides):
+            for position, (example_id, score) in enumerate(zip(scores.example_id, scores.score)):
+                star = "*" if int(example_id) in marked else ""
+                title = f"{example_id}{star}: {labels[example_id]}\n{score:+.2g}"
+                _image(
+                    row[1 + offset * k + position], images[example_id], image_shape, title, color
+                )
+    for axes in grid.ravel():
+        axes.set_axis_off()
+    legend = f"   (* {highlight_label})" if marked else ""
+    figure.suptitle(f"target | {k} proponents | {k} opponents{legend}", fontsize="medium")
+    return figure
+
+
 def save_plots(
     log: LogReader,
     out_dir: str | os.PathLike[str],
@@ -279,6 +348,19 @@ def save_plots(
 def _figure(figsize: tuple[float, float]) -> Figure:
     figure_module = import_optional("matplotlib.figure", "keras_gradtrack.plots", "plots")
     return figure_module.Figure(figsize=figsize, layout="constrained")
+
+
+def _image(axes: Any, image: Any, shape: tuple[int, ...] | None, title: str, color: str) -> None:
+    image = np.asarray(image, np.float64)
+    if shape is not None:
+        image = image.reshape(shape)
+    elif image.ndim == 1 and int(np.sqrt(image.size)) ** 2 == image.size:
+        side = int(np.sqrt(image.size))
+        image = image.reshape(side, side)
+    if image.ndim == 3 and image.shape[-1] == 1:
+        image = image[..., 0]
+    axes.imshow(image, cmap="gray_r" if image.ndim == 2 else None)
+    axes.set_title(title, fontsize="x-small", color=color)
 
 
 def _require_rows(log: LogReader) -> None:

@@ -260,6 +260,49 @@ def _statistics(found: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def target_gradients(model: Any, x: Any, y: Any) -> np.ndarray:
+    """`(T, P)` each target's gradient over all layers (in the oracle's layer order):
+    `l_j` the compiled loss on target j alone, in inference mode, no sample weight."""
+    names, column = layer_columns(model)
+    variables = list(model.trainable_variables)
+    rows = []
+    for j in range(len(tree.flatten(x)[0])):
+        xj = tree.map_structure(tf.convert_to_tensor, _take(x, j))
+        with tf.GradientTape() as tape:
+            loss = model._compile_loss(_take(y, j), model(xj, training=False))
+        flat: list[list[np.ndarray]] = [[] for _ in names]
+        for variable, gradient in zip(variables, tape.gradient(loss, variables)):
+            flat[column[id(variable)]].append(_dense(gradient, variable))
+        rows.append(np.concatenate([part for parts in flat for part in parts]))
+    return np.stack(rows)
+
+
+def oracle_target_products(
+    model: Any, x: Any, y: Any, sample_weight: Any, x_targets: Any, y_targets: Any
+) -> np.ndarray:
+    """`(B, T)` `<g_i, g_target_j>`: the batch's per-example gradients (training mode,
+    as `per_example_gradients`) with the targets' (`target_gradients`)."""
+    batch = np.concatenate(per_example_gradients(model, x, y, sample_weight)["g"], axis=1)
+    return batch @ target_gradients(model, x_targets, y_targets).T
+
+
+def oracle_sketches(
+    gradients: np.ndarray, shapes: list[tuple[int, ...]], matrices: list[tuple[Any, Any]]
+) -> np.ndarray:
+    """`(n, K)` sketches `R^T M C` of flat gradients `(n, P)` over variables of `shapes`
+    (in order), each gradient `M` as a (rows, last axis) matrix; `(R, C)` per variable."""
+    sketches, start = [], 0
+    for shape, (rows, columns) in zip(shapes, matrices):
+        size = int(np.prod(shape))
+        width = shape[-1] if shape else 1
+        part = gradients[:, start : start + size].reshape(len(gradients), -1, width)
+        projected = np.einsum("nrc,rq,cs->nqs", part, np.asarray(rows, np.float64), columns)
+        sketches.append(projected.reshape(len(gradients), -1))
+        start += size
+    assert start == gradients.shape[1], "the shapes do not cover the gradients"
+    return np.concatenate(sketches, axis=1)
+
+
 # Relative tolerance that a real bug cannot hide under, in float32.
 RTOL = 1e-4
 # Cosines are bounded by 1; near 0 a relative bound is meaningless.

@@ -240,7 +240,7 @@ def test_logs_history_and_progress_bar_stay_scalar(tmp_path: Path) -> None:
     assert set(history.history) == {"loss", "accuracy"}
 
 
-def test_file_follows_schema_version_1(tmp_path: Path) -> None:
+def test_file_follows_schema_version_2(tmp_path: Path) -> None:
     x, y = classification_data(20)
     model = mlp()
     model.fit(
@@ -252,7 +252,7 @@ def test_file_follows_schema_version_1(tmp_path: Path) -> None:
         callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")],
     )
     with h5py.File(tmp_path / "run.h5", "r") as f:
-        assert f.attrs["schema_version"] == 1
+        assert f.attrs["schema_version"] == 2
         for key in (
             "library_version",
             "keras_version",

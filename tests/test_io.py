@@ -47,7 +47,7 @@ def test_round_trip_with_ragged_batches(tmp_path):
         assert log.layers == LAYERS
         assert log.per_example_names == list(PER_EXAMPLE)
         assert log.per_step_names == list(PER_STEP)
-        assert log.attrs.items() >= {**ATTRS, "schema_version": 1}.items()
+        assert log.attrs.items() >= {**ATTRS, "schema_version": 2}.items()
         created = datetime.datetime.fromisoformat(log.attrs["created"])
         assert created.utcoffset() == datetime.timedelta(0)
         assert "14 example rows" in repr(log) and "layer_grad_norm" in repr(log)
@@ -180,22 +180,22 @@ def test_append_refuses_a_different_layout(tmp_path, overrides, argument):
 
 
 def write_foreign_files(directory):
-    """Files that are not schema-1 logs, each with the error message expected for it."""
+    """Files that are not logs of a supported schema, each with the error message expected for it."""
     (directory / "text.h5").write_text("not hdf5")
     with h5py.File(directory / "foreign.h5", "w") as file:
         file["data"] = np.arange(3)
     with make_writer(directory / "future.h5") as writer:
         write_steps(writer, [1])
     with h5py.File(directory / "future.h5", "r+") as file:
-        file.attrs["schema_version"] = 2
+        file.attrs["schema_version"] = 3
     return {
         "text.h5": "not a keras_gradtrack log",
         "foreign.h5": "not a keras_gradtrack log",
-        "future.h5": r"Expected schema_version in \[1\]. Received: schema_version=2\.",
+        "future.h5": r"Expected schema_version in \[1, 2\]. Received: schema_version=3\.",
     }
 
 
-def test_append_refuses_files_that_are_not_schema_1_logs(tmp_path):
+def test_append_refuses_files_that_are_not_logs_of_a_supported_schema(tmp_path):
     for name, message in write_foreign_files(tmp_path).items():
         before = (tmp_path / name).read_bytes()
         with pytest.raises(ValueError, match=message):
@@ -203,7 +203,7 @@ def test_append_refuses_files_that_are_not_schema_1_logs(tmp_path):
         assert (tmp_path / name).read_bytes() == before
 
 
-def test_reader_refuses_files_that_are_not_schema_1_logs(tmp_path):
+def test_reader_refuses_files_that_are_not_logs_of_a_supported_schema(tmp_path):
     for name, message in write_foreign_files(tmp_path).items():
         with pytest.raises(ValueError, match=message):
             LogReader(tmp_path / name)

@@ -6,7 +6,7 @@ import pytest
 from helpers_io import ATTRS
 
 from keras_gradtrack.io import BlockWriter
-from keras_gradtrack.io.schema import OutputGradientLayout
+from keras_gradtrack.io.output_schema import OutputGradientLayout
 
 LAYOUT = OutputGradientLayout(
     ["dense", "head"], 5, -1, {"dense": {"kernel": (3, 4), "bias": (4,)}}, chunk_size=2

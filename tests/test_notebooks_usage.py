@@ -19,6 +19,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SMALL_SIZES = {
     "quickstart.ipynb": "NUM_EXAMPLES = 256\nEPOCHS = 2",
     "mislabeled_examples.ipynb": "EPOCHS = 1",
+    "explain_a_misprediction.ipynb": "EPOCHS = 2\nHELD_OUT = 100",
     # NUM_FEATURES not a multiple of CHUNK_SIZE: the padded last chunk runs too.
     "autodiff_1_output_feature_gradients.ipynb": (
         "BATCH_SIZE = 2\nSEQUENCE_LENGTH = 8\nINPUT_CHANNELS = 3\nFILTERS = 8\n"
@@ -36,6 +37,7 @@ SMALL_SIZES = {
 EXPECTED_OUTPUT = {
     "quickstart.ipynb": "most influential:",
     "mislabeled_examples.ipynb": "negative-cosine frequency: ROC AUC",
+    "explain_a_misprediction.ipynb": "of the top-10 opponents shared",
     # The autodiff notebooks compare keras_gradtrack with the naive version last.
     "autodiff_1_output_feature_gradients.ipynb": "agree: True",
     "autodiff_2_per_example_vs_batch.ipynb": "agree: True",

@@ -473,13 +473,13 @@ def test_append_to_a_log_of_another_schema_version_is_refused(tmp_path: Path) ->
     path = tmp_path / "run.h5"
     small_model().fit(X, Y, batch_size=8, verbose=0, callbacks=[kgt.HDF5GradientLogger(path)])
     with h5py.File(path, "r+") as file:
-        file.attrs["schema_version"] = 2
+        file.attrs["schema_version"] = 3
     before = path.read_bytes()
     fit_fails_before_training(
         small_model(),
         kgt.HDF5GradientLogger(path, append=True),
         ValueError,
-        r"unsupported schema version.*Received: schema_version=2",
+        r"unsupported schema version.*Received: schema_version=3",
     )
     assert path.read_bytes() == before
 

@@ -12,12 +12,14 @@ import keras_gradtrack as kgt
 
 log = kgt.GradientLog("run.h5")
 suspicious = log.most_influential(20)  # highest TracIn self-influence first
+log.influence().opponents(target_id=3)  # with targets: who pushed against target 3
 print(suspicious.example_id, suspicious.score)
 print(log.summary())
 log.to_csv("run.per_example.csv")
 ```
 """
 
+from keras_gradtrack.analysis.influence import Influence, influence, influence_from_sketches
 from keras_gradtrack.analysis.log import GradientLog
 from keras_gradtrack.analysis.scores import (
     DetectionMetrics,
@@ -44,9 +46,12 @@ __all__ = [
     "DetectionMetrics",
     "ExampleScores",
     "GradientLog",
+    "Influence",
     "LayerSummary",
     "detection_metrics",
     "example_history",
+    "influence",
+    "influence_from_sketches",
     "layer_summary",
     "most_influential",
     "most_opposing",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 
+from keras_gradtrack.analysis.influence import Influence, influence
 from keras_gradtrack.analysis.scores import (
     ExampleScores,
     most_influential,
@@ -21,6 +23,7 @@ from keras_gradtrack.analysis.tables import (
     to_parquet,
 )
 from keras_gradtrack.analysis.text import summary
+from keras_gradtrack.io.checkpoints import checkpoints
 from keras_gradtrack.io.reader import LogReader
 
 
@@ -95,6 +98,39 @@ class GradientLog(LogReader):
         ```
         """
         return most_influential(self, k, learning_rate)
+
+    def influence(self) -> Influence:
+        """Exact TracIn scores of every training example on the log's targets
+        (`analysis.influence`; a log written with `HDF5GradientLogger(targets=...)`).
+
+        For targets chosen after training, see
+        `keras_gradtrack.attribution.estimate_influence`.
+
+        Raises:
+            KeyError: if the log has no targets.
+
+        Example:
+
+        ```python
+        influence = log.influence()
+        influence.opponents(target_id=7, k=10).example_id
+        ```
+        """
+        return influence(self)
+
+    def checkpoints(self) -> dict[int, Path]:
+        """`{step: weights file}` of the checkpoints saved beside the log (`io.checkpoints`).
+
+        Each is a Keras `.weights.h5` file of the model's weights alone (no optimizer
+        state), those the step began with.
+
+        Example:
+
+        ```python
+        model.load_weights(log.checkpoints()[100])  # Keras notes: no optimizer state
+        ```
+        """
+        return checkpoints(self.path)
 
     def negative_cosine_frequency(self) -> ExampleScores:
         """Per example, the fraction of its logged steps with `cosine < 0`.

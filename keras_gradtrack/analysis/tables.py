@@ -187,7 +187,8 @@ def step_quantiles(
 
 
 def table_columns(log: LogReader, kind: str = "per_example") -> dict[str, np.ndarray]:
-    """One table as flat columns; per-layer statistics become `"<stat>/<layer>"` columns.
+    """One table as flat columns; 2-D ones become `"<name>/<label>"` columns (per layer,
+    per target, per sketch position: `layout.labels`).
 
     Example:
 
@@ -200,11 +201,12 @@ def table_columns(log: LogReader, kind: str = "per_example") -> dict[str, np.nda
     columns: dict[str, np.ndarray] = {}
     for name in log.layout.columns(kind):
         values = log.read(kind, name)
-        if values.ndim == 1:
+        labels = log.layout.labels(kind, name)
+        if labels is None:
             columns[name] = values
         else:
-            for layer, column in zip(log.layers, values.T):
-                columns[f"{name}/{layer}"] = column
+            for label, column in zip(labels, values.T, strict=True):
+                columns[f"{name}/{label}"] = column
     return columns
 
 
@@ -262,8 +264,7 @@ def per_layer_statistics(log: LogReader) -> list[str]:
     return [
         name
         for table in (PER_EXAMPLE_GROUP, PER_STEP_GROUP)
-        for name, width in log.layout.widths(table).items()
-        if width is not None
+        for name in log.layout.per_layer(table)
     ]
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from keras_gradtrack.analysis.tables import layer_summary, per_layer_statistics
-from keras_gradtrack.io.schema import PER_EXAMPLE_GROUP, TABLES
+from keras_gradtrack.io.schema import GRADIENT_SKETCH, PER_EXAMPLE_GROUP, TABLES, TARGET_INFLUENCE
 
 if TYPE_CHECKING:
     from keras_gradtrack.io.reader import LogReader
@@ -56,8 +56,15 @@ def summary(log: LogReader) -> str:
     for kind in TABLES:
         names = log.per_example_names if kind == PER_EXAMPLE_GROUP else log.per_step_names
         for name in names:
-            values = log.read(kind, name).astype(np.float64)
             per = kind.removeprefix("per_") + (" x layer" if name in per_layer else "")
+            if name == GRADIENT_SKETCH:
+                # K numbers per row, meaningful only in products: not worth reading here.
+                width = log.layout.widths(kind)[name]
+                rows.append((name, f"{per} x {width} sketch numbers", "-", "-", "-", "-"))
+                continue
+            if name == TARGET_INFLUENCE:
+                per += f" x target ({len(log.layout.target_ids)})"
+            values = log.read(kind, name).astype(np.float64)
             rows.append((name, per, *_quantiles(values), str(int(np.isnan(values).sum()))))
     header_row = ("statistic", "per", "min", "median", "max", "NaN")
     sections.append(text_table(rows, header=header_row))

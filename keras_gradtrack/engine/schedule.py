@@ -48,6 +48,8 @@ class Subscription:
         consume: Receives the `StepReport` of every step.
         finish: Called once when the fit ends, however it ends (an exception
             or an interrupt included); None for nothing.
+        requests: Per-example rows it needs beside the statistics (each
+            `engine.targets.AttributionRequest` reports under its `key`).
     """
 
     statistics: tuple[Statistic, ...]
@@ -55,6 +57,7 @@ class Subscription:
     first_step: int
     consume: Callable[[StepReport], None]
     finish: Callable[[], None] | None = None
+    requests: tuple[Any, ...] = ()
 
     def wants(self, step: int) -> bool:
         return (step - self.first_step) % self.every_n_steps == 0
@@ -80,10 +83,11 @@ class GradientTrackingState:
         every_n_steps: int,
         consume: Callable[[StepReport], None],
         finish: Callable[[], None] | None = None,
+        requests: Sequence[Any] = (),
     ) -> None:
         """Starts reports to `consume` from the next step on (replacing `key`'s earlier one)."""
         self._subscriptions[key] = Subscription(
-            tuple(statistics), every_n_steps, self.step, consume, finish
+            tuple(statistics), every_n_steps, self.step, consume, finish, tuple(requests)
         )
 
     def unsubscribe(self, key: Hashable) -> None:
@@ -100,6 +104,10 @@ class GradientTrackingState:
             for statistic in subscription.statistics:
                 union.setdefault(statistic.name, statistic)
         return list(union.values())
+
+    def requests(self, subscriptions: Sequence[Subscription]) -> list[Any]:
+        """Their attribution requests, in subscription order."""
+        return [request for s in subscriptions for request in s.requests]
 
     def report(self, batch_size: int, values: Mapping[str, Any] | None, due: Sequence[Any]) -> None:
         """Counts the step, then reports it to every subscriber (values to those due)."""

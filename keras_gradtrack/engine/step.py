@@ -35,6 +35,7 @@ from keras_gradtrack.engine.coupled import (
 )
 from keras_gradtrack.engine.per_layer import step_primitives
 from keras_gradtrack.engine.plan import COUPLED, DIRECT, JACOBIAN, MATERIALIZED, Plan
+from keras_gradtrack.engine.targets import attribution_rows
 from keras_gradtrack.engine.tracking import StepResult, TrackingContext
 from keras_gradtrack.rules.ops import compiled_with_xla
 from keras_gradtrack.statistics import Statistic
@@ -81,8 +82,10 @@ def tracked_gradient(
         primitives = step_primitives(
             context, plan, backward, forms, zip(sources, gradients), per_example, penalties, coupled
         )
+        attribution = attribution_rows(context, plan, backward, forms, per_example)
     payload = {s.name: s.compute(primitives) for s in context.statistics}
     payload = widened(payload, context.statistics, columns, len(context.plan))
+    payload.update(attribution)
     payload["batch_size"] = tf.cast(primitives.batch_size, tf.int32)
     if context.example_ids is not None:
         payload["example_id"] = distribute.all_gather_rows(

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
@@ -26,6 +26,9 @@ from keras_gradtrack.engine.losses import LossRecorder, recording_losses
 from keras_gradtrack.engine.plan import Plan
 from keras_gradtrack.engine.taps import LayerTap, OpRange, graph_ops_recorded, installed
 from keras_gradtrack.statistics import Statistic
+
+if TYPE_CHECKING:
+    from keras_gradtrack.engine.targets import AttributionRequest
 
 _ACTIVE: contextvars.ContextVar[TrackingContext | None] = contextvars.ContextVar(
     "gradient_tracking_context", default=None
@@ -57,6 +60,8 @@ class TrackingContext:
         plan: Its tracking plan.
         statistics: The statistics to compute.
         example_ids: The batch's ids, or None.
+        requests: Per-example rows asked for beside the statistics (products
+            with targets' gradients, gradient sketches).
         batch: The step's data: layer calls on values that do not depend on
             them are broadcast to the batch (None: calls are taken as they come).
     """
@@ -67,12 +72,14 @@ class TrackingContext:
         plan: Plan,
         statistics: Sequence[Statistic],
         example_ids: Any,
+        requests: Sequence[AttributionRequest] = (),
         batch: Any = None,
     ) -> None:
         self.model = model
         self.plan = plan
         self.statistics = list(statistics)
         self.example_ids = example_ids
+        self.requests = tuple(requests)
         self.batch = None if batch is None else BatchDependence(batch)
         self.taps = [LayerTap(tracked.layer, tracked.rule, self.batch) for tracked in plan]
         self.losses = LossRecorder()

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import h5py
 import numpy as np
 
-from keras_gradtrack.io import files, schema
+from keras_gradtrack.io import files, output_schema, schema
 from keras_gradtrack.io.checks import check_flush_seconds, checked_rows, non_negative_int
 from keras_gradtrack.io.discard import close_without_writing
 from keras_gradtrack.io.hdf5_tables import COMPRESSIONS, Table, rows_in_all
@@ -45,7 +45,7 @@ class BlockWriter:
 
     Args:
         path: path of the HDF5 file.
-        layout: the file's layout: a `schema.Layout` or `schema.OutputGradientLayout`.
+        layout: the file's layout: a `schema.Layout` or `output_schema.OutputGradientLayout`.
         attrs: root attributes: the strings `library_version`, `keras_version`,
             `tensorflow_version` and `model_name`; any others are stored as given.
         overwrite: replace the file if it exists.
@@ -71,7 +71,7 @@ class BlockWriter:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        layout: schema.Layout | schema.OutputGradientLayout,
+        layout: schema.Layout | output_schema.OutputGradientLayout,
         *,
         attrs: Mapping[str, Any],
         overwrite: bool = False,

@@ -125,12 +125,15 @@ class LogReader:
         """
         return self.read(schema.PER_STEP_GROUP, name)
 
-    def read(self, table: str, name: str) -> np.ndarray:
-        """One column of `table`: its complete rows.
+    def read(self, table: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """One column of `table`: its complete rows (those from `start` to `stop`).
 
         Args:
             table: `"per_example"` or `"per_step"`.
             name: column name (see `layout.columns(table)`).
+            start: the first row to read.
+            stop: the row to stop before (default: the last complete row); rows
+                beyond the complete ones are not read.
 
         Returns:
             Array of shape (rows,) or, for a per-layer statistic, (rows, L).
@@ -150,7 +153,9 @@ class LogReader:
             raise KeyError(f"No {table} column {name!r} in '{self.path}'. Available: {columns}")
         file = self._require_open()
         with damage_reported(self.path):
-            return file[table][name][: self._length(table)]
+            length = self._length(table)
+            stop = length if stop is None else min(stop, length)
+            return file[table][name][start:stop]
 
     def refresh(self) -> None:
         """Makes the rows written since opening (or the last refresh) visible."""
@@ -168,7 +173,9 @@ class LogReader:
     def to_pandas(self, kind: str = "per_example") -> "pandas.DataFrame":
         """One table as a `pandas.DataFrame`.
 
-        Per-layer statistics become one column per layer, named `"<stat>/<layer>"`.
+        Per-layer statistics become one column per layer, named `"<stat>/<layer>"`;
+        `target_influence` one per target (`"target_influence/<target id>"`) and
+        `gradient_sketch` one per position.
 
         Args:
             kind: `"per_example"` or `"per_step"`.
@@ -194,11 +201,12 @@ class LogReader:
         columns: dict[str, np.ndarray] = {}
         for name in self._layout.columns(kind):
             values = self.read(kind, name)
-            if values.ndim == 1:
+            labels = self._layout.labels(kind, name)
+            if labels is None:
                 columns[name] = values
             else:
-                for layer, column in zip(self._layout.layer_names, values.T, strict=True):
-                    columns[f"{name}/{layer}"] = column
+                for label, column in zip(labels, values.T, strict=True):
+                    columns[f"{name}/{label}"] = column
         return pandas.DataFrame(columns)
 
     def close(self) -> None:

@@ -4,35 +4,30 @@ Every name, dtype, shape and attribute of a log is defined here once; the writer
 (`io.block_writer`) creates and fills whatever a layout declares, and the readers
 look names up here.
 
-The gradient log (`HDF5GradientLogger`, schema version 1):
+The gradient log (`HDF5GradientLogger`, schema version 2; version 1 lacks the
+attribution columns and groups, and is read too):
 
 ```
-/                       attrs: schema_version=1, library_version, keras_version,
+/                       attrs: schema_version=2, library_version, keras_version,
                                tensorflow_version, created (ISO 8601, UTC), model_name
 /per_example/step       int64   (N,)     global step of the row
 /per_example/epoch      int32   (N,)
 /per_example/example_id int64   (N,)
 /per_example/<stat>     float32 (N,) or (N, L)
+/per_example/target_influence  float32 (N, T)   with targets: lr_t <g_i, g_target_j>
+/per_example/gradient_sketch   float32 (N, K)   with sketches: the sketch of g_i
 /per_step/step          int64   (S,)
 /per_step/epoch         int32   (S,)
 /per_step/batch_size    int32   (S,)
 /per_step/learning_rate float32 (S,)     reserved: the rate the optimizer used
 /per_step/<stat>        float32 (S,) or (S, L)
 /layers                 attrs: names = the L layer names, in column order
+/targets                attrs: example_ids = the T target ids, in column order
+/sketch                 attrs: dim, seed, variables, widths (see `SketchLayout`)
 ```
 
-The output-gradient log (`OutputGradientLogger`, output_gradients_schema_version 1):
-
-```
-/                       attrs: output_gradients_schema_version=1, library_version,
-                               keras_version, tensorflow_version, created, model_name,
-                               num_features (F), axis
-/per_step/step          int64   (S,)
-/per_step/epoch         int32   (S,)
-/per_step/output_grad_norm              float32 (S, F, L)
-/output_gradients/<layer>/<variable>    float32 (S, F) + variable.shape   (save_tensors)
-/layers                 attrs: names = the L layer names, in column order
-```
+The output-gradient log (`OutputGradientLogger`) is declared in `io.output_schema`
+with the names defined here.
 
 A *table* is a set of datasets that grow together: row r of each describes the
 same example (or step). Every dataset is resizable along its first axis, chunked
@@ -51,8 +46,8 @@ import numpy as np
 from keras_gradtrack.io.checks import check_layer_names
 from keras_gradtrack.io.hdf5_tables import Column, Table, member, read_version, required_groups
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, SCHEMA_VERSION)
 SCHEMA_VERSION_ATTR = "schema_version"
 OUTPUT_GRADIENTS_SCHEMA_VERSION = 1
 OUTPUT_GRADIENTS_SCHEMA_VERSION_ATTR = "output_gradients_schema_version"
@@ -84,8 +79,23 @@ INDEX_COLUMNS: dict[str, dict[str, np.dtype]] = {
 # The learning rate the optimizer used at each tracked step (for TracIn-style
 # influence): a per-step value column the logger writes, not a statistic.
 LEARNING_RATE = "learning_rate"
+# Attribution (schema version 2): per example row, `lr_t <g_i, g_target_j>` for the T
+# targets of `/targets`, and the K numbers of the gradient sketch of `/sketch`.
+TARGET_INFLUENCE = "target_influence"
+GRADIENT_SKETCH = "gradient_sketch"
+TARGETS_GROUP = "targets"
+TARGET_IDS_ATTR = "example_ids"
+SKETCH_GROUP = "sketch"
 # Names no user statistic may take: they are columns the logger writes itself.
-RESERVED_NAMES = (STEP, EPOCH, EXAMPLE_ID, BATCH_SIZE, LEARNING_RATE)
+RESERVED_NAMES = (
+    STEP,
+    EPOCH,
+    EXAMPLE_ID,
+    BATCH_SIZE,
+    LEARNING_RATE,
+    TARGET_INFLUENCE,
+    GRADIENT_SKETCH,
+)
 STATISTIC_DTYPE = np.dtype("float32")
 
 OUTPUT_GRAD_NORM = "output_grad_norm"
@@ -107,28 +117,70 @@ def chunk_rows(table: str, width: int | None, itemsize: int) -> int:
     return max(1, min(CHUNK_ROWS[table], MAX_CHUNK_BYTES // row_bytes))
 
 
-def _column(table: str, name: str, dtype: np.dtype, width: int | None) -> Column:
+def table_column(table: str, name: str, dtype: np.dtype, width: int | None) -> Column:
+    """The declaration of one column of `table`: (rows,) or (rows, width), chunked by rows."""
     row_shape = () if width is None else (width,)
     rows = chunk_rows(table, width, dtype.itemsize)
     return Column(f"{table}/{name}", dtype, row_shape, (rows, *row_shape))
 
 
 @dataclasses.dataclass(frozen=True)
+class SketchLayout:
+    """How the gradient sketches of a log are made: the attributes of `/sketch`.
+
+    Each sketched variable's gradient, as a (rows, cols) matrix (cols its last
+    axis), is projected to `R^T g C`: R (rows, min(rows, dim)) and C (cols,
+    min(cols, dim)) Gaussian, drawn from `seed`; a side no larger than `dim` is
+    kept as it is.
+
+    Attributes:
+        dim: the most dimensions a side is projected to.
+        seed: the seed of the projections.
+        variables: paths of the sketched variables, in column order.
+        widths: each variable's sketch size, `r_in * r_out` (K is their sum).
+    """
+
+    dim: int
+    seed: int
+    variables: tuple[str, ...]
+    widths: tuple[int, ...]
+
+    def attrs(self) -> dict[str, Any]:
+        return {
+            "dim": self.dim,
+            "seed": self.seed,
+            "variables": np.array(self.variables, dtype=h5py.string_dtype()),
+            "widths": np.array(self.widths, dtype=np.int64),
+        }
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> "SketchLayout":
+        names = [n.decode() if isinstance(n, bytes) else str(n) for n in attrs["variables"]]
+        widths = tuple(int(w) for w in attrs["widths"])
+        return cls(int(attrs["dim"]), int(attrs["seed"]), tuple(names), widths)
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """A gradient log: layer names and, per table, value column name -> width.
 
-    A width is `None` for a column of shape (rows,) and L for (rows, L). The value
-    columns are the statistics and, in `per_step`, the reserved `learning_rate`.
+    A width is `None` for a column of shape (rows,) and L for (rows, L); the
+    reserved `target_influence` has one column per target, `gradient_sketch` K.
+    The value columns are the statistics and the reserved columns.
 
     Attributes:
         layer_names: the L layer names, in the column order of per-layer statistics.
         per_example: per-example value columns, in file order.
         per_step: per-step value columns, in file order.
+        target_ids: the ids of the targets of `target_influence`, in column order.
+        sketch: how `gradient_sketch` is made, if the log holds sketches.
     """
 
     layer_names: list[str]
     per_example: dict[str, int | None]
     per_step: dict[str, int | None]
+    target_ids: tuple[int, ...] = ()
+    sketch: SketchLayout | None = None
 
     description = "keras_gradtrack log"
     version_attr = SCHEMA_VERSION_ATTR
@@ -140,16 +192,29 @@ class Layout:
         layer_names: Sequence[str],
         per_example: Mapping[str, int | None],
         per_step: Mapping[str, int | None],
+        target_ids: Sequence[int] = (),
+        sketch: SketchLayout | None = None,
     ) -> "Layout":
         """Validates the layout given to a writer.
 
         Raises:
             ValueError: for layer names that are not unique strings, column names
                 that are empty, hold '/' or name an index column, a `learning_rate`
-                other than one value per step, or widths other than `None` and
-                `len(layer_names)`.
+                other than one value per step, widths other than `None` and
+                `len(layer_names)`, or reserved attribution columns that do not
+                match `target_ids` and `sketch`.
         """
         check_layer_names(layer_names)
+        target_ids = tuple(int(i) for i in target_ids)
+        attribution = {TARGET_INFLUENCE: len(target_ids) or None}
+        attribution[GRADIENT_SKETCH] = sum(sketch.widths) if sketch else None
+        for name, width in attribution.items():
+            if per_example.get(name) != width or (width is None) == (name in per_example):
+                raise ValueError(
+                    f"Expected '{name}' among the per_example columns with width {width} "
+                    f"(as the targets and sketch say) or, for None, not at all. Received: "
+                    f"per_example={dict(per_example)}, {len(target_ids)} targets, {sketch=}"
+                )
         num_layers = len(layer_names)
         for table, widths in ((PER_EXAMPLE_GROUP, per_example), (PER_STEP_GROUP, per_step)):
             index_columns = list(INDEX_COLUMNS[table])
@@ -164,6 +229,8 @@ class Layout:
                         f"'{LEARNING_RATE}' is reserved for the per-step learning rate (one "
                         f"value per step, width None). Received: {table}={dict(widths)}"
                     )
+                if name in attribution and table == PER_EXAMPLE_GROUP:
+                    continue
                 if width is not None and (
                     isinstance(width, bool) or width != num_layers or num_layers == 0
                 ):
@@ -172,7 +239,7 @@ class Layout:
                         f"len(layer_names)={num_layers} (one value per layer). "
                         f"Received: {table}={dict(widths)}"
                     )
-        return cls(list(layer_names), dict(per_example), dict(per_step))
+        return cls(list(layer_names), dict(per_example), dict(per_step), target_ids, sketch)
 
     def widths(self, table: str) -> dict[str, int | None]:
         """The value columns of `table` (`"per_example"` or `"per_step"`) and their widths."""
@@ -184,13 +251,35 @@ class Layout:
         """Every column of `table` in file order: the index columns, then the values."""
         return [*INDEX_COLUMNS[table], *self.widths(table)]
 
+    def per_layer(self, table: str) -> list[str]:
+        """The value columns of `table` with one column per layer, in file order."""
+        return [
+            name
+            for name, width in self.widths(table).items()
+            if width is not None and name not in (TARGET_INFLUENCE, GRADIENT_SKETCH)
+        ]
+
+    def labels(self, table: str, name: str) -> list[str] | None:
+        """What the columns of a 2-D dataset are: layer names, target ids or sketch
+        positions; None for a dataset of one value per row."""
+        width = self.widths(table).get(name)
+        if width is None:
+            return None
+        if table == PER_EXAMPLE_GROUP and name == TARGET_INFLUENCE:
+            return [str(target) for target in self.target_ids]
+        if table == PER_EXAMPLE_GROUP and name == GRADIENT_SKETCH:
+            return [str(position) for position in range(width)]
+        return list(self.layer_names)
+
     def tables(self) -> dict[str, Table]:
         """The datasets to create, per table; per-example rows number `batch_size` per step."""
         tables = {}
         for table in TABLES:
-            columns = [_column(table, n, dtype, None) for n, dtype in INDEX_COLUMNS[table].items()]
+            columns = [
+                table_column(table, n, dtype, None) for n, dtype in INDEX_COLUMNS[table].items()
+            ]
             columns += [
-                _column(table, name, STATISTIC_DTYPE, width)
+                table_column(table, name, STATISTIC_DTYPE, width)
                 for name, width in self.widths(table).items()
             ]
             rows_per_step = f"{PER_STEP_GROUP}/{BATCH_SIZE}" if table == PER_EXAMPLE_GROUP else None
@@ -200,6 +289,15 @@ class Layout:
     def layout_attrs(self) -> dict[str, Any]:
         """Root attributes that belong to the layout (compared when appending): none."""
         return {}
+
+    def group_attrs(self) -> dict[str, dict[str, Any]]:
+        """The attribution groups' attributes: `/targets`, `/sketch`, when the log has them."""
+        groups: dict[str, dict[str, Any]] = {}
+        if self.target_ids:
+            groups[TARGETS_GROUP] = {TARGET_IDS_ATTR: np.array(self.target_ids, np.int64)}
+        if self.sketch is not None:
+            groups[SKETCH_GROUP] = self.sketch.attrs()
+        return groups
 
     @classmethod
     def read(cls, file: h5py.File, path: str) -> "Layout":
@@ -233,117 +331,19 @@ class Layout:
                 for name, dataset in group.items()
                 if name not in INDEX_COLUMNS[table]
             }
+        targets = member(file, TARGETS_GROUP)
+        target_ids = () if targets is None else tuple(targets.attrs[TARGET_IDS_ATTR].tolist())
+        sketch = member(file, SKETCH_GROUP)
         return cls(
-            _layer_names(groups[LAYERS_GROUP]), widths[PER_EXAMPLE_GROUP], widths[PER_STEP_GROUP]
+            layer_names_of(groups[LAYERS_GROUP]),
+            widths[PER_EXAMPLE_GROUP],
+            widths[PER_STEP_GROUP],
+            target_ids,
+            None if sketch is None else SketchLayout.from_attrs(sketch.attrs),
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class OutputGradientLayout:
-    """An output-gradient log: for F output features and L layers, per logged step.
-
-    Attributes:
-        layer_names: the L layers with variables of their own, in column order.
-        num_features: F, the size of the model output along `axis`.
-        axis: the output axis that enumerates the features.
-        variables: layer name -> variable name -> shape, for the full gradient
-            tensors (`save_tensors=True`); empty otherwise.
-        chunk_size: features per compiled call; the tensors are chunked alike.
-    """
-
-    layer_names: list[str]
-    num_features: int
-    axis: int
-    variables: dict[str, dict[str, tuple[int, ...]]]
-    chunk_size: int = dataclasses.field(default=16, compare=False)
-
-    description = "keras_gradtrack output-gradient log"
-    version_attr = OUTPUT_GRADIENTS_SCHEMA_VERSION_ATTR
-    version = OUTPUT_GRADIENTS_SCHEMA_VERSION
-
-    def __post_init__(self) -> None:
-        check_layer_names(self.layer_names)
-        unknown = sorted(set(self.variables) - set(self.layer_names))
-        if unknown:
-            raise ValueError(
-                f"Expected the variables of layers in {self.layer_names}. Received: {unknown}"
-            )
-        for layer, variables in self.variables.items():
-            if any(not name or "/" in name for name in variables):
-                raise ValueError(
-                    f"Expected variable names without '/'. Received: layer {layer!r}: "
-                    f"{list(variables)}"
-                )
-
-    def tables(self) -> dict[str, Table]:
-        """One table, one row per logged step: the norms, and the tensors if saved."""
-        features, layers = self.num_features, len(self.layer_names)
-        columns = [
-            _column(PER_STEP_GROUP, STEP, INDEX_COLUMNS[PER_STEP_GROUP][STEP], None),
-            _column(PER_STEP_GROUP, EPOCH, INDEX_COLUMNS[PER_STEP_GROUP][EPOCH], None),
-            Column(
-                f"{PER_STEP_GROUP}/{OUTPUT_GRAD_NORM}",
-                STATISTIC_DTYPE,
-                (features, layers),
-                (1, features, layers),
-            ),
-        ]
-        # The tensors are written chunk by chunk while the step runs, so memory grows
-        # with a chunk of features, never with all of them.
-        chunk = min(self.chunk_size, features)
-        for layer in self.layer_names:
-            for name, shape in self.variables.get(layer, {}).items():
-                path = self.tensor_path(layer, name)
-                row_shape = (features, *shape)
-                columns.append(
-                    Column(path, STATISTIC_DTYPE, row_shape, (1, chunk, *shape), streamed=True)
-                )
-        return {PER_STEP_GROUP: Table(tuple(columns))}
-
-    def layout_attrs(self) -> dict[str, Any]:
-        """Root attributes that belong to the layout (compared when appending)."""
-        return {NUM_FEATURES_ATTR: self.num_features, AXIS_ATTR: self.axis}
-
-    @staticmethod
-    def tensor_path(layer: str, variable: str) -> str:
-        """The dataset of one variable's per-feature gradients."""
-        return f"{OUTPUT_GRADIENTS_GROUP}/{layer}/{variable}"
-
-    @classmethod
-    def read(cls, file: h5py.File, path: str) -> "OutputGradientLayout":
-        """Checks that `file` is an output-gradient log this version reads; returns its layout.
-
-        Raises:
-            ValueError: if the file is not an output-gradient log of a supported version.
-        """
-        read_version(
-            file, path, cls.description, cls.version_attr, (OUTPUT_GRADIENTS_SCHEMA_VERSION,)
-        )
-        groups = required_groups(file, path, cls.description, (PER_STEP_GROUP, LAYERS_GROUP))
-        variables: dict[str, dict[str, tuple[int, ...]]] = {}
-        if OUTPUT_GRADIENTS_GROUP in file:
-            tensors = file[OUTPUT_GRADIENTS_GROUP]
-            for layer, group in tensors.items():
-                variables[layer] = {name: d.shape[2:] for name, d in group.items()}
-        steps = groups[PER_STEP_GROUP]
-        norms = member(steps, OUTPUT_GRAD_NORM)
-        if not isinstance(norms, h5py.Dataset) or norms.ndim != 3:
-            raise ValueError(
-                f"'{path}' is not a {cls.description}: it has no 3-D "
-                f"'/{PER_STEP_GROUP}/{OUTPUT_GRAD_NORM}'."
-            )
-        return cls(
-            _layer_names(groups[LAYERS_GROUP]),
-            int(file.attrs.get(NUM_FEATURES_ATTR, norms.shape[1])),
-            int(file.attrs.get(AXIS_ATTR, -1)),
-            variables,
-            norms.chunks[1] if norms.chunks else norms.shape[1],
-        )
-
-
-def header(
-    layout: "Layout | OutputGradientLayout", attrs: Mapping[str, Any]
-) -> dict[str, dict[str, Any]]:
+def header(layout: Any, attrs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The attributes of a new file of `layout`, per group path (`"/"`: the root).
 
     Args:
@@ -360,6 +360,7 @@ def header(
             **layout.layout_attrs(),
         },
         LAYERS_GROUP: {LAYER_NAMES_ATTR: names},
+        **layout.group_attrs(),
     }
 
 
@@ -390,6 +391,7 @@ def checked_caller_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return dict(attrs)
 
 
-def _layer_names(group: h5py.Group) -> list[str]:
+def layer_names_of(group: h5py.Group) -> list[str]:
+    """The layer names stored in the attributes of `group` (`/layers`)."""
     names = group.attrs.get(LAYER_NAMES_ATTR, np.array([], dtype=object))
     return [name.decode() if isinstance(name, bytes) else str(name) for name in names]

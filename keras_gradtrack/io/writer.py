@@ -12,7 +12,7 @@ from keras_gradtrack.io.checks import non_negative_int
 
 
 class LogWriter(BlockWriter):
-    """Writes gradient statistics to an HDF5 file in the gradient-log schema (version 1).
+    """Writes gradient statistics to an HDF5 file in the gradient-log schema (version 2).
 
     Steps are buffered in memory and written in blocks: when `flush_every` steps are
     buffered, or at the first step `flush_seconds` after the last block. Every
@@ -27,6 +27,10 @@ class LogWriter(BlockWriter):
             value per example and layer.
         per_step: statistic name -> `None` for one value per step, or L for one value
             per step and layer; may hold the reserved `"learning_rate"` (`None`).
+        target_ids: the ids of the targets, when `per_example` holds the reserved
+            `"target_influence"` (width `len(target_ids)`).
+        sketch: how the sketches are made, when `per_example` holds the reserved
+            `"gradient_sketch"` (width `sum(sketch.widths)`).
         attrs: root attributes: the strings `library_version`, `keras_version`,
             `tensorflow_version` and `model_name`; any others are stored as given.
             The writer adds `schema_version` and `created`.
@@ -73,6 +77,8 @@ class LogWriter(BlockWriter):
         per_example: Mapping[str, int | None],
         per_step: Mapping[str, int | None],
         attrs: Mapping[str, Any],
+        target_ids: Sequence[int] = (),
+        sketch: schema.SketchLayout | None = None,
         overwrite: bool = False,
         append: bool = False,
         flush_every: int = 100,
@@ -81,7 +87,7 @@ class LogWriter(BlockWriter):
     ):
         super().__init__(
             path,
-            schema.Layout.from_arguments(layer_names, per_example, per_step),
+            schema.Layout.from_arguments(layer_names, per_example, per_step, target_ids, sketch),
             attrs=attrs,
             overwrite=overwrite,
             append=append,
@@ -108,7 +114,8 @@ class LogWriter(BlockWriter):
             epoch: epoch index, a non-negative integer.
             example_ids: integer ids of the B examples of the step, shape (B,); they
                 are stored as int64, exactly (uint64 ids from 2**63 up are refused).
-            per_example: every declared per-example statistic, shape (B,) or (B, L).
+            per_example: every declared per-example column, shape (B,), (B, L), or
+                (B, width) for the reserved attribution columns.
             per_step: every declared per-step column, a scalar or shape (L,).
 
         NaN and infinite values are stored as they are.

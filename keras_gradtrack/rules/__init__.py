@@ -48,12 +48,15 @@ from keras.src.applications.convnext import LayerScale
 
 from keras_gradtrack.rules.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.rules.contract import (
+    CrossFn,
     LayerCall,
     LayerPrimitives,
     PerExampleFn,
+    Projection,
     Reference,
     Rule,
     RuleFn,
+    SketchFn,
     Tapped,
 )
 from keras_gradtrack.rules.conv import CONV, DEPTHWISE_CONV
@@ -192,13 +195,16 @@ __all__ = [
     "RECURRENT",
     "RMS_NORMALIZATION",
     "SEPARABLE_CONV",
+    "CrossFn",
     "LayerCall",
     "LayerPrimitives",
     "Lookup",
     "PerExampleFn",
+    "Projection",
     "Reference",
     "Rule",
     "RuleFn",
+    "SketchFn",
     "Tapped",
     "lookup",
     "materialized",

@@ -80,6 +80,31 @@ class Reference:
         return all(id(variable) in self.batch_sums for variable in variables)
 
 
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """The random projections of each variable's gradient sketch.
+
+    A variable's gradient is seen as a matrix `mat(g)` of `rows` (all axes but the
+    last, flattened; 1 for a vector) by `cols` (the last axis). Its sketch is
+    `rows(variable)^T mat(g) columns(variable)`, `(r_in, r_out)`: a Kronecker-structured
+    random projection that a rule can apply to its factors (the layer's inputs
+    and output gradients) without building `g`.
+
+    Attributes:
+        matrices: `{id(variable): (rows (rows, r_in), columns (cols, r_out))}`, float32.
+    """
+
+    matrices: Mapping[int, tuple[tf.Tensor, tf.Tensor]]
+
+    def rows(self, variable: Any) -> tf.Tensor:
+        """`(rows, r_in)`: the projection of the variable's row side."""
+        return self.matrices[id(variable)][0]
+
+    def columns(self, variable: Any) -> tf.Tensor:
+        """`(cols, r_out)`: the projection of the variable's column side."""
+        return self.matrices[id(variable)][1]
+
+
 class LayerPrimitives(NamedTuple):
     """Per-example primitives of one layer.
 
@@ -105,6 +130,17 @@ RuleFn = Callable[[Any, Sequence[LayerCall], Reference], LayerPrimitives]
 # without one (and without `per_example`) get the layer's Gram matrix from the
 # exact per-layer fallback.
 GramFn = Callable[[Any, Sequence[LayerCall]], tf.Tensor]
+
+# Optional: (layer, calls, target_calls) -> (B, T) `<g_i^(k), g'_j^(k)>` between the
+# examples of `calls` and those of `target_calls` (other examples through the same
+# layer, with their own output gradients). Homogeneous of degree 1 in each side's
+# output gradients. Rules without one get it from per-example gradients.
+CrossFn = Callable[[Any, Sequence[LayerCall], Sequence[LayerCall]], tf.Tensor]
+
+# Optional: (layer, calls, projection) -> [(variable, (B, r_in, r_out) sketch)], one
+# pair per trainable variable: `projection.rows(v)^T mat(g_i) projection.columns(v)`
+# (see `Projection`), from the factors. Rules without one project per-example gradients.
+SketchFn = Callable[[Any, Sequence[LayerCall], Projection], list[tuple[Any, tf.Tensor]]]
 
 # Optional: (layer, calls) -> [(variable, (B, ...) per-example gradient)], one
 # pair per trainable variable of the layer, each `d l_i / d variable`.
@@ -173,6 +209,9 @@ class Rule:
             from the rule registered for the layer's class, also where the
             rule does not apply to an instance: its column then goes to the
             fallback whole.
+        cross: Optional products with other examples' gradients (for influence
+            on targets), see `CrossFn`.
+        sketch: Optional gradient sketches from the factors, see `SketchFn`.
 
     Example:
 
@@ -198,6 +237,8 @@ class Rule:
     per_example: PerExampleFn | None = None
     materializes: ShapeTest = always
     covers_sublayers: bool = False
+    cross: CrossFn | None = None
+    sketch: SketchFn | None = None
 
     def derives_gradients(self, layer: Any, calls: Sequence[LayerCall]) -> bool:
         """Whether this step takes the layer's gradients from `per_example`."""

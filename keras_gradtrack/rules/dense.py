@@ -13,9 +13,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.cost import gram_is_cheaper, materializing_is_cheaper
 from keras_gradtrack.rules.ops import (
+    cross_of,
     flat_per_example,
     gram_of,
     has_plain_weights,
@@ -135,11 +136,18 @@ def dense_2d_primitives(
 
 def dense_2d_gram(a: tf.Tensor, d: tf.Tensor, has_kernel: bool, has_bias: bool) -> tf.Tensor:
     """`(B, B)` `<g_i, g_j> = (a_i . a_j (+ 1 with a bias)) (d_i . d_j)`."""
-    gram_d = tf.matmul(d, d, transpose_b=True)
-    gram_a = tf.matmul(a, a, transpose_b=True) if has_kernel else tf.zeros_like(gram_d)
+    return dense_2d_cross(a, d, a, d, has_kernel, has_bias)
+
+
+def dense_2d_cross(
+    a: tf.Tensor, d: tf.Tensor, a2: tf.Tensor, d2: tf.Tensor, has_kernel: bool, has_bias: bool
+) -> tf.Tensor:
+    """`(B, T)` `<g_i, h_j> = (a_i . a2_j (+ 1 with a bias)) (d_i . d2_j)`."""
+    cross_d = tf.matmul(d, d2, transpose_b=True)
+    cross_a = tf.matmul(a, a2, transpose_b=True) if has_kernel else tf.zeros_like(cross_d)
     if has_bias:
-        gram_a += 1.0
-    return gram_a * gram_d
+        cross_a += 1.0
+    return cross_a * cross_d
 
 
 def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
@@ -178,6 +186,47 @@ def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any,
     return pairs
 
 
+def dense_cross(
+    layer: Any, calls: Sequence[LayerCall], target_calls: Sequence[LayerCall]
+) -> tf.Tensor:
+    """`(B, T)` products of a Dense layer's per-example gradients with other examples'.
+
+    On 2-D inputs `<g_i, h_j> = (a_i . a'_j + 1) (d_i . d'_j)` (the `+ 1` with a bias),
+    never building a gradient; on sequences from the per-example gradients.
+    """
+    a, d = as_sequences(calls)
+    a2, d2 = as_sequences(target_calls)
+    kernel, bias = trained_variables(layer)
+    if a.shape[1] == 1 and a2.shape[1] == 1:
+        return dense_2d_cross(
+            a[:, 0, :], d[:, 0, :], a2[:, 0, :], d2[:, 0, :], kernel is not None, bias is not None
+        )
+    pairs, target_pairs = dense_per_example(layer, calls), dense_per_example(layer, target_calls)
+    return cross_of(
+        [flat_per_example(g) for _, g in pairs], [flat_per_example(h) for _, h in target_pairs]
+    )
+
+
+def dense_sketch(
+    layer: Any, calls: Sequence[LayerCall], projection: Projection
+) -> list[tuple[Any, tf.Tensor]]:
+    """Sketches of a Dense layer's per-example gradients from its factors.
+
+    Kernel: `sum_t (R^T a_it)(C^T d_it)^T`, never `a_it d_it^T` itself; bias: `sum_t C^T d_it`.
+    """
+    a, d = as_sequences(calls)
+    kernel, bias = trained_variables(layer)
+    pairs = []
+    if kernel is not None:
+        projected_a = tf.einsum("bti,ir->btr", a, projection.rows(kernel))
+        projected_d = tf.einsum("bto,os->bts", d, projection.columns(kernel))
+        pairs.append((kernel, tf.einsum("btr,bts->brs", projected_a, projected_d)))
+    if bias is not None:
+        projected_d = tf.einsum("bto,os->bs", d, projection.columns(bias))
+        pairs.append((bias, projected_d[:, None, :] * projection.rows(bias)[0, 0]))
+    return pairs
+
+
 DENSE = Rule(
     "dense",
     dense_primitives,
@@ -185,4 +234,6 @@ DENSE = Rule(
     gram=dense_gram,
     per_example=dense_per_example,
     materializes=dense_materializes,
+    cross=dense_cross,
+    sketch=dense_sketch,
 )

@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.ops import has_plain_weights, reshape_per_example, sum_of_squares
 
 # Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
@@ -109,4 +109,36 @@ def embedding_primitives(
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 
 
-EMBEDDING = Rule("embedding", embedding_primitives, embedding_applies, split_activation=False)
+def embedding_cross(
+    layer: Any, calls: Sequence[LayerCall], target_calls: Sequence[LayerCall]
+) -> tf.Tensor:
+    """`(B, T)` products with other examples' gradients: `sum_{t,s: id_t = id'_s} <d_t, d'_s>`.
+
+    Cost `B T_b T S dim` for `T_b` and `S` tokens per example (a masked product of the
+    two sides' output gradients), never a `(vocabulary, dim)` gradient.
+    """
+    ids, d = as_token_sequences(layer, calls)
+    target_ids, target_d = as_token_sequences(layer, target_calls)
+    same_id = tf.equal(ids[:, :, None, None], target_ids[None, None, :, :])
+    products = tf.einsum("btd,jsd->btjs", d, target_d)
+    return tf.reduce_sum(tf.where(same_id, products, 0.0), axis=[1, 3])
+
+
+def embedding_sketch(
+    layer: Any, calls: Sequence[LayerCall], projection: Projection
+) -> list[tuple[Any, tf.Tensor]]:
+    """The sketch `sum_t R[id_t]^T (C^T d_t)` (rows of R looked up, no one-hot rows)."""
+    ids, d = as_token_sequences(layer, calls)
+    rows = tf.gather(projection.rows(layer.embeddings), ids)
+    projected_d = tf.einsum("btd,ds->bts", d, projection.columns(layer.embeddings))
+    return [(layer.embeddings, tf.einsum("btr,bts->brs", rows, projected_d))]
+
+
+EMBEDDING = Rule(
+    "embedding",
+    embedding_primitives,
+    embedding_applies,
+    split_activation=False,
+    cross=embedding_cross,
+    sketch=embedding_sketch,
+)

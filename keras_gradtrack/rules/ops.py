@@ -14,6 +14,7 @@ from keras_gradtrack.rules.contract import (
     LayerCall,
     LayerPrimitives,
     PerExampleFn,
+    Projection,
     Reference,
     RuleFn,
 )
@@ -85,6 +86,20 @@ def primitives_of(per_example: PerExampleFn) -> RuleFn:
 def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
     """`(B, B)` `<g_i, g_j>` summed over the given per-example gradients `(B, n)`."""
     return tf.add_n([tf.matmul(g, g, transpose_b=True) for g in per_example])
+
+
+def cross_of(per_example: Sequence[tf.Tensor], targets: Sequence[tf.Tensor]) -> tf.Tensor:
+    """`(B, T)` `<g_i, h_j>` summed over paired per-example gradients `(B, n)` and `(T, n)`."""
+    return tf.add_n([tf.matmul(g, h, transpose_b=True) for g, h in zip(per_example, targets)])
+
+
+def sketch_of(variable: Any, per_example: tf.Tensor, projection: Projection) -> tf.Tensor:
+    """`(B, r_in, r_out)` sketch of a variable's per-example gradients `(B, ...)` (see
+    `Projection`): the gradients as `(B, rows, cols)` matrices, projected on both sides."""
+    columns = variable.shape[-1] if len(variable.shape) else 1
+    matrices = reshape_per_example(per_example, [-1, columns])
+    projected = tf.einsum("brc,cs->brs", matrices, projection.columns(variable))
+    return tf.einsum("brs,rq->bqs", projected, projection.rows(variable))
 
 
 def zero_primitives(like: tf.Tensor) -> LayerPrimitives:

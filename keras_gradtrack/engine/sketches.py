@@ -1,0 +1,247 @@
+"""Gradient sketches: per-example gradients projected to a few numbers, for targets chosen later.
+
+Exact influence on a target needs the target's gradient at every step's
+weights, so the target must be known before training (`engine.targets`). For a
+target chosen afterwards, the log keeps a sketch of each example's gradient
+(`GradientSketch`), and the logger saves the weights at chosen steps; a
+target's sketch at a checkpoint then stands in for its gradient at the steps
+after it (`checkpoint_sketches`), and `<sketch_i, sketch_target>` for
+`<g_i, g_target>`.
+
+A variable's gradient, seen as a (rows, cols) matrix `M` (cols its last axis),
+is sketched as `R^T M C` (LoGra's Kronecker-structured projection, Choe et al.
+2024): R (rows, r_in) and C (cols, r_out) are Gaussian with variance `1/r`, so
+inner products are preserved in expectation; a side of at most `dim` entries is
+kept as it is (`R = I`), so small variables are exact. A rule's `sketch` applies
+R and C to the layer's factors (Dense: `sum_t (R^T a_t)(C^T d_t)^T`) without
+building `M`; other layers project their per-example gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from keras.src.saving import saving_lib
+
+from keras_gradtrack.engine.backward import Calls
+from keras_gradtrack.engine.plan import DIRECT, MATERIALIZED, Plan, TrackedLayer, build_plan
+from keras_gradtrack.engine.targets import (
+    AttributionRequest,
+    BatchGradients,
+    TargetSet,
+    layer_per_example,
+    target_pass,
+)
+from keras_gradtrack.rules import Projection
+from keras_gradtrack.rules.ops import reshape_per_example, sketch_of
+
+
+def matrix_sides(shape: Sequence[int]) -> tuple[int, int]:
+    """`(rows, cols)` of a variable's gradient seen as a matrix: cols is the last axis."""
+    if not shape:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def sketch_widths(plan: Plan, dim: int) -> list[tuple[str, int]]:
+    """`(path, r_in * r_out)` of each of `plan`'s variables, in column order."""
+    widths = []
+    for variable in (v for tracked in plan for v in tracked.variables):
+        rows, cols = matrix_sides(variable.shape)
+        widths.append((variable.path, min(rows, dim) * min(cols, dim)))
+    return widths
+
+
+def projection_matrices(dim: int, seed: int, shapes: Sequence[Sequence[int]]) -> list[tuple]:
+    """Per variable, `(R, C)` as float32 numpy arrays (identity for a side kept as is).
+
+    The same `(seed, position)` always gives the same matrices, so sketches made
+    later (of targets) match those of the log.
+    """
+    matrices = []
+    for position, shape in enumerate(shapes):
+        rng = np.random.default_rng([seed, position])
+        sides = []
+        for size in matrix_sides(shape):
+            if size <= dim:
+                sides.append(np.eye(size, dtype=np.float32))
+            else:
+                gaussian = rng.standard_normal((size, dim)) / math.sqrt(dim)
+                sides.append(gaussian.astype(np.float32))
+        matrices.append(tuple(sides))
+    return matrices
+
+
+def projection_of(plan: Plan, dim: int, seed: int) -> Projection:
+    """The rules' view of the projections of `plan`'s variables (constants of the graph)."""
+    variables = [v for tracked in plan for v in tracked.variables]
+    matrices = projection_matrices(dim, seed, [v.shape for v in variables])
+    return Projection(
+        {
+            id(v): (tf.constant(rows), tf.constant(columns))
+            for v, (rows, columns) in zip(variables, matrices)
+        }
+    )
+
+
+def layer_sketches(
+    tracked: TrackedLayer,
+    calls: Calls,
+    form: str,
+    per_example: Mapping[int, tf.Tensor],
+    projection: Projection,
+) -> list[tf.Tensor]:
+    """Per variable of the layer, in order, its `(B, r_in * r_out)` sketches."""
+    rule = tracked.rule
+    if form != MATERIALIZED and rule is not None and rule.sketch is not None:
+        by_variable = {id(v): s for v, s in rule.sketch(tracked.layer, calls, projection)}
+        sketches = [by_variable[id(v)] for v in tracked.variables]
+    else:
+        if form == MATERIALIZED:
+            gradients = [per_example[id(v)] for v in tracked.variables]
+        else:
+            gradients = layer_per_example(tracked, calls)
+        sketches = [sketch_of(v, g, projection) for v, g in zip(tracked.variables, gradients)]
+    return [reshape_per_example(s, [-1]) for s in sketches]
+
+
+class GradientSketch(AttributionRequest):
+    """Asks every tracked step for each example's gradient sketch: `(B, K)` rows.
+
+    Args:
+        dim: The most dimensions each side of a variable's gradient matrix is
+            projected to (a `(rows, cols)` kernel gives `min(rows, dim) *
+            min(cols, dim)` numbers).
+        seed: The seed of the random projections.
+
+    Raises:
+        ValueError: for a `dim` or `seed` that is not a positive (non-negative) int.
+    """
+
+    def __init__(self, dim: int, seed: int = 0):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"Expected sketch_dim to be a positive int. Received: {dim!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"Expected sketch_seed to be a non-negative int. Received: {seed!r}")
+        self.dim = dim
+        self.seed = seed
+
+    def widths(self, model: Any) -> list[tuple[str, int]]:
+        """`(path, width)` of the sketched variables of `model` (every tracked layer's)."""
+        return sketch_widths(build_plan(model), self.dim)
+
+    def rows(self, batch: BatchGradients) -> tf.Tensor:
+        full_plan = build_plan(batch.model)
+        projection = projection_of(full_plan, self.dim, self.seed)
+        sketches = {}
+        for tracked, calls, form in zip(batch.plan, batch.calls, batch.forms):
+            layer = layer_sketches(tracked, calls, form, batch.per_example, projection)
+            sketches.update({v.path: s for v, s in zip(tracked.variables, layer)})
+        count = tf.shape(next(iter(sketches.values())))[0]
+        # Variables the step's gradient does not cover have no gradient: zeros.
+        columns = [
+            sketches[path] if path in sketches else tf.zeros([count, width])
+            for path, width in sketch_widths(full_plan, self.dim)
+        ]
+        return tf.concat(columns, axis=1) / batch.factor
+
+
+def sketch_function(
+    model: Any, dim: int, seed: int, widths: Sequence[int], targets: TargetSet
+) -> Callable[[], Any]:
+    """A compiled function giving the `(n, K)` sketches of `targets` at the model's
+    current weights (loading other weights needs no new trace).
+
+    The gradients are those of the compiled loss in inference mode, as for targets.
+
+    Args:
+        model: A built model of the log's architecture.
+        dim: The sketches' `dim`.
+        seed: The sketches' seed.
+        widths: The log's width of each sketched variable, to check the model with.
+        targets: The examples.
+
+    Raises:
+        ValueError: if the model is not built, or its tracked variables differ from
+            the log's in number or in shape (their names may differ: a model built
+            anew numbers its layers on).
+    """
+    if not model.built:
+        raise ValueError(
+            f"Expected a built model of the log's architecture. Received: model "
+            f"{model.name!r}, not built yet (call it on a batch first)."
+        )
+    plan = build_plan(model)
+    found = sketch_widths(plan, dim)
+    if [width for _, width in found] != list(widths):
+        raise ValueError(
+            "Expected a model of the architecture the log was written with: the sketched "
+            f"variables differ. Expected (in the log) widths {list(widths)}. Received: "
+            f"{found}"
+        )
+
+    @tf.function(autograph=False)
+    def sketches() -> tf.Tensor:
+        calls, factor = target_pass(model, plan, targets.x, targets.y)
+        projection = projection_of(plan, dim, seed)
+        columns = []
+        for tracked, layer_calls in zip(plan, calls):
+            columns += layer_sketches(tracked, layer_calls, DIRECT, {}, projection)
+        return tf.concat(columns, axis=1) / factor
+
+    return sketches
+
+
+def save_checkpoint(model: Any, path: Path) -> None:
+    """Saves the model's weights (not the optimizer's) as a Keras `.weights.h5` file."""
+    skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
+    saving_lib.save_weights_only(model, path, objects_to_skip=skipped)
+
+
+def load_checkpoint(model: Any, path: Path) -> None:
+    """Loads weights `save_checkpoint` saved; the model's optimizer is left as it is."""
+    skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
+    saving_lib.load_weights_only(model, path, objects_to_skip=skipped)
+
+
+def checkpoint_sketches(
+    model: Any,
+    dim: int,
+    seed: int,
+    widths: Sequence[int],
+    checkpoints: Mapping[int, Path],
+    targets: TargetSet,
+) -> dict[int, np.ndarray]:
+    """`{step: (n, K) sketches}` of examples at each checkpoint's weights.
+
+    The model's own weights are put back afterwards.
+
+    Args:
+        model: A built model of the log's architecture.
+        dim: The sketches' `dim`.
+        seed: The sketches' seed.
+        widths: The log's width of each sketched variable.
+        checkpoints: `{step: weights file}`, as `io.checkpoints.checkpoints` lists them.
+        targets: The examples.
+    """
+    if not checkpoints:
+        raise ValueError(
+            "Sketched influence needs the weights saved during training; the log has no "
+            "checkpoint (HDF5GradientLogger(sketch_dim=..., checkpoint_every=...) saves them)."
+        )
+    compute = sketch_function(model, dim, seed, widths, targets)
+    original = [np.array(w) for w in model.get_weights()]
+    try:
+        sketches = {}
+        for step, path in sorted(checkpoints.items()):
+            load_checkpoint(model, path)
+            sketches[step] = compute().numpy()
+        return sketches
+    finally:
+        model.set_weights(original)

@@ -1,0 +1,304 @@
+"""Products of each example's gradient with fixed targets' gradients, in the tracked step.
+
+TracIn (Pruthi et al. 2020) scores how much training on example i moved the loss
+on a target z': `sum_t lr_t <g_i(theta_t), g_z'(theta_t)>`. A logger given targets
+asks every tracked step for the `(B, T)` products `<g_i, g_j'>` at the weights of
+that step, before its update (`TargetSet`). The step runs the targets' own
+forward and backward pass (inference mode, the compiled loss, the same taps), so
+each layer holds the batch's factors and the targets' (inputs and output
+gradients); a rule's `cross` turns the two into the products without building
+a gradient (Dense: `(a_i . a'_j + 1)(d_i . d'_j)`), other layers pair per-example
+gradients. The target pass changes neither the update nor any metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from keras_gradtrack.engine import distribute, losses
+from keras_gradtrack.engine.backward import Backward, Calls
+from keras_gradtrack.engine.data import EXAMPLE_ID_KEY, check_example_ids, split_example_ids
+from keras_gradtrack.engine.fallback import per_example_gradients
+from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.taps import LayerTap, installed
+from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.rules.ops import cross_of, flat_per_example
+
+_KEYS = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGradients:
+    """What an `AttributionRequest` reads of a tracked step after its backward pass.
+
+    Attributes:
+        model: The model.
+        plan: The tracked layers the step's gradient covers.
+        calls: Per layer, its calls with their output gradients (rules' scale).
+        forms: Per layer, its form in this step.
+        per_example: Per-example gradients of the materialized layers (rules' scale).
+        factor: `c s`, the factor of the rules' scale (results of degree 1 divide by it).
+        loss_scale: The step's loss scale, or None.
+    """
+
+    model: Any
+    plan: Plan
+    calls: tuple[Calls, ...]
+    forms: Sequence[str]
+    per_example: dict[int, tf.Tensor]
+    factor: tf.Tensor
+    loss_scale: tf.Tensor | None
+
+
+class AttributionRequest:
+    """Per-example rows a logger asks the tracked step for, beside the statistics.
+
+    Attributes:
+        key: Where the step's payload holds the rows (unique per request).
+    """
+
+    def __init__(self) -> None:
+        self.key = f"attribution_{next(_KEYS)}"
+
+    def rows(self, batch: BatchGradients) -> tf.Tensor:
+        """`(B, W)` rows of this replica's examples, inside the compiled step."""
+        raise NotImplementedError
+
+
+class TargetSet(AttributionRequest):
+    """Targets whose gradients every tracked step's per-example gradients are paired with.
+
+    The step's rows are `(B, T)`: `<g_i(theta_t), g_j'(theta_t)>`, with `g_j'` the
+    gradient of target j's loss (the compiled loss, without sample weight or
+    regularization) in inference mode (`training=False`: no dropout).
+
+    Args:
+        x: The targets' inputs (an array, or a dict of arrays; a dict may hold
+            `"example_id"`, one integer per target).
+        y: Their labels, as `fit` takes them.
+
+    Raises:
+        ValueError: for no targets, inputs and labels of different lengths, ids
+            that are not one integer per target, or repeated ids.
+
+    Example:
+
+    ```python
+    targets = TargetSet({"pixels": x_test[:64], "example_id": test_ids[:64]}, y_test[:64])
+    ```
+    """
+
+    def __init__(self, x: Any, y: Any):
+        super().__init__()
+        check_example_ids(x)
+        x, ids = split_example_ids(x)
+        lengths = {len(np.asarray(a)) for a in tree.flatten(x) + tree.flatten(y) if a is not None}
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError(
+                "Expected targets as (x, y) with one row per target, at least one, in "
+                f"every array. Received lengths: {sorted(lengths)}"
+            )
+        (count,) = lengths
+        ids = np.arange(count, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
+        if len(ids) != count or len(np.unique(ids)) != count:
+            raise ValueError(
+                f"Expected one distinct `{EXAMPLE_ID_KEY}` per target ({count} targets). "
+                f"Received: {len(np.unique(ids))} distinct ids in {len(ids)}"
+            )
+        self.x = tree.map_structure(_as_tensor, x)
+        self.y = tree.map_structure(_as_tensor, y)
+        self.example_ids = ids
+
+    @classmethod
+    def from_argument(cls, targets: Any) -> TargetSet:
+        """A `TargetSet` from `(x, y)` (or one already made).
+
+        Raises:
+            ValueError: unless `targets` is an `(x, y)` pair (or as `TargetSet` says).
+        """
+        if isinstance(targets, TargetSet):
+            return targets
+        if not isinstance(targets, (tuple, list)) or len(targets) != 2:
+            raise ValueError(
+                "Expected targets=(x, y): the targets' inputs (a dict may hold "
+                f"'{EXAMPLE_ID_KEY}') and labels. Received: {type(targets).__name__}"
+            )
+        return cls(*targets)
+
+    def __len__(self) -> int:
+        return len(self.example_ids)
+
+    def rows(self, batch: BatchGradients) -> tf.Tensor:
+        target_calls, target_factor = target_pass(
+            batch.model, batch.plan, self.x, self.y, batch.loss_scale
+        )
+        products = []
+        for tracked, calls, targets, form in zip(
+            batch.plan, batch.calls, target_calls, batch.forms
+        ):
+            products.append(layer_cross(tracked, calls, targets, form, batch.per_example))
+        return tf.add_n(products) / (batch.factor * target_factor)
+
+
+def target_pass(
+    model: Any, plan: Plan, x: Any, y: Any, loss_scale: tf.Tensor | None = None
+) -> tuple[tuple[Calls, ...], tf.Tensor]:
+    """The targets' forward and backward pass at the current weights, in inference mode.
+
+    Args:
+        model: The model (its taps uninstalled).
+        plan: The layers to tap.
+        x: The targets' inputs.
+        y: Their labels.
+        loss_scale: The step's loss scale (float16 gradients stay in range), or None.
+
+    Returns:
+        Per layer of `plan`, its calls on the targets with their output gradients
+        (in the targets' rules' scale), and that scale's factor `c' s`.
+
+    Raises:
+        ValueError: if the model has no compiled loss.
+    """
+    if getattr(model, "_compile_loss", None) is None:
+        raise ValueError(
+            f"Targets' gradients need the loss of `compile(loss=...)`; model {model.name!r} "
+            "was compiled without one."
+        )
+    taps = [LayerTap(tracked.layer, tracked.rule) for tracked in plan]
+    with (
+        installed(taps),
+        losses.recording_losses() as recorder,
+        silenced_loss_metrics(model),
+        tf.GradientTape() as tape,
+    ):
+        if model._call_has_training_arg:
+            prediction = model(x, training=False)
+        else:
+            prediction = model(x)
+        loss = model._compile_loss(y, prediction)
+        if loss_scale is not None:
+            loss = loss * tf.cast(loss_scale, loss.dtype)
+    losses.refuse_unknown_reductions(recorder)
+    tapped = [t for tap in taps for recorded in tap.recorded for t in recorded.call.tapped]
+    values = [record.values for record in recorder.records]
+    gradients = tape.gradient(loss, [*tapped, *values])
+    connected = [r for r, g in zip(recorder.records, gradients[len(tapped) :]) if g is not None]
+    factor = losses.loss_factor(connected, tf.shape(tree.flatten(x)[0])[0])
+    if loss_scale is not None:
+        factor = factor * loss_scale
+    grads = iter(gradients[: len(tapped)])
+    calls = []
+    for tap in taps:
+        filled = []
+        for recorded in tap.recorded:
+            output_grads = []
+            for tensor in recorded.call.tapped:
+                grad = next(grads)
+                grad = tf.zeros_like(tensor) if grad is None else grad
+                output_grads.append(tf.cast(grad, tf.float32))
+            filled.append(dataclasses.replace(recorded.call, output_grads=tuple(output_grads)))
+        calls.append(tuple(filled))
+    return tuple(calls), factor
+
+
+def layer_cross(
+    tracked: TrackedLayer,
+    calls: Calls,
+    target_calls: Calls,
+    form: str,
+    per_example: dict[int, tf.Tensor],
+) -> tf.Tensor:
+    """`(B, T)` products of one layer's per-example gradients with the targets'.
+
+    A materialized layer pairs the per-example gradients the step built; a rule's
+    `cross` works from the factors; otherwise both sides' per-example gradients.
+    """
+    rule = tracked.rule
+    if form != MATERIALIZED and rule is not None and rule.cross is not None:
+        return rule.cross(tracked.layer, calls, target_calls)
+    if form == MATERIALIZED:
+        batch_gradients = [per_example[id(v)] for v in tracked.variables]
+    else:
+        batch_gradients = layer_per_example(tracked, calls)
+    target_gradients = layer_per_example(tracked, target_calls)
+    return cross_of(batch_gradients, target_gradients)
+
+
+def layer_per_example(tracked: TrackedLayer, calls: Calls) -> list[tf.Tensor]:
+    """Per variable of the layer, in order, its `(B, n)` per-example gradients."""
+    rule = tracked.rule
+    if rule is None or rule.per_example is None:
+        flat = per_example_gradients(tracked.layer, tracked.variables, calls)
+        sizes = [int(np.prod(v.shape)) for v in tracked.variables]
+        return list(tf.split(flat, sizes, axis=1))
+    by_variable = {id(v): flat_per_example(g) for v, g in rule.per_example(tracked.layer, calls)}
+    return [by_variable[id(v)] for v in tracked.variables]
+
+
+def attribution_rows(
+    context: TrackingContext,
+    plan: Plan,
+    backward: Backward,
+    forms: Sequence[str],
+    per_example: dict[int, tf.Tensor],
+) -> dict[str, tf.Tensor]:
+    """The rows of the step's attribution requests, by key, gathered over replicas."""
+    if not context.requests:
+        return {}
+    coupled = [tracked.name for tracked, form in zip(plan, forms) if form == COUPLED]
+    if coupled:
+        raise ValueError(
+            "Targets and gradient sketches pair each example's gradient of a layer with "
+            "the targets' gradients of that layer alone, but the gradients of layers "
+            f"{coupled} run through a BatchNormalization's batch statistics "
+            "(model.track_batch_normalization). Freeze the BatchNormalization layers or "
+            "use kgt.convert_to_group_normalization(model) to log targets or sketches."
+        )
+    batch = BatchGradients(
+        context.model, plan, backward.calls, forms, per_example, backward.factor, context.loss_scale
+    )
+    rows = {request.key: request.rows(batch) for request in context.requests}
+    return distribute.all_gather_rows(rows)
+
+
+@contextlib.contextmanager
+def silenced_loss_metrics(model: Any) -> Iterator[None]:
+    """The compiled loss's per-output loss trackers ignore updates for the block.
+
+    With several outputs, Keras' compiled loss updates a `<loss>_loss` metric per
+    output whenever it runs; the targets' loss must not.
+    """
+    metrics = list(getattr(model._compile_loss, "metrics", []))
+    shadowed = [metric.__dict__.get("update_state") for metric in metrics]
+    for metric in metrics:
+        metric.update_state = _ignored
+    try:
+        yield
+    finally:
+        for metric, own in zip(metrics, shadowed):
+            if own is None:
+                del metric.update_state
+            else:
+                metric.update_state = own
+
+
+def _ignored(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _as_tensor(array: Any) -> Any:
+    if array is None:
+        return None
+    array = np.asarray(array)
+    if array.dtype.kind == "f":
+        array = array.astype(keras.backend.floatx())
+    return tf.constant(array)

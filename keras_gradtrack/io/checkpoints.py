@@ -1,0 +1,60 @@
+"""The weights a gradient log keeps beside it: where they go and how they are named.
+
+A log written with checkpoints (`HDF5GradientLogger(checkpoint_every=...)`) has
+a directory beside it, the log's path with the suffix `.checkpoints`
+(`run.h5` -> `run.checkpoints/`), holding one Keras weights file per checkpoint:
+`step_<step>.weights.h5`, the weights the model had when that step of the log
+began (before its update), `<step>` numbered as in `/per_step/step`. An HDF5
+file in SWMR mode cannot gain new datasets, hence files of their own.
+"""
+
+import os
+import re
+from pathlib import Path
+
+CHECKPOINT_SUFFIX = ".checkpoints"
+_NAME = re.compile(r"^step_(\d+)\.weights\.h5$")
+
+
+def checkpoint_directory(log_path: str | os.PathLike[str]) -> Path:
+    """The directory of a log's checkpoints: `run.h5` -> `run.checkpoints`."""
+    return Path(log_path).with_suffix(CHECKPOINT_SUFFIX)
+
+
+def checkpoint_path(log_path: str | os.PathLike[str], step: int) -> Path:
+    """The weights file of the checkpoint taken when `step` began."""
+    return checkpoint_directory(log_path) / f"step_{step:09d}.weights.h5"
+
+
+def checkpoints(log_path: str | os.PathLike[str]) -> dict[int, Path]:
+    """`{step: weights file}` of a log's checkpoints, by step (empty without any)."""
+    directory = checkpoint_directory(log_path)
+    if not directory.is_dir():
+        return {}
+    found = {}
+    for entry in directory.iterdir():
+        match = _NAME.match(entry.name)
+        if match:
+            found[int(match.group(1))] = entry
+    return dict(sorted(found.items()))
+
+
+def check_checkpoints(log_path: str | os.PathLike[str], *, overwrite: bool, append: bool) -> None:
+    """Raises if a new log would be written beside the checkpoints of another one.
+
+    Raises:
+        FileExistsError: if the checkpoint directory holds checkpoints and
+            neither `overwrite` (they are removed when the log is made) nor
+            `append` (they continue) is set.
+    """
+    if checkpoints(log_path) and not (overwrite or append):
+        raise FileExistsError(
+            f"'{checkpoint_directory(log_path)}' holds checkpoints of another log. To "
+            "replace them pass overwrite=True; to continue them pass append=True."
+        )
+
+
+def remove_checkpoints(log_path: str | os.PathLike[str]) -> None:
+    """Removes a log's checkpoint files (not other files of the directory)."""
+    for path in checkpoints(log_path).values():
+        path.unlink()
