@@ -241,6 +241,16 @@ def test_input_gradients_are_refused_through_the_batch_statistics() -> None:
         model.gradient_statistics(X, Y, statistics=["input_grad_norm"])
 
 
+def test_targets_are_refused_through_the_batch_statistics(tmp_path: Path) -> None:
+    model = compiled(timeseries_model(blocks=1))
+    before = [v.numpy() for v in model.trainable_variables]
+    logger = kgt.HDF5GradientLogger(tmp_path / "log.h5", targets=(X[:2], Y[:2]))
+    with pytest.raises(ValueError, match=r"layers \['conv0'\] run through a BatchNorm"):
+        model.fit(X, Y, batch_size=5, verbose=0, callbacks=[logger])
+    for variable, value in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value)
+
+
 def test_synchronized_statistics_across_replicas_are_refused(
     tmp_path: Path, two_cpu_strategy: tf.distribute.MirroredStrategy
 ) -> None:
