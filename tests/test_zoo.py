@@ -4,9 +4,7 @@ Every model: one batch's statistics, per layer too, equal the oracle's; no layer
 is on the fallback path and none is refused, which `kgt.check` says before any
 step, with the forms the step then takes. Several also train with `fit` and an
 `HDF5GradientLogger`, each logged step compared with the oracle at the weights
-before that step's update (ragged last batch included). The pending patterns
-(recurrent layers, BatchNormalization in training mode) are listed in
-`zoo_models.py`'s docstring.
+before that step's update (ragged last batch included).
 """
 
 from __future__ import annotations
@@ -50,7 +48,10 @@ def test_known_before_training_and_exact_for_a_batch(name: str) -> None:
     # Sequences of any length (the text models' inputs): the forms for these shapes.
     predicted = {row.name: row.form for row in kgt.check(zoo.model, x=zoo.x).layers}
     stats = zoo.model.gradient_statistics(zoo.x, zoo.y, zoo.sample_weight)
-    assert_matches_oracle(stats, oracle_statistics(zoo.model, zoo.x, zoo.y, zoo.sample_weight))
+    expected = oracle_statistics(
+        zoo.model, zoo.x, zoo.y, zoo.sample_weight, full_batch=zoo.full_batch
+    )
+    assert_matches_oracle(stats, expected)
     assert predicted == zoo.model.gradient_tracking.forms
 
 

@@ -6,17 +6,9 @@ with synthetic data of the example's kind (no downloads). The dropout rates are
 the examples' own by default; correctness tests pass `dropout=0.0`, since the
 oracle's one-example forward passes draw other dropout masks than the batch.
 
-Patterns of the same examples that wait for engine work elsewhere, and are not
-here yet:
-
-* Bidirectional LSTM text classifier (keras-io bidirectional_lstm_imdb) and LSTM
-  forecasting (keras-io timeseries_weather_forecasting): recurrent layers.
-* The ticket classifier of the functional API guide with its two LSTMs (here
-  with Conv1D heads instead).
-* Conv1D + BatchNormalization timeseries classifier (keras-io
-  timeseries_classification_from_scratch), and image_classification_from_scratch
-  with its BatchNormalization layers (here GroupNormalization): BatchNormalization
-  in training mode.
+BatchNormalization in training mode (the timeseries classifier) is tracked
+through the batch statistics (`model.track_batch_normalization`): its oracle is
+the full-batch one (`Zoo.full_batch`).
 """
 
 from __future__ import annotations
@@ -42,12 +34,15 @@ class Zoo:
         x: Inputs (numpy, any structure).
         y: Targets.
         sample_weight: Per-example weights, or None.
+        full_batch: Whether the oracle is the full-batch one (examples coupled by
+            BatchNormalization in training mode).
     """
 
     model: Any
     x: Any
     y: Any
     sample_weight: Any = None
+    full_batch: bool = False
 
 
 # -- keras-io text_classification_with_transformer ---------------------------------
@@ -183,7 +178,7 @@ def conv_autoencoder(batch: int = 6) -> Zoo:
     return Zoo(autoencoder, noisy, clean)
 
 
-# -- Keras functional API guide: the ticket classifier (Conv1D heads, not LSTMs) ----
+# -- Keras functional API guide: the ticket classifier ---------------------------------
 
 
 def ticket_classifier(batch: int = 6) -> Zoo:
@@ -193,8 +188,8 @@ def ticket_classifier(batch: int = 6) -> Zoo:
     tags_input = keras.Input(shape=(num_tags,), name="tags")
     title_features = layers.Embedding(num_words, 8)(title_input)
     body_features = layers.Embedding(num_words, 6)(body_input)
-    title_features = layers.GlobalMaxPooling1D()(layers.Conv1D(8, 3)(title_features))
-    body_features = layers.GlobalMaxPooling1D()(layers.Conv1D(4, 5, strides=2)(body_features))
+    title_features = layers.LSTM(8)(title_features)
+    body_features = layers.LSTM(4)(body_features)
     x = layers.concatenate([title_features, body_features, tags_input])
     priority_pred = layers.Dense(1, name="priority")(x)
     department_pred = layers.Dense(num_departments, name="department")(x)
@@ -342,6 +337,76 @@ def conv1d_text_classifier(batch: int = 6, dropout: float = 0.5) -> Zoo:
     return Zoo(model, x_data, rng.integers(0, 2, (batch, 1)).astype("float32"))
 
 
+# -- keras-io bidirectional_lstm_imdb -------------------------------------------------
+
+
+def bidirectional_lstm(batch: int = 6, max_features: int = 50) -> Zoo:
+    # Input for variable-length sequences of integers
+    inputs = keras.Input(shape=(None,), dtype="int32")
+    # Embed each integer in a 8-dimensional vector
+    x = layers.Embedding(max_features, 8)(inputs)
+    # Add 2 bidirectional LSTMs
+    x = layers.Bidirectional(layers.LSTM(4, return_sequences=True))(x)
+    x = layers.Bidirectional(layers.LSTM(4))(x)
+    # Add a classifier
+    outputs = layers.Dense(1, activation="sigmoid")(x)
+    model = kgt.GradientTrackingModel(inputs, outputs)
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    rng = np.random.default_rng(7)
+    x_data = rng.integers(1, max_features, (batch, 9))
+    return Zoo(model, x_data, rng.integers(0, 2, (batch, 1)).astype("float32"))
+
+
+# -- keras-io timeseries_weather_forecasting -------------------------------------------
+
+
+def lstm_forecasting(batch: int = 6) -> Zoo:
+    sequence_length, features = 12, 7
+    inputs = keras.layers.Input(shape=(sequence_length, features))
+    lstm_out = keras.layers.LSTM(8)(inputs)
+    outputs = keras.layers.Dense(1)(lstm_out)
+    model = kgt.GradientTrackingModel(inputs=inputs, outputs=outputs)
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.001), loss="mse")
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(batch, sequence_length, features)).astype("float32")
+    return Zoo(model, x, rng.normal(size=(batch, 1)).astype("float32"))
+
+
+# -- keras-io timeseries_classification_from_scratch ------------------------------------
+
+
+def timeseries_classifier(batch: int = 6) -> Zoo:
+    """Conv1D + BatchNormalization blocks, BatchNormalization training (opted in)."""
+    input_shape, num_classes = (16, 1), 2
+    input_layer = keras.layers.Input(input_shape)
+
+    conv1 = keras.layers.Conv1D(filters=8, kernel_size=3, padding="same")(input_layer)
+    conv1 = keras.layers.BatchNormalization()(conv1)
+    conv1 = keras.layers.ReLU()(conv1)
+
+    conv2 = keras.layers.Conv1D(filters=8, kernel_size=3, padding="same")(conv1)
+    conv2 = keras.layers.BatchNormalization()(conv2)
+    conv2 = keras.layers.ReLU()(conv2)
+
+    conv3 = keras.layers.Conv1D(filters=8, kernel_size=3, padding="same")(conv2)
+    conv3 = keras.layers.BatchNormalization()(conv3)
+    conv3 = keras.layers.ReLU()(conv3)
+
+    gap = keras.layers.GlobalAveragePooling1D()(conv3)
+
+    output_layer = keras.layers.Dense(num_classes, activation="softmax")(gap)
+    model = kgt.GradientTrackingModel(inputs=input_layer, outputs=output_layer)
+    model.compile(
+        optimizer="adam",
+        loss="sparse_categorical_crossentropy",
+        metrics=["sparse_categorical_accuracy"],
+    )
+    model.track_batch_normalization = True
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(batch, *input_shape)).astype("float32")
+    return Zoo(model, x, rng.integers(0, num_classes, batch), full_batch=True)
+
+
 ZOO: dict[str, Callable[..., Zoo]] = {
     "mnist_convnet": mnist_convnet,
     "transformer_classifier": transformer_classifier,
@@ -351,4 +416,7 @@ ZOO: dict[str, Callable[..., Zoo]] = {
     "custom_train_step": custom_train_step,
     "separable_residual_classifier": separable_residual_classifier,
     "conv1d_text_classifier": conv1d_text_classifier,
+    "bidirectional_lstm": bidirectional_lstm,
+    "lstm_forecasting": lstm_forecasting,
+    "timeseries_classifier": timeseries_classifier,
 }

@@ -19,6 +19,7 @@ from keras import tree
 
 from keras_gradtrack.engine import checks
 from keras_gradtrack.engine.batchless import rows_mixing_errors
+from keras_gradtrack.engine.coupled import coupled_layer_names
 from keras_gradtrack.engine.data import split_example_ids
 from keras_gradtrack.engine.plan import (
     COUPLED,
@@ -219,6 +220,8 @@ def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, st
                 model(inputs)
             context.stop_recording()
         graph, forward_ops = context.forward.graph, context.forward.range
+        # Layers before a BatchNormalization in training (model.track_batch_normalization).
+        coupled = coupled_layer_names(context.coupling, plan)
         mixing = {
             id(layer): str(error)
             for layer, error in rows_mixing_errors(context.taps, forward_ops, context.batch)
@@ -238,7 +241,7 @@ def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, st
                 refusal = refusal or str(error)
             form = UNKNOWN
             if not refusal:
-                (form,) = layer_forms((tracked,), [tuple(call.call for call in recorded)])
+                (form,) = layer_forms((tracked,), [tuple(call.call for call in recorded)], coupled)
             note = (
                 "inputs do not depend on the batch: the call is broadcast to it"
                 if any(call.batchless for call in recorded)
