@@ -12,9 +12,9 @@ squared norm comes from whichever form costs less: the per-example kernel
 gradients themselves, or the Gram form `<sum_k S_ik S_ik^T, D_i D_i^T>`.
 `channels_first` tensors are transposed to `channels_last` first.
 
-Each form relies only on kernels every TensorFlow build has: strided slices,
-matrix products and einsums, and `Conv2DBackpropFilter` for the grouped filter
-gradient (`batch_grouped_filter_gradients`).
+Each form relies only on kernels every TensorFlow build has, on every
+device and under XLA: strided slices, elementwise products and sums, matrix
+products and einsums (no convolution kernel, so nothing that needs oneDNN).
 """
 
 from __future__ import annotations
@@ -135,51 +135,6 @@ def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> 
     return slices
 
 
-def batch_grouped_filter_gradients(
-    source: tf.Tensor, target: tf.Tensor, window: Window
-) -> tf.Tensor:
-    """`g_i[k] = S_ik^T D_i` for a 1-D or 2-D window, by TensorFlow's own filter gradient.
-
-    The examples become groups of one grouped convolution: channels
-    `(B * C)` in, `(B * F)` out, so the filter gradient of that convolution
-    holds every example's kernel gradient, `(B, K * C * F)` in the kernel's
-    layout. It runs on the convolution library's kernels, with no window
-    copies (measured 15% faster than the per-offset products).
-
-    Args:
-        source: `(B, *spatial, C)`, the tensor the kernel slides over.
-        target: `(B, *positions, F)`, the gradient paired with its windows.
-        window: The convolution's geometry (one or two spatial axes).
-    """
-    source = padded(source, sizes(target)[1:-1], window)
-    kernel_size, strides, rates = window.kernel_size, window.strides, window.dilation_rate
-    if len(kernel_size) == 1:  # as 2-D, with a spatial axis of size 1
-        source, target = source[:, tf.newaxis], target[:, tf.newaxis]
-        kernel_size, strides, rates = (1, *kernel_size), (1, *strides), (1, *rates)
-    channels, filters = source.shape[-1], target.shape[-1]
-    batch = tf.shape(source)[0]
-
-    # The axes move by einsum rather than tf.transpose: with oneDNN on, the
-    # latter takes 1.5x as long for these shapes (CNN step at batch 128:
-    # 52.9 vs 58.6 ms, interleaved in one process).
-    def examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
-        shape = tf.shape(tensor)
-        moved = tf.einsum("bhwc->hwbc", tensor)
-        return tf.reshape(moved, [1, shape[1], shape[2], batch * tensor.shape[-1]])
-
-    gradient = tf.raw_ops.Conv2DBackpropFilter(
-        input=examples_as_channels(source),
-        filter_sizes=tf.stack([*kernel_size, channels, batch * filters]),
-        out_backprop=examples_as_channels(target),
-        strides=[1, *strides, 1],
-        padding="VALID",
-        dilations=[1, *rates, 1],
-    )
-    window_width = math.prod(kernel_size) * channels
-    per_example = tf.reshape(gradient, [window_width, batch, filters])
-    return tf.reshape(tf.einsum("kbf->bkf", per_example), [batch, window_width * filters])
-
-
 def stacked_windows(
     pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], window: Window
 ) -> tuple[list[tf.Tensor], tf.Tensor]:
@@ -217,13 +172,14 @@ def grouped_response(slices: Sequence[tf.Tensor], kernel: tf.Tensor, groups: int
     group_channels, filters = kernel.shape[1], kernel.shape[2]
     per_offset = tf.unstack(tf.reshape(kernel, [len(slices), group_channels, groups, -1]))
     batch = tf.shape(slices[0])[0]
-    response = tf.add_n(
-        [
+    if group_channels == 1:  # depthwise: a broadcast product, not a degenerate einsum
+        terms = [s[..., tf.newaxis] * w[0] for s, w in zip(slices, per_offset)]
+    else:
+        terms = [
             tf.einsum("bpgc,cgo->bpgo", tf.reshape(s, [batch, -1, groups, group_channels]), w)
             for s, w in zip(slices, per_offset)
         ]
-    )
-    return tf.reshape(response, [batch, -1, filters])
+    return tf.reshape(tf.add_n(terms), [batch, -1, filters])
 
 
 def per_example_kernel_gradients(
@@ -231,13 +187,20 @@ def per_example_kernel_gradients(
 ) -> tf.Tensor:
     """`g_i[k] = S_ik^T D_i` per group, flattened in the kernel's layout: `(B, n)`.
 
+    One matrix product per kernel offset (per group): the window copies and
+    batched products run on every device and with or without oneDNN, at the
+    speed of TensorFlow's grouped filter gradient with examples as groups
+    (which CPU TensorFlow without oneDNN cannot run).
+
     Args:
         slices: Per kernel offset, `(B, P, C)` windows.
         targets: `(B, P, O)`, the gradient paired with the windows.
         groups: Number of channel groups (input channel block j meets filter block j).
     """
     batch = tf.shape(targets)[0]
-    if groups == 1 and slices[0].shape[-1] is not None and slices[0].shape[-1] <= FEW_CHANNELS:
+    channels = slices[0].shape[-1]
+    group_channels = channels // groups
+    if groups == 1 and channels <= FEW_CHANNELS:
         # Few channels (an image input): one product over all offsets' windows
         # beats one product per offset with a tiny inner size. Stacked as
         # (B, K, P, C), each offset's windows are one contiguous copy (for one
@@ -249,8 +212,16 @@ def per_example_kernel_gradients(
         return tf.reshape(tf.matmul(windows, targets), [batch, -1])
     if groups == 1:
         per_offset = [tf.matmul(s, targets, transpose_a=True) for s in slices]
+    elif group_channels == 1:
+        # Depthwise: a product per position and channel, summed over positions
+        # (an einsum here becomes one tiny matrix product per channel: 10x slower).
+        multiplier = targets.shape[-1] // groups
+        if multiplier == 1:
+            per_offset = [tf.reduce_sum(s * targets, axis=1) for s in slices]
+        else:
+            grads = tf.reshape(targets, [batch, -1, groups, multiplier])
+            per_offset = [tf.reduce_sum(s[..., tf.newaxis] * grads, axis=1) for s in slices]
     else:
-        group_channels = slices[0].shape[-1] // groups
         grads = tf.reshape(targets, [batch, -1, groups, targets.shape[-1] // groups])
         per_offset = [
             tf.einsum("bpgc,bpgo->bcgo", tf.reshape(s, [batch, -1, groups, group_channels]), grads)
@@ -335,15 +306,7 @@ def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tenso
 
 
 def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
-    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs.
-
-    Ungrouped 1-D and 2-D windows over more than `FEW_CHANNELS` channels use
-    TensorFlow's filter gradient (`batch_grouped_filter_gradients`); the others
-    the windows' matrix products.
-    """
-    channels = pairs[0][0].shape[-1]
-    if groups == 1 and len(window.kernel_size) <= 2 and (channels or 0) > FEW_CHANNELS:
-        return tf.add_n([batch_grouped_filter_gradients(s, t, window) for s, t in pairs])
+    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs."""
     slices, targets = stacked_windows(pairs, window)
     return per_example_kernel_gradients(slices, targets, groups)
 
