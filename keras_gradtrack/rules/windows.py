@@ -122,17 +122,44 @@ def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> 
         One `(B, P, C)` tensor per kernel offset, in the kernel's row-major
         order, with `P` the number of output positions.
     """
-    x = padded(x, output_size, window)
+    x = phase_split(padded(x, output_size, window), window.strides)
     slices = []
     for offset in itertools.product(*(range(kernel) for kernel in window.kernel_size)):
-        index = [slice(None)]
+        index: list[Any] = [slice(None)]
         for tap, out, stride, rate in zip(
             offset, output_size, window.strides, window.dilation_rate
         ):
-            index.append(slice(tap * rate, tap * rate + (out - 1) * stride + 1, stride))
+            start = tap * rate
+            if stride == 1:
+                index.append(slice(start, start + out))
+            else:  # position start + p * stride is (start // stride + p, start % stride)
+                index += [slice(start // stride, start // stride + out), start % stride]
         index.append(slice(None))
         slices.append(reshape_per_example(x[tuple(index)], [-1, x.shape[-1]]))
     return slices
+
+
+def phase_split(x: tf.Tensor, strides: Sequence[int]) -> tf.Tensor:
+    """`x` with each strided spatial axis of size n split into `(ceil(n / s), s)`.
+
+    A window at stride s is then a unit-stride slice at one phase of the
+    axis: CPU TensorFlow copies a strided slice element by element, 4 to 7
+    times slower (depthwise windows at stride 2, batch 128). The zeros padded
+    at the end to fill the last row are never read.
+    """
+    if all(stride == 1 for stride in strides):
+        return x
+    shape = sizes(x)
+    paddings: list[list[Size]] = [[0, 0]]
+    split: list[Size] = [shape[0]]
+    for size, stride in zip(shape[1:-1], strides):
+        extra = -size % stride
+        paddings.append([0, extra])
+        split += [size] if stride == 1 else [(size + extra) // stride, stride]
+    paddings.append([0, 0])
+    if any(not isinstance(amount, int) or amount for _, amount in paddings):
+        x = tf.pad(x, paddings)
+    return tf.reshape(x, [*split, shape[-1]])
 
 
 def stacked_windows(
