@@ -40,24 +40,26 @@ from keras_gradtrack.rules.windows import (
 def separable_tap(
     layer: Any, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> Tapped:
-    """The layer's call as its two convolutions, tapping the depthwise output `U_i`
-    and the pre-activation output (in that order: `tapped = (z, U)`)."""
+    """The layer's call as its two convolutions, tapping the pre-activation output and
+    the depthwise output `U_i` (`tapped = (z, U)`, U channels last: CPU TensorFlow has
+    no channels-first gradient for the pointwise convolution alone)."""
     inputs = args[0] if args else kwargs["inputs"]
-    geometry = {"padding": layer.padding, "data_format": layer.data_format}
+    channels_first = layer.data_format == "channels_first"
+    if channels_first:
+        inputs = ops.moveaxis(inputs, 1, -1)
     depthwise = ops.depthwise_conv(
         inputs,
         layer.depthwise_kernel,
         strides=layer.strides,
+        padding=layer.padding,
+        data_format="channels_last",
         dilation_rate=layer.dilation_rate,
-        **geometry,
     )
-    outputs = ops.conv(depthwise, layer.pointwise_kernel, strides=1, **geometry)
+    outputs = ops.conv(depthwise, layer.pointwise_kernel, data_format="channels_last")
     if layer.use_bias:
-        channels_first = layer.data_format == "channels_first"
-        rank = len(outputs.shape)
-        shape = [1] * rank
-        shape[1 if channels_first else rank - 1] = layer.filters
-        outputs = ops.add(outputs, ops.reshape(layer.bias, shape))
+        outputs = ops.add(outputs, layer.bias)
+    if channels_first:
+        outputs = ops.moveaxis(outputs, -1, 1)
     preactivation = outputs
     if layer.activation is not None:
         outputs = layer.activation(outputs)
@@ -70,7 +72,7 @@ def sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Ten
         [
             reshape_per_example(tensor, [-1, tensor.shape[-1]])
             for tensor in (
-                channels_last(call.tapped[1], layer.data_format),
+                tf.cast(call.tapped[1], tf.float32),
                 channels_last(call.output_grads[0], layer.data_format),  # type: ignore[index]
             )
         ]
@@ -86,7 +88,7 @@ def depthwise_pairs(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[tf.Ten
     return [
         (
             channels_last(call.inputs, layer.data_format),
-            channels_last(call.output_grads[1], layer.data_format),  # type: ignore[index]
+            tf.cast(call.output_grads[1], tf.float32),  # type: ignore[index]
         )
         for call in calls
     ]

@@ -12,9 +12,10 @@ squared norm comes from whichever form costs less: the per-example kernel
 gradients themselves, or the Gram form `<sum_k S_ik S_ik^T, D_i D_i^T>`.
 `channels_first` tensors are transposed to `channels_last` first.
 
-Each form relies only on kernels every TensorFlow build has, on every
-device and under XLA: strided slices, elementwise products and sums, matrix
-products and einsums (no convolution kernel, so nothing that needs oneDNN).
+Each form relies only on kernels every TensorFlow build has, on CPU (with or
+without oneDNN), GPU and under XLA: strided slices, elementwise products and
+sums, matrix products and einsums, and for depthwise kernels outside XLA the
+depthwise filter gradient (`depthwise_filter_gradients`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import tensorflow as tf
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
 from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.ops import (
+    compiling_with_xla,
     materialized,
-    positions_per_example,
     reshape_per_example,
     summed,
     zero_primitives,
@@ -316,42 +317,70 @@ def with_bias(
 Pairs = list[tuple[tf.Tensor, tf.Tensor]]
 
 
-def input_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
-    """Per call, the layer input and the output gradient, channels last."""
-    return [
-        (
-            channels_last(call.inputs, layer.data_format),
-            channels_last(call.output_grad, layer.data_format),
-        )
-        for call in calls
-    ]
-
-
-def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Windows of the layer inputs at the output positions, and the output gradients."""
-    return stacked_windows(input_pairs(layer, calls), Window.of(layer))
-
-
 def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
-    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs."""
+    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs.
+
+    Depthwise kernels (one channel per group) take TensorFlow's depthwise filter
+    gradient with the examples as channels where it applies (`depthwise_native`),
+    the others the windows' products.
+    """
+    if groups == pairs[0][0].shape[-1] and depthwise_native(window):
+        return tf.add_n([depthwise_filter_gradients(s, t, window) for s, t in pairs])
     slices, targets = stacked_windows(pairs, window)
     return per_example_kernel_gradients(slices, targets, groups)
 
 
-def output_positions(layer: Any, calls: Sequence[LayerCall]) -> int | None:
-    """Output positions per example, over all calls; None if a size is unknown."""
-    tapped = [call.tapped[0] for call in calls]
-    return positions_per_example(tapped, layer.data_format == "channels_first")
+def depthwise_native(window: Window) -> bool:
+    """Whether `depthwise_filter_gradients` applies: 1-D or 2-D windows, equal strides,
+    no dilation, and not under XLA (which fuses the windows' products and sums into one
+    loop, and runs a depthwise filter gradient over B x C channels as a grouped
+    convolution)."""
+    return (
+        not compiling_with_xla()
+        and len(window.kernel_size) <= 2
+        and len(set(window.strides)) == 1
+        and all(rate == 1 for rate in window.dilation_rate)
+    )
 
 
-def kernel_materializes(
-    layer: Any, calls: Sequence[LayerCall], group_channels: int, group_filters: int
-) -> bool:
-    """Whether per-example kernel gradients cost less than the Gram form."""
-    if not layer.kernel.trainable:
-        return True  # only the bias, (B, filters)
-    window_width = math.prod(layer.kernel_size) * group_channels
-    return not gram_is_cheaper(output_positions(layer, calls), window_width, group_filters)
+def depthwise_filter_gradients(source: tf.Tensor, target: tf.Tensor, window: Window) -> tf.Tensor:
+    """`g_i[k, c, m] = sum_p S_ik[p, c] D_i[p, c M + m]` by `DepthwiseConv2dNativeBackpropFilter`.
+
+    The examples become channels: `B C` channels in, multiplier M, so the filter
+    gradient of that depthwise convolution holds every example's kernel gradient.
+    Its kernels exist on CPU (with or without oneDNN) and GPU; on CPU it runs
+    about twice as fast as the windows' products and sums (batch 128, 16 x 16 x 48).
+
+    Args:
+        source: `(B, *spatial, C)`, the tensor the kernel slides over.
+        target: `(B, *positions, C * M)`, the gradient at the depthwise output.
+        window: The convolution's geometry (`depthwise_native` holds).
+    """
+    source = padded(source, sizes(target)[1:-1], window)
+    kernel_size = window.kernel_size
+    if len(kernel_size) == 1:  # as 2-D, with a spatial axis of size 1
+        source, target = source[:, tf.newaxis], target[:, tf.newaxis]
+        kernel_size = (1, *kernel_size)
+    channels, width = source.shape[-1], target.shape[-1]
+    batch = tf.shape(source)[0]
+
+    # The axes move by einsum rather than tf.transpose: with oneDNN on, the
+    # latter took 1.5x as long for such shapes.
+    def examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
+        shape = tf.shape(tensor)
+        moved = tf.einsum("bhwc->hwbc", tensor)
+        return tf.reshape(moved, [1, shape[1], shape[2], batch * tensor.shape[-1]])
+
+    stride = window.strides[0]
+    gradient = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+        input=examples_as_channels(source),
+        filter_sizes=tf.stack([*kernel_size, batch * channels, width // channels]),
+        out_backprop=examples_as_channels(target),
+        strides=[1, stride, stride, 1],
+        padding="VALID",
+    )
+    per_example = tf.reshape(gradient, [math.prod(kernel_size), batch, width])
+    return tf.reshape(tf.einsum("kbc->bkc", per_example), [batch, -1])
 
 
 def kernel_and_bias_per_example(
