@@ -10,6 +10,7 @@ median over pairs of plain's, tracked's and their paired difference:
 ```
 python benchmarks/fixed_cost.py                  # cnn, B=128, 2 steps, 15 pairs, ~15 s
 python benchmarks/fixed_cost.py --model mlp --pairs 30
+python benchmarks/fixed_cost.py --no-autotune    # without TensorFlow's iterator teardown wait
 ```
 """
 
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2, help="steps per fit (2)")
     parser.add_argument("--pairs", type=int, default=15, help="interleaved pairs (15)")
+    parser.add_argument(
+        "--no-autotune", action="store_true", help="tf.data autotuning off (see the README)"
+    )
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -72,6 +76,10 @@ def main() -> None:
     tracked.set_weights(plain.get_weights())
     data = synthetic_batches(args.model, args.batch_size)
     dataset = tf.data.Dataset.from_tensor_slices(data).batch(args.batch_size).repeat()
+    if args.no_autotune:
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        dataset = dataset.with_options(options)
     directory = tempfile.mkdtemp(prefix="fixed-cost-")
     paths = (os.path.join(directory, f"{i}.h5") for i in range(10**9))
     fixed_seconds(plain, dataset, args.steps, None)  # traces the steps
@@ -87,6 +95,7 @@ def main() -> None:
     extra = [t - p for p, t in zip(plain_ms, tracked_ms)]
     print(
         f"{args.model}, B={args.batch_size}, {args.steps} steps per fit, {args.pairs} pairs, "
+        f"tf.data autotune {'off' if args.no_autotune else 'on'}, "
         f"load average {os.getloadavg()[0]:.1f}\n"
         f"fixed ms per fit, median: plain {statistics.median(plain_ms):.1f}, "
         f"tracked {statistics.median(tracked_ms):.1f}, "
