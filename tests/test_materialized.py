@@ -90,8 +90,9 @@ def test_updates_equal_plain_keras_and_the_summary_names_each_form(tmp_path: Pat
     plain_history = fit(plain, [])
     tracked_history = fit(tracked, [kgt.HDF5GradientLogger(tmp_path / "run.h5")])
     # Adam divides by the root of the second moment, which turns rounding-level
-    # differences of small gradient entries into ~1e-6 differences of the weights.
-    assert_same_weights(tracked, plain, atol=1e-5)
+    # differences of small gradient entries (1e-7 of the largest) into up to 1e-5
+    # differences of the weights after six steps (a wrong entry moves by 1e-3 a step).
+    assert_same_weights(tracked, plain, atol=5e-5)
     np.testing.assert_allclose(
         tracked_history.history["loss"], plain_history.history["loss"], rtol=1e-4
     )

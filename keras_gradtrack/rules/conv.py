@@ -7,21 +7,53 @@ one with one group per input channel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
-from keras_gradtrack.rules.ops import has_plain_weights
+from keras_gradtrack.rules.cost import materializing_is_cheaper
+from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
 from keras_gradtrack.rules.windows import (
+    Pairs,
+    Window,
+    channels_last,
     grouped_kernel_primitives,
-    input_pairs,
-    input_windows,
     kernel_and_bias_per_example,
-    kernel_materializes,
+    stacked_windows,
     with_bias,
 )
+
+
+def input_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
+    """Per call, the layer input and the output gradient, channels last."""
+    return [
+        (
+            channels_last(call.inputs, layer.data_format),
+            channels_last(call.output_grad, layer.data_format),
+        )
+        for call in calls
+    ]
+
+
+def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Windows of the layer inputs at the output positions, and the output gradients."""
+    return stacked_windows(input_pairs(layer, calls), Window.of(layer))
+
+
+def kernel_materializes(
+    layer: Any, calls: Sequence[LayerCall], group_channels: int, group_filters: int, groups: int
+) -> bool:
+    """Whether per-example kernel gradients cost less than the direct form
+    (`materializing_is_cheaper`, per group)."""
+    if not layer.kernel.trainable:
+        return True  # only the bias, (B, filters)
+    tapped = [call.tapped[0] for call in calls]
+    positions = positions_per_example(tapped, layer.data_format == "channels_first")
+    window_width = math.prod(layer.kernel_size) * group_channels
+    return materializing_is_cheaper(positions, window_width, group_filters, groups)
 
 
 def conv_primitives(
@@ -49,7 +81,8 @@ def conv_primitives(
 def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     # Kernel (*kernel_size, C / groups, filters).
     channels, filters = layer.kernel.shape[-2:]
-    return kernel_materializes(layer, calls, channels, filters // layer.groups)
+    groups = layer.groups
+    return kernel_materializes(layer, calls, channels, filters // groups, groups)
 
 
 def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
@@ -82,7 +115,8 @@ def depthwise_primitives(
 
 def depthwise_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     # Kernel (*kernel_size, C, M): C groups of one channel, M filters each.
-    return kernel_materializes(layer, calls, 1, layer.kernel.shape[-1])
+    channels, multiplier = layer.kernel.shape[-2:]
+    return kernel_materializes(layer, calls, 1, multiplier, channels)
 
 
 def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:

@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
-from keras_gradtrack.rules.cost import gram_is_cheaper
+from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
 from keras_gradtrack.rules.windows import (
     Pairs,
@@ -77,14 +77,14 @@ def conv_transpose_primitives(
 
 
 def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
-    """Whether per-example kernel gradients cost less than the Gram form."""
+    """Whether per-example kernel gradients cost less than the direct form."""
     if not layer.kernel.trainable:
         return True
     filters, channels = layer.kernel.shape[-2:]
     window_width = math.prod(layer.kernel_size) * filters
     inputs = [call.inputs for call in calls]
     positions = positions_per_example(inputs, layer.data_format == "channels_first")
-    return not gram_is_cheaper(positions, window_width, channels)
+    return materializing_is_cheaper(positions, window_width, channels)
 
 
 def conv_transpose_per_example(

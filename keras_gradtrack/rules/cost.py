@@ -28,17 +28,22 @@ MATERIALIZE_MAX_VALUES = 2**16
 MATERIALIZED_PASS_COST = 16
 
 
-def materializing_is_cheaper(positions: int | None, width_in: int, width_out: int) -> bool:
-    """Whether a layer applied at `positions` per example (`X_i` P x in, `D_i` P x out)
-    costs less with its per-example gradients `X_i^T D_i` materialized.
+def materializing_is_cheaper(
+    positions: int | None, width_in: int, width_out: int, groups: int = 1
+) -> bool:
+    """Whether a layer applied at `positions` per example (`X_i` P x in, `D_i` P x out,
+    per group) costs less with its per-example gradients `X_i^T D_i` materialized.
 
     The direct form adds the Gram norms `P^2 (in + out)` and the dot `X_i R D_i^T`
     (`P in out`) per example to the step; materializing costs `P in out`, but that
     replaces the backward pass' weight gradient, leaving a few passes over the
-    `in out` values. True when P is unknown.
+    `in out` values. True when P is unknown. Per-example gradients of more than
+    `MATERIALIZE_MAX_VALUES` values (over all `groups`) are materialized only where
+    the Gram form costs more.
     """
     if positions is None or not gram_is_cheaper(positions, width_in, width_out):
         return True
     values = width_in * width_out
     direct = positions * values + positions**2 * (width_in + width_out)
-    return values <= MATERIALIZE_MAX_VALUES and direct > MATERIALIZED_PASS_COST * values
+    fits = groups * values <= MATERIALIZE_MAX_VALUES
+    return fits and direct > MATERIALIZED_PASS_COST * values

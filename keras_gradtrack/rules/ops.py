@@ -20,19 +20,25 @@ from keras_gradtrack.rules.contract import (
 )
 from keras_gradtrack.rules.cost import gram_is_cheaper
 
-# Whether `sum_of_squares` may use TensorFlow's one-pass EuclideanNorm kernel,
-# which XLA cannot compile (XLA fuses square and sum by itself).
-_ONE_PASS_NORMS = contextvars.ContextVar("one_pass_norms", default=True)
+# Whether the step being traced is compiled by XLA, which has no kernel for some
+# operations (EuclideanNorm) and fuses elementwise work that TensorFlow runs
+# op by op, so some rules pick another form under it.
+_XLA = contextvars.ContextVar("compiling_with_xla", default=False)
 
 
 @contextlib.contextmanager
 def compiled_with_xla(jit_compile: bool) -> Iterator[None]:
     """Rules traced inside use only operations XLA compiles when `jit_compile` is true."""
-    token = _ONE_PASS_NORMS.set(not jit_compile)
+    token = _XLA.set(jit_compile)
     try:
         yield
     finally:
-        _ONE_PASS_NORMS.reset(token)
+        _XLA.reset(token)
+
+
+def compiling_with_xla() -> bool:
+    """Whether the rules are being traced for an XLA-compiled step."""
+    return _XLA.get()
 
 
 def has_plain_weights(layer: Any) -> bool:
@@ -45,9 +51,9 @@ def has_plain_weights(layer: Any) -> bool:
 def sum_of_squares(tensor: tf.Tensor, axis: Any = None) -> tf.Tensor:
     """`sum x^2` over `axis` (every axis by default) in one pass over the tensor
     (`square` then `reduce_sum` writes and reads a tensor as large as the input)."""
-    if _ONE_PASS_NORMS.get():
-        return tf.square(tf.math.reduce_euclidean_norm(tensor, axis=axis))
-    return tf.reduce_sum(tf.square(tensor), axis=axis)
+    if compiling_with_xla():  # XLA fuses square and sum by itself
+        return tf.reduce_sum(tf.square(tensor), axis=axis)
+    return tf.square(tf.math.reduce_euclidean_norm(tensor, axis=axis))
 
 
 def materialized(

@@ -1,48 +1,97 @@
 """Rule for SeparableConv1D and SeparableConv2D.
 
 A separable convolution is a depthwise convolution (kernel `W_d`, `(*kernel_size,
-C, M)`) followed by a pointwise one (kernel `W_p`, `(1, ..., C * M, filters)`)
-and the bias. The tap gives `D_i`, the gradient at the pre-activation output,
-so the pointwise kernel's per-example gradient is `U_i^T D_i` with `U_i` the
-depthwise output, which the rule recomputes from the input's windows; the
-gradient at `U_i` is `D_i W_p^T`, from which the depthwise rule gives the
-depthwise kernel's.
+C, M)`) giving `U_i`, followed by a pointwise one (kernel `W_p`, `(1, ..., C * M,
+filters)`) and the bias. The rule's tap runs the two convolutions apart (as
+TensorFlow does inside `separable_conv2d`) and records `U_i` with the
+pre-activation output, so the backward pass delivers both `D_i` and the gradient
+at `U_i`, `D_i W_p^T`, at no extra cost. The pointwise kernel's per-example
+gradient is then `U_i^T D_i`, and the depthwise rule's, fed `D_i W_p^T`, gives
+the depthwise kernel's.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tensorflow as tf
+from keras import ops
 
-from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
-from keras_gradtrack.rules.cost import gram_is_cheaper
-from keras_gradtrack.rules.ops import has_plain_weights, sequence_kernel_sq_norm
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
+from keras_gradtrack.rules.cost import materializing_is_cheaper
+from keras_gradtrack.rules.ops import (
+    has_plain_weights,
+    positions_per_example,
+    reshape_per_example,
+    sequence_kernel_sq_norm,
+)
 from keras_gradtrack.rules.windows import (
+    Window,
+    channels_last,
     grouped_kernel_primitives,
-    grouped_response,
-    input_windows,
-    output_positions,
     per_example_bias_gradient,
-    per_example_kernel_gradients,
+    per_example_filter_gradients,
+    stacked_windows,
     with_bias,
 )
 
 
-def depthwise_output(layer: Any, slices: Sequence[tf.Tensor]) -> tf.Tensor:
-    """`U_i`, `(B, P, C * M)`: the depthwise convolution of the input, without bias."""
-    kernel = tf.cast(layer.depthwise_kernel.value, tf.float32)
-    flat_kernel = tf.reshape(kernel, [len(slices), 1, -1])
-    return grouped_response(slices, flat_kernel, groups=kernel.shape[-2])
+def separable_tap(
+    layer: Any, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Tapped:
+    """The layer's call as its two convolutions, tapping the pre-activation output and
+    the depthwise output `U_i` (`tapped = (z, U)`, U channels last: CPU TensorFlow has
+    no channels-first gradient for the pointwise convolution alone)."""
+    inputs = args[0] if args else kwargs["inputs"]
+    channels_first = layer.data_format == "channels_first"
+    if channels_first:
+        inputs = ops.moveaxis(inputs, 1, -1)
+    depthwise = ops.depthwise_conv(
+        inputs,
+        layer.depthwise_kernel,
+        strides=layer.strides,
+        padding=layer.padding,
+        data_format="channels_last",
+        dilation_rate=layer.dilation_rate,
+    )
+    outputs = ops.conv(depthwise, layer.pointwise_kernel, data_format="channels_last")
+    if layer.use_bias:
+        outputs = ops.add(outputs, layer.bias)
+    if channels_first:
+        outputs = ops.moveaxis(outputs, -1, 1)
+    preactivation = outputs
+    if layer.activation is not None:
+        outputs = layer.activation(outputs)
+    return Tapped(outputs, (preactivation, depthwise))
 
 
-def depthwise_output_grads(layer: Any, targets: tf.Tensor) -> tf.Tensor:
-    """`D_i W_p^T`, `(B, P, C * M)`: the gradient at the depthwise output."""
-    pointwise = layer.pointwise_kernel
-    kernel = tf.reshape(tf.cast(pointwise.value, tf.float32), pointwise.shape[-2:])
-    return tf.einsum("bpf,cf->bpc", targets, kernel)
+def sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
+    """`U` `(B, P, C * M)` and `D` `(B, P, filters)`, every call's positions stacked."""
+    parts = [
+        [
+            reshape_per_example(tensor, [-1, tensor.shape[-1]])
+            for tensor in (
+                tf.cast(call.tapped[1], tf.float32),
+                channels_last(call.output_grads[0], layer.data_format),  # type: ignore[index]
+            )
+        ]
+        for call in calls
+    ]
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1]
+    return tf.concat([u for u, _ in parts], axis=1), tf.concat([d for _, d in parts], axis=1)
+
+
+def depthwise_pairs(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[tf.Tensor, tf.Tensor]]:
+    """Per call, the input and the gradient at the depthwise output, channels last."""
+    return [
+        (
+            channels_last(call.inputs, layer.data_format),
+            tf.cast(call.output_grads[1], tf.float32),  # type: ignore[index]
+        )
+        for call in calls
+    ]
 
 
 def separable_primitives(
@@ -53,15 +102,14 @@ def separable_primitives(
     Example:
 
     ```python
-    # U_i = depthwise(x_i) (P, C * M), D_i (P, filters):
+    # U_i = depthwise(x_i) (P, C * M), D_i (P, filters), both from the tap:
     # g_i[pointwise] = U_i^T D_i,  g_i[depthwise] = the depthwise rule's with D_i W_p^T
     ```
     """
-    slices, targets = input_windows(layer, calls)
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
     terms = []
     if pointwise.trainable:
-        intermediate = depthwise_output(layer, slices)
+        intermediate, targets = sequences(layer, calls)
         pointwise_reference = tf.reshape(reference(pointwise), pointwise.shape[-2:])
         response = tf.einsum("bpc,cf->bpf", intermediate, pointwise_reference)
         terms.append(
@@ -71,41 +119,38 @@ def separable_primitives(
             )
         )
     if depthwise.trainable:
+        slices, grads = stacked_windows(depthwise_pairs(layer, calls), Window.of(layer))
         depthwise_reference = tf.reshape(reference(depthwise), [len(slices), 1, -1])
         terms.append(
-            grouped_kernel_primitives(
-                slices,
-                depthwise_output_grads(layer, targets),
-                depthwise.shape[-2],
-                depthwise_reference,
-            )
+            grouped_kernel_primitives(slices, grads, depthwise.shape[-2], depthwise_reference)
         )
     return with_bias(layer, calls, reference, terms)
 
 
 def separable_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
-    """Whether both kernels' per-example gradients cost less than their Gram forms."""
-    positions = output_positions(layer, calls)
-    channels, multiplier = layer.depthwise_kernel.shape[-2:]
-    filters = layer.pointwise_kernel.shape[-1]
-    window_width = math.prod(layer.kernel_size)
-    return not (
-        gram_is_cheaper(positions, window_width, multiplier)
-        or gram_is_cheaper(positions, channels * multiplier, filters)
+    """Whether the pointwise kernel's per-example gradients cost less than its direct
+    form (the depthwise kernel's are small: the direct form builds them too)."""
+    if not layer.pointwise_kernel.trainable:
+        return True
+    positions = positions_per_example(
+        [call.tapped[0] for call in calls], layer.data_format == "channels_first"
     )
+    width_in, filters = layer.pointwise_kernel.shape[-2:]
+    return materializing_is_cheaper(positions, width_in, filters)
 
 
 def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a SeparableConv1D/2D layer's kernels and bias."""
-    slices, targets = input_windows(layer, calls)
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
     pairs = []
     if depthwise.trainable:
-        grads = depthwise_output_grads(layer, targets)
-        pairs.append((depthwise, per_example_kernel_gradients(slices, grads, depthwise.shape[-2])))
+        window = Window.of(layer)
+        channels = depthwise.shape[-2]
+        grads = per_example_filter_gradients(depthwise_pairs(layer, calls), window, channels)
+        pairs.append((depthwise, grads))
     if pointwise.trainable:
-        per_pointwise = tf.einsum("bpc,bpf->bcf", depthwise_output(layer, slices), targets)
-        pairs.append((pointwise, per_pointwise))
+        intermediate, targets = sequences(layer, calls)
+        pairs.append((pointwise, tf.einsum("bpc,bpf->bcf", intermediate, targets)))
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
         pairs.append((layer.bias, bias_grad))
@@ -116,6 +161,7 @@ SEPARABLE_CONV = Rule(
     "separable_conv",
     separable_primitives,
     has_plain_weights,
+    tap=separable_tap,
     per_example=separable_per_example,
     materializes=separable_materializes,
 )

@@ -1,0 +1,189 @@
+"""The tables of `overhead.py`: per-round figures to paired ratios, and the markdown report."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+import tensorflow as tf
+from zoo import ZOO
+
+TIMED = ("plain", "tracked", "every_10", "tape_loop", "jacobian")
+
+
+def failure_text(error: Exception) -> str:
+    traceback.print_exc(file=sys.stderr)
+    if "ResourceExhausted" in type(error).__name__ or isinstance(error, MemoryError):
+        return "out of memory"
+    return f"error: {type(error).__name__}"
+
+
+def timing_row(
+    rounds: dict[str, list[dict[str, Any]]], failures: dict[str, str], steps: dict[str, int]
+) -> dict[str, Any]:
+    """Medians over rounds, and ratios to plain paired by round: the median over rounds
+    of each round's figure over plain's in the same round (load drift cancels)."""
+    plain = {entry["round"]: entry for entry in rounds.get("plain", [])}
+    row: dict[str, Any] = {"steps": steps, "figures": {}, "ratios": {}}
+    for variant, entries in rounds.items():
+        if variant in failures or not entries:
+            row["figures"][variant] = failures.get(variant, "no rounds")
+            continue
+        keys = [key for key in entries[0] if key != "round"]
+        row["figures"][variant] = {k: statistics.median(e[k] for e in entries) for k in keys}
+        row["ratios"][variant] = {
+            key: statistics.median(e[key] / plain[e["round"]][key] for e in paired)
+            for key in keys
+            if (paired := [e for e in entries if e["round"] in plain])
+        }
+    return row
+
+
+def device_description() -> str:
+    """What TensorFlow runs on, as seen from inside a child."""
+    gpus = tf.config.list_physical_devices("GPU")
+    names = [tf.config.experimental.get_device_details(gpu).get("device_name", "?") for gpu in gpus]
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        onednn = "on" if _pywrap_util_port.IsMklEnabled() else "off"
+    except (ImportError, AttributeError):
+        onednn = "unknown"
+    return f"GPUs: {', '.join(names) or 'none'}; CPU oneDNN: {onednn}"
+
+
+def machine_lines(devices: str) -> list[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), "?")
+    with open("/proc/meminfo") as meminfo:
+        memory_gib = int(meminfo.readline().split()[1]) / 2**20
+    packages = ("tensorflow", "keras", "keras-gradtrack", "numpy", "h5py")
+    versions = ", ".join(f"{p} {importlib.metadata.version(p)}" for p in packages)
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = ["git", "-C", here, "describe", "--always", "--dirty"]
+    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
+    return [
+        f"- CPU: {cpu}, {len(os.sched_getaffinity(0))} cores usable "
+        f"({os.cpu_count()} logical), {memory_gib:.0f} GiB RAM; {devices}",
+        f"- Python {platform.python_version()}, {versions}",
+        f"- commit {commit}, {datetime.date.today().isoformat()}",
+    ]
+
+
+def number(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def figure(row: dict[str, Any], variant: str, key: str, scale: float = 1e3) -> str:
+    found = row["figures"].get(variant, "-")
+    if not isinstance(found, dict):
+        return str(found)
+    return number(found[key] * scale) if key in found else "-"
+
+
+def ratio(row: dict[str, Any], variant: str, key: str) -> str:
+    found = row["ratios"].get(variant, {}).get(key)
+    return "-" if found is None else number(found) + "x"
+
+
+def table_row(name: str, timing: dict[str, Any], memory: dict[Any, Any], baselines: bool) -> str:
+    if "row" not in timing:
+        return f"| {name} | {timing['failure']} |"
+    row = timing["row"]
+    cells = [
+        name,
+        figure(row, "plain", "wall"),
+        figure(row, "tracked", "wall"),
+        ratio(row, "tracked", "wall"),
+        ratio(row, "tracked", "cpu"),
+        ratio(row, "every_10", "wall"),
+        ratio(row, "tracked", "short_fit"),
+        f"{figure(row, 'plain', 'fixed')} / {figure(row, 'tracked', 'fixed')}",
+    ]
+    growth = []
+    for variant in ("plain", "tracked"):
+        measured = memory.get((name, variant), "-")
+        growth.append(measured["growth"] if isinstance(measured, dict) else measured)
+    cells += [number(growth[0]), number(growth[1])]
+    both = all(isinstance(g, float) for g in growth)
+    cells.append(number(growth[1] / growth[0]) + "x" if both and growth[0] > 0 else "-")
+    if baselines:
+        cells += [ratio(row, "tape_loop", "wall"), ratio(row, "jacobian", "wall")]
+        for variant in ("tape_loop", "jacobian"):
+            if not isinstance(row["figures"].get(variant), dict):
+                cells[-2 if variant == "tape_loop" else -1] = str(row["figures"].get(variant))
+    return "| " + " | ".join(cells) + " |"
+
+
+def header(args: Any) -> str:
+    columns = [
+        "model",
+        "plain ms/step",
+        "tracked ms/step",
+        "tracked / plain",
+        "CPU time tracked / plain",
+        "every-10 / plain",
+        f"{8}-step fit tracked / plain",
+        "fixed ms per fit, plain / tracked",
+        f"memory MiB plain (B={args.memory_batch_size})",
+        "memory MiB tracked",
+        "memory tracked / plain",
+    ]
+    if args.baselines:
+        columns += ["tape loop / plain", "jacobian / plain"]
+    return "| " + " | ".join(columns) + " |\n|" + " --- |" * len(columns)
+
+
+def render(
+    args: Any,
+    timings: dict[str, dict[str, Any]],
+    memory: dict[Any, Any],
+    load_before: float,
+    load_after: float,
+    minutes: float,
+) -> str:
+    devices = next((t["devices"] for t in timings.values() if "devices" in t), args.device)
+    lines = ["# keras_gradtrack overhead benchmark", "", *machine_lines(devices)]
+    lines += [
+        f"- device flag `--device {args.device}`, oneDNN `{args.onednn}`; load average "
+        f"{load_before:.1f} at start, {load_after:.1f} at end; {minutes:.1f} min",
+        "",
+        f"Timing at batch size {args.batch_size}: {args.rounds} interleaved rounds, each a "
+        f"`fit` per variant of {2} dropped + up to {args.steps} timed steps (fewer for "
+        "slow steps, see each model); per round the median step (every-10: the mean of "
+        "whole windows of ten), then the median over rounds. Ratios are paired: the "
+        "median over rounds of each round's figure over plain's in the same round. CPU "
+        "time is the process's (all threads). The 8-step fit is a whole `fit` of 8 steps "
+        "(its fixed cost plus its first 8 steps); the fixed cost of a fit is its wall time "
+        "minus its steps. Memory: peak growth during a "
+        f"{args.memory_steps}-step `fit` at batch size {args.memory_batch_size} over the "
+        "memory in use just before it, each variant in a fresh process "
+        + ("(peak RSS)." if args.device == "cpu" else "(the GPU allocator's peak)."),
+        "",
+        header(args),
+    ]
+    lines += [table_row(name, timing, memory, args.baselines) for name, timing in timings.items()]
+    lines += ["", "## The models", ""]
+    for name, timing in timings.items():
+        steps = timing.get("row", {}).get("steps", {})
+        lines += [
+            f"### {name}: {ZOO[name].description}",
+            "",
+            f"{timing.get('params', '?')} parameters; jit_compile {timing.get('jit_compile', '?')}; "
+            f"timed steps per round {steps}.",
+            "",
+            "```",
+            timing.get("summary", "(no plan: the child failed)"),
+            "```",
+            "",
+        ]
+    return "\n".join(lines)
