@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import tensorflow as tf
 
@@ -27,12 +27,18 @@ from keras_gradtrack.engine.plan import Plan
 from keras_gradtrack.engine.taps import LayerTap, OpRange, graph_ops_recorded, installed
 from keras_gradtrack.statistics import Statistic
 
-if TYPE_CHECKING:
-    from keras_gradtrack.engine.targets import AttributionRequest
-
 _ACTIVE: contextvars.ContextVar[TrackingContext | None] = contextvars.ContextVar(
     "gradient_tracking_context", default=None
 )
+
+
+class RowRequest(Protocol):
+    """Per-example rows asked of the step beside the statistics (the step's payload
+    holds them under `key`); `engine.targets.AttributionRequest` is one."""
+
+    key: str
+
+    def rows(self, batch: Any) -> tf.Tensor: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +78,7 @@ class TrackingContext:
         plan: Plan,
         statistics: Sequence[Statistic],
         example_ids: Any,
-        requests: Sequence[AttributionRequest] = (),
+        requests: Sequence[RowRequest] = (),
         batch: Any = None,
     ) -> None:
         self.model = model
