@@ -91,8 +91,16 @@ def layer_normalization_model() -> Any:
     return compiled(inputs, keras.layers.Dense(3)(hidden))
 
 
+def recurrent_model() -> Any:
+    inputs = keras.Input((4, 3))
+    hidden = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True))(inputs)
+    hidden = keras.layers.GRU(4)(hidden)
+    return compiled(inputs, keras.layers.Dense(3)(hidden))
+
+
 MODELS = {
     "dense": (dense_model, (5,)),
+    "recurrent": (recurrent_model, (4, 3)),
     "dense_sequence": (dense_sequence_model, (4, 5)),
     "conv": (conv_model, (6, 6, 2)),
     "embedding": (embedding_model, None),
