@@ -37,6 +37,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,15 +49,9 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from overhead import (  # the shared helpers of benchmarks/overhead.py
-    fit_step_seconds,
-    flat,
-    machine_description,
-    number,
-    peak_rss_mib,
-    progress,
-    rss_mib,
-)
+from baselines import flat
+from overhead import progress
+from report import device_description, machine_lines, number
 
 import keras_gradtrack as kgt
 
@@ -66,6 +61,51 @@ VARIANTS = ("plain", "tracked", "unroll_fallback", "tape_loop")
 SLOW_BASELINES = ("unroll_fallback", "tape_loop")
 RECURRENT_CLASSES = (keras.layers.RNN, keras.layers.SimpleRNN, keras.layers.LSTM, keras.layers.GRU)
 MESSAGE_PREFIX = "@@recurrent "
+
+
+WARMUP_STEPS = 2  # dropped from each timed fit (the first traces the step)
+
+
+class StepStart(keras.callbacks.Callback):
+    """First in the callback list: notes when each step begins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.begins: list[float] = []
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self.begins.append(time.perf_counter())
+
+
+class StepEnd(keras.callbacks.Callback):
+    """Last in the callback list (after the logger has written): step durations."""
+
+    def __init__(self, start: StepStart) -> None:
+        super().__init__()
+        self.start = start
+        self.seconds: list[float] = []
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.seconds.append(time.perf_counter() - self.start.begins[-1])
+
+
+def fit_step_seconds(model: Any, dataset: Any, steps: int, callbacks: list[Any]) -> list[float]:
+    """Per-step times of one `fit` of `steps` steps, after `WARMUP_STEPS` dropped ones."""
+    start = StepStart()
+    end = StepEnd(start)
+    total = WARMUP_STEPS + steps
+    model.fit(dataset, steps_per_epoch=total, verbose=0, callbacks=[start, *callbacks, end])
+    return end.seconds[WARMUP_STEPS:]
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- models and data ------------------------------------------------------------------
@@ -397,7 +437,7 @@ def table_row(name: str, args: argparse.Namespace, timing: dict[str, Any], memor
 
 
 def report(args: argparse.Namespace, timings: dict[str, Any], memory: dict[Any, Any]) -> str:
-    lines = ["# keras_gradtrack recurrent benchmark", "", *machine_description(), ""]
+    lines = ["# keras_gradtrack recurrent benchmark", "", *machine_lines(device_description()), ""]
     lines.append(
         f"Plain and tracked: {args.rounds} interleaved rounds of {args.steps} fit steps "
         "each, in one process (the median step per round); their ratio is the median over "
