@@ -41,12 +41,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is impor
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import keras_gradtrack as kgt
 from keras_gradtrack import analysis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import build_model, compile_default, repeated_dataset
+from zoo import build_compiled, synthetic_batches
 
 TOP = 10
 
@@ -89,13 +90,14 @@ def measure_cost(model_name: str, batch_size: int, targets: list[int], sketch_di
                  steps: int, rounds: int, out: Path) -> list[tuple[str, float, float, float]]:  # fmt: skip
     """`(variant, wall ms per step, wall and CPU ratio to plain)`, interleaved over rounds."""
     keras.utils.set_random_seed(0)
-    plain = compile_default(build_model(model_name, keras.Model))
-    dataset = repeated_dataset(model_name, batch_size, static_batch=False)
+    plain = build_compiled(model_name, keras.Model)
+    batches = synthetic_batches(model_name, batch_size)
+    dataset = tf.data.Dataset.from_tensor_slices(batches).batch(batch_size).repeat().prefetch(2)
     x, y = next(iter(dataset))
     variants: dict[str, tuple[Any, list[Any]]] = {"plain": (plain, [])}
 
     def tracked(name: str, **logger: Any) -> None:
-        model = compile_default(build_model(model_name, kgt.GradientTrackingModel))
+        model = build_compiled(model_name, kgt.GradientTrackingModel)
         model.set_weights(plain.get_weights())
         # One logger per variant, reused by every fit: its step is traced once.
         variants[name] = (model, [kgt.HDF5GradientLogger(out / f"{model_name}_{name}.h5",
