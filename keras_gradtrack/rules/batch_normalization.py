@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, Rule
-from keras_gradtrack.rules.ops import primitives_of
+from keras_gradtrack.rules.ops import affine_per_example, primitives_of
 
 
 def batch_normalization_applies(layer: Any) -> bool:
@@ -37,9 +37,8 @@ def uses_batch_statistics(layer: Any, args: Sequence[Any], kwargs: Mapping[str, 
     return bool(training) and bool(layer.trainable)
 
 
-def normalized_inputs(layer: Any, call: LayerCall) -> tf.Tensor:
-    """`xhat` of one call, from its input, with the moments the call used (float32)."""
-    x = tf.cast(call.inputs, tf.float32)
+def normalized_inputs(layer: Any, x: tf.Tensor, call: LayerCall) -> tf.Tensor:
+    """`xhat` of one call's float32 input `x`, with the moments the call used."""
     if uses_batch_statistics(layer, call.args, call.kwargs):
         mask = call.args[2] if len(call.args) > 2 else call.kwargs.get("mask")
         # Keras' own moments: the same reduction, and masked calls weigh positions alike.
@@ -65,23 +64,13 @@ def batch_normalization_per_example(
     # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} d_ihw * xhat_ihw,  g_i(beta) = sum_{h,w} d_ihw
     ```
     """
-    gamma = getattr(layer, "gamma", None)
-    beta = getattr(layer, "beta", None)
-    gamma = gamma if gamma is not None and gamma.trainable else None
-    beta = beta if beta is not None and beta.trainable else None
-    gamma_grads, beta_grads = [], []
-    for call in calls:
-        d = tf.cast(call.output_grad, tf.float32)
-        axis = layer.axis % d.shape.rank
-        summed = [a for a in range(1, d.shape.rank) if a != axis]
-        if gamma is not None:
-            gamma_grads.append(tf.reduce_sum(d * normalized_inputs(layer, call), axis=summed))
-        if beta is not None:
-            beta_grads.append(tf.reduce_sum(d, axis=summed))
-    pairs = [(gamma, tf.add_n(gamma_grads))] if gamma is not None else []
-    if beta is not None:
-        pairs.append((beta, tf.add_n(beta_grads)))
-    return pairs
+    return affine_per_example(
+        calls,
+        lambda x, call: normalized_inputs(layer, x, call),
+        lambda rank: [layer.axis % rank],
+        scale=getattr(layer, "gamma", None),
+        offset=getattr(layer, "beta", None),
+    )
 
 
 BATCH_NORMALIZATION = Rule(

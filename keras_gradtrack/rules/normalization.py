@@ -11,17 +11,14 @@ computes it (float32, same epsilon and axes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, PerExampleFn, Rule
-from keras_gradtrack.rules.ops import primitives_of
-
-# Maps the layer input (float32) to `n(x)`, the factor that multiplies gamma.
-NormalizeFn = Callable[[tf.Tensor], tf.Tensor]
+from keras_gradtrack.rules.ops import affine_per_example, primitives_of
 
 
 def built_input_rank(layer: Any) -> int | None:
@@ -58,41 +55,6 @@ def epsilon_of(layer: Any) -> float:
     return keras.config.epsilon() if layer.epsilon is None else layer.epsilon
 
 
-def affine_per_example(
-    calls: Sequence[LayerCall],
-    normalize: NormalizeFn,
-    param_axes: Callable[[int], list[int]],
-    scale: Any,
-    offset: Any,
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of `y = normalize(x) * scale + offset`, both optional.
-
-    Args:
-        calls: The layer's calls in this step.
-        normalize: Computes `n(x)` from the float32 input.
-        param_axes: Maps the input rank to the sorted input axes that the
-            parameters span (the others are summed over, per example).
-        scale: The variable multiplying `n(x)`, or None.
-        offset: The variable added, or None.
-    """
-    scale = scale if scale is not None and scale.trainable else None
-    offset = offset if offset is not None and offset.trainable else None
-    scale_grads, offset_grads = [], []
-    for call in calls:
-        x = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grad, tf.float32)
-        kept = param_axes(x.shape.rank)
-        summed = [a for a in range(1, x.shape.rank) if a not in kept]
-        if scale is not None:
-            scale_grads.append(tf.reduce_sum(d * normalize(x), axis=summed))
-        if offset is not None:
-            offset_grads.append(tf.reduce_sum(d, axis=summed))
-    pairs = [(scale, tf.add_n(scale_grads))] if scale is not None else []
-    if offset is not None:
-        pairs.append((offset, tf.add_n(offset_grads)))
-    return pairs
-
-
 def layer_normalization_applies(layer: Any) -> bool:
     """The rule covers LayerNormalization unless it may normalize over the batch axis."""
     return excludes_batch_axis(layer, layer.axis)
@@ -111,7 +73,7 @@ def layer_normalization_per_example(
     """
     epsilon = epsilon_of(layer)
 
-    def normalize(x: tf.Tensor) -> tf.Tensor:
+    def normalize(x: tf.Tensor, call: LayerCall) -> tf.Tensor:
         axes = normalized_axes(layer, layer.axis, x.shape.rank)
         if layer.rms_scaling:
             # The layer's (deprecated) rms_scaling divides by the standard deviation.
@@ -151,7 +113,7 @@ def group_normalization_per_example(
     """
     epsilon = epsilon_of(layer)
 
-    def normalize(x: tf.Tensor) -> tf.Tensor:
+    def normalize(x: tf.Tensor, call: LayerCall) -> tf.Tensor:
         rank = x.shape.rank
         (axis,) = normalized_axes(layer, layer.axis, rank)
         shape = tf.shape(x)
@@ -202,7 +164,7 @@ def rms_normalization_per_example(
     """
     epsilon = epsilon_of(layer)
 
-    def normalize(x: tf.Tensor) -> tf.Tensor:
+    def normalize(x: tf.Tensor, call: LayerCall) -> tf.Tensor:
         axes = normalized_axes(layer, layer.axis, x.shape.rank)
         mean_square = tf.reduce_mean(tf.square(x), axis=axes, keepdims=True)
         return x * tf.math.rsqrt(mean_square + epsilon)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -165,3 +165,44 @@ def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
         return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
     per_example_kernel = tf.einsum("btd,bte->bde", a, d)
     return sum_of_squares(per_example_kernel, axis=[1, 2])
+
+
+# Maps a normalization layer's input (float32) and its call to `n(x)`, the factor
+# that multiplies gamma.
+NormalizeFn = Callable[[tf.Tensor, LayerCall], tf.Tensor]
+
+
+def affine_per_example(
+    calls: Sequence[LayerCall],
+    normalize: NormalizeFn,
+    param_axes: Callable[[int], list[int]],
+    scale: Any,
+    offset: Any,
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of `y = normalize(x) * scale + offset`, both optional.
+
+    Args:
+        calls: The layer's calls in this step.
+        normalize: Computes `n(x)` from the float32 input and its call (whose
+            arguments may say which moments the layer used).
+        param_axes: Maps the input rank to the sorted input axes that the
+            parameters span (the others are summed over, per example).
+        scale: The variable multiplying `n(x)`, or None.
+        offset: The variable added, or None.
+    """
+    scale = scale if scale is not None and scale.trainable else None
+    offset = offset if offset is not None and offset.trainable else None
+    scale_grads, offset_grads = [], []
+    for call in calls:
+        x = tf.cast(call.inputs, tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
+        kept = param_axes(x.shape.rank)
+        summed = [a for a in range(1, x.shape.rank) if a not in kept]
+        if scale is not None:
+            scale_grads.append(tf.reduce_sum(d * normalize(x, call), axis=summed))
+        if offset is not None:
+            offset_grads.append(tf.reduce_sum(d, axis=summed))
+    pairs = [(scale, tf.add_n(scale_grads))] if scale is not None else []
+    if offset is not None:
+        pairs.append((offset, tf.add_n(offset_grads)))
+    return pairs
