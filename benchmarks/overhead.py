@@ -342,11 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     memory = {} if args.no_memory else measure_memory(args)
     minutes = (time.perf_counter() - started) / 60
     text = report.render(args, timings, memory, load_before, os.getloadavg()[0], minutes)
-    print(text, end="")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as out:
-            out.write(text)
+    report.print_and_save(text, args.out)
 
 
 if __name__ == "__main__":

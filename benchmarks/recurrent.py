@@ -49,9 +49,9 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from baselines import flat
+from baselines import make_tape_loop_step
 from overhead import progress
-from report import device_description, machine_lines, number
+from report import device_description, machine_lines, number, print_and_save
 
 import keras_gradtrack as kgt
 
@@ -117,7 +117,7 @@ def build_model(name: str, model_class: type, length: int, unroll: bool = False)
     if name == "weather":
         inputs = keras.Input((length, 7))
         outputs = layers.Dense(1)(layers.LSTM(32, unroll=unroll)(inputs))
-        loss = "mse"
+        loss = keras.losses.MeanSquaredError()
     else:
         inputs = keras.Input((length,), dtype="int32")
         hidden = layers.Embedding(20000, 128)(inputs)
@@ -130,7 +130,7 @@ def build_model(name: str, model_class: type, length: int, unroll: bool = False)
             hidden = layers.GRU(64, return_sequences=True, unroll=unroll)(hidden)
             hidden = layers.GRU(64, unroll=unroll)(hidden)
         outputs = layers.Dense(1, activation="sigmoid")(hidden)
-        loss = "binary_crossentropy"
+        loss = keras.losses.BinaryCrossentropy()
     model = model_class(inputs, outputs, name=name)
     model.compile(optimizer=keras.optimizers.Adam(), loss=loss)
     return model
@@ -161,40 +161,6 @@ def without_recurrent_rule() -> Iterator[None]:
     finally:
         for cls, rule in zip(RECURRENT_CLASSES, previous):
             kgt.register_rule(cls, rule)
-
-
-# -- the per-example loop users write today -------------------------------------------
-
-
-def make_tape_loop_step(model: Any, optimizer: Any) -> Callable[[Any, Any], Any]:
-    """A train step plus one `GradientTape` per example (`tf.map_fn`): norms, cosines."""
-    variables = model.trainable_variables
-    loss_fn = keras.losses.get(model.loss)
-
-    def losses(x: Any, y: Any) -> Any:
-        return loss_fn(y, model(x, training=True))
-
-    @tf.function
-    def step(x: Any, y: Any) -> Any:
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(losses(x, y))
-        batch_gradient = tape.gradient(loss, variables)
-        batch_flat = flat(batch_gradient)
-
-        def norm_and_cosine(example: Any) -> Any:
-            x_i, y_i = example
-            with tf.GradientTape() as example_tape:
-                loss_i = tf.reduce_sum(losses(x_i[None], y_i[None]))
-            gradient_i = flat(example_tape.gradient(loss_i, variables))
-            norm_i = tf.norm(gradient_i)
-            return norm_i, tf.tensordot(gradient_i, batch_flat, 1) / (norm_i * tf.norm(batch_flat))
-
-        signature = (tf.float32, tf.float32)
-        norms, cosines = tf.map_fn(norm_and_cosine, (x, y), fn_output_signature=signature)
-        optimizer.apply(batch_gradient, variables)
-        return norms, cosines
-
-    return step
 
 
 # -- the timing child -----------------------------------------------------------------
@@ -240,7 +206,7 @@ def timed_variants(
         reference = like_plain(build_model(name, keras.Model, length))
         optimizer = keras.optimizers.Adam()
         optimizer.build(reference.trainable_variables)
-        step = make_tape_loop_step(reference, optimizer)
+        step = make_tape_loop_step(reference, reference.loss, optimizer)
         x, y = next(iter(dataset))
 
         def tape_loop(steps: int) -> float:
@@ -512,11 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     memory = {} if args.no_memory else measure_memory(args)
     text = report(args, timings, memory)
     text += f"\n\nTotal time: {(time.perf_counter() - started) / 60:.1f} min.\n"
-    print(text, end="")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as out:
-            out.write(text)
+    print_and_save(text, args.out)
 
 
 if __name__ == "__main__":

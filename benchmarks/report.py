@@ -187,3 +187,12 @@ def render(
             "",
         ]
     return "\n".join(lines)
+
+
+def print_and_save(text: str, out: str | None) -> None:
+    """Prints the report and, with `--out`, writes it there too (folders made)."""
+    print(text, end="")
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as file:
+            file.write(text)
