@@ -19,6 +19,7 @@ RULE_FOUNDATIONS = {
     "keras_gradtrack.rules.ops",
     "keras_gradtrack.rules.cost",
     "keras_gradtrack.rules.windows",
+    "keras_gradtrack.rules.filter_gradients",
     "keras_gradtrack.rules.recurrent_cells",
 }
 

@@ -8,6 +8,7 @@ built-in statistic plus `pairwise_cosine`, which checks the rules' Gram matrices
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
 from keras_gradtrack.rules import LayerCall, lookup, rule_for
 from keras_gradtrack.rules.cost import gram_is_cheaper
+from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs
+from keras_gradtrack.rules.ops import compiled_with_xla
 from keras_gradtrack.rules.windows import FEW_CHANNELS
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
 
@@ -296,8 +299,61 @@ def channels_first_twin(layer: keras.layers.Layer) -> keras.layers.Layer:
     return type(layer).from_config({**layer.get_config(), "data_format": "channels_first"})
 
 
-def test_the_many_channel_cases_take_the_per_offset_products() -> None:
-    assert FEW_CHANNELS < 6 < 8
+MANY_CHANNEL_LAYERS = [
+    (lambda: L.Conv1D(5, 3, strides=2, padding="causal", dilation_rate=1), (16, 6)),
+    (lambda: L.Conv1D(4, 3, padding="same", dilation_rate=2, use_bias=False), (15, 8)),
+    (lambda: L.Conv2D(5, 3, padding="same", strides=(2, 1)), (9, 8, 6)),
+    (lambda: L.Conv2D(4, (3, 2), dilation_rate=(2, 1), activation="relu"), (10, 9, 7)),
+    (lambda: L.Conv2DTranspose(3, 3, strides=2, padding="same"), (5, 6, 2)),
+    (lambda: L.Conv1DTranspose(2, 3, strides=2), (7, 3)),
+]
+
+
+@pytest.mark.parametrize(("make", "input_shape"), MANY_CHANNEL_LAYERS)
+def test_many_channel_kernels_take_the_filter_gradient_onednn_runs(
+    make: Callable[[], Any], input_shape: Any, tmp_path: Path
+) -> None:
+    """More than FEW_CHANNELS channels under the kernel's windows: the grouped
+    Conv2DBackpropFilter where oneDNN runs it, the windows' products where it does
+    not (`make test` runs this file with TF_ENABLE_ONEDNN_OPTS on and off); both exact."""
+    inputs = keras.Input(input_shape)
+    layer = make()
+    model = classifier(inputs, layer(inputs))
+    (row, *_) = kgt.check(model).layers
+    # A transposed convolution's windows slide over its output gradient: `filters` wide.
+    windowed = layer.filters if "Transpose" in type(layer).__name__ else input_shape[-1]
+    assert windowed > FEW_CHANNELS or "Transpose" in type(layer).__name__
+    assert row.form == "materialized", row
+    expected = (
+        "Conv2DBackpropFilter (oneDNN), examples as groups"
+        if grouped_filter_gradient_runs() and windowed > FEW_CHANNELS
+        else "window products"
+    )
+    assert row.note == f"per-example kernel gradients: {expected}"
+    x, y = rng.normal(size=(BATCH, *input_shape)), rng.integers(0, 3, BATCH)
+    expected_statistics = oracle_statistics(model, x, y)
+    assert_matches_oracle(
+        model.gradient_statistics(x, y, statistics=STATISTICS), expected_statistics
+    )
+    # The batch gradient of a materialized layer is the sum of these per-example
+    # gradients, so a step's update checks their layout too.
+    plain = keras.Model.from_config(model.get_config())
+    plain.compile(optimizer="sgd", loss=model.loss)
+    plain.set_weights(model.get_weights())
+    plain.fit(x, y, batch_size=BATCH, verbose=0)
+    model.fit(
+        x, y, batch_size=BATCH, verbose=0, callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")]
+    )
+    assert model.gradient_tracking.forms[row.name] == "materialized"
+    for actual, expected in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_onednn_is_detected_from_the_environment() -> None:
+    enabled = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") not in ("0", "false", "False")
+    assert grouped_filter_gradient_runs() == (enabled and not tf.config.list_logical_devices("GPU"))
+    with compiled_with_xla(True):
+        assert not grouped_filter_gradient_runs()
 
 
 @pytest.mark.parametrize(

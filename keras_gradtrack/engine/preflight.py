@@ -24,6 +24,7 @@ from keras_gradtrack.engine.data import split_example_ids
 from keras_gradtrack.engine.plan import (
     COUPLED,
     JACOBIAN,
+    MATERIALIZED,
     Plan,
     TrackedLayer,
     example_mixing_refusal,
@@ -31,6 +32,7 @@ from keras_gradtrack.engine.plan import (
 )
 from keras_gradtrack.engine.step import layer_forms
 from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.rules.ops import compiled_with_xla
 
 REFUSED = "refused"
 FALLBACK = "fallback"
@@ -242,11 +244,13 @@ def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, st
             form = UNKNOWN
             if not refusal:
                 (form,) = layer_forms((tracked,), [tuple(call.call for call in recorded)], coupled)
-            note = (
-                "inputs do not depend on the batch: the call is broadcast to it"
-                if any(call.batchless for call in recorded)
-                else ""
-            )
+            notes = []
+            if any(call.batchless for call in recorded):
+                notes.append("inputs do not depend on the batch: the call is broadcast to it")
+            if form == MATERIALIZED and tracked.rule is not None and tracked.rule.kernels:
+                with compiled_with_xla(bool(getattr(model, "jit_compile", False))):
+                    notes.append(tracked.rule.kernels(tracked.layer))
+            note = "; ".join(notes)
             found[tracked.name] = (form, refusal, note)
 
     tf.function(forward, autograph=False).get_concrete_function(specs)

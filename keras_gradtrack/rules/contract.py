@@ -212,6 +212,8 @@ class Rule:
         cross: Optional products with other examples' gradients (for influence
             on targets), see `CrossFn`.
         sketch: Optional gradient sketches from the factors, see `SketchFn`.
+        kernels: Optional: which TensorFlow kernels `per_example` runs for the
+            layer on this machine (the summary's note where it materializes).
 
     Example:
 
@@ -239,6 +241,7 @@ class Rule:
     covers_sublayers: bool = False
     cross: CrossFn | None = None
     sketch: SketchFn | None = None
+    kernels: Callable[[Any], str] | None = None
 
     def derives_gradients(self, layer: Any, calls: Sequence[LayerCall]) -> bool:
         """Whether this step takes the layer's gradients from `per_example`."""

@@ -15,13 +15,16 @@ import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
+from keras_gradtrack.rules.filter_gradients import (
+    filter_gradient_kernel,
+    kernel_and_bias_per_example,
+)
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
 from keras_gradtrack.rules.windows import (
     Pairs,
     Window,
     channels_last,
     grouped_kernel_primitives,
-    kernel_and_bias_per_example,
     stacked_windows,
     with_bias,
 )
@@ -131,6 +134,9 @@ CONV = Rule(
     has_plain_weights,
     per_example=conv_per_example,
     materializes=conv_materializes,
+    kernels=lambda layer: filter_gradient_kernel(
+        layer.groups, layer.kernel.shape[-2] * layer.groups, Window.of(layer)
+    ),
 )
 DEPTHWISE_CONV = Rule(
     "depthwise_conv",
@@ -138,4 +144,7 @@ DEPTHWISE_CONV = Rule(
     has_plain_weights,
     per_example=depthwise_per_example,
     materializes=depthwise_materializes,
+    kernels=lambda layer: filter_gradient_kernel(
+        layer.kernel.shape[-2], layer.kernel.shape[-2], Window.of(layer)
+    ),
 )

@@ -18,13 +18,16 @@ import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
+from keras_gradtrack.rules.filter_gradients import (
+    filter_gradient_kernel,
+    kernel_and_bias_per_example,
+)
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
 from keras_gradtrack.rules.windows import (
     Pairs,
     Window,
     channels_last,
     grouped_kernel_primitives,
-    kernel_and_bias_per_example,
     stacked_windows,
     with_bias,
 )
@@ -100,4 +103,6 @@ CONV_TRANSPOSE = Rule(
     conv_transpose_applies,
     per_example=conv_transpose_per_example,
     materializes=conv_transpose_materializes,
+    # The windows slide over the output gradient (the kernel's `filters` axis).
+    kernels=lambda layer: filter_gradient_kernel(1, layer.kernel.shape[-2], Window.of(layer)),
 )

@@ -20,6 +20,10 @@ from keras import ops
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
 from keras_gradtrack.rules.cost import materializing_is_cheaper
+from keras_gradtrack.rules.filter_gradients import (
+    filter_gradient_kernel,
+    per_example_filter_gradients,
+)
 from keras_gradtrack.rules.ops import (
     has_plain_weights,
     positions_per_example,
@@ -31,7 +35,6 @@ from keras_gradtrack.rules.windows import (
     channels_last,
     grouped_kernel_primitives,
     per_example_bias_gradient,
-    per_example_filter_gradients,
     stacked_windows,
     with_bias,
 )
@@ -164,4 +167,7 @@ SEPARABLE_CONV = Rule(
     tap=separable_tap,
     per_example=separable_per_example,
     materializes=separable_materializes,
+    kernels=lambda layer: filter_gradient_kernel(
+        layer.depthwise_kernel.shape[-2], layer.depthwise_kernel.shape[-2], Window.of(layer)
+    ),
 )

@@ -12,17 +12,17 @@ squared norm comes from whichever form costs less: the per-example kernel
 gradients themselves, or the Gram form `<sum_k S_ik S_ik^T, D_i D_i^T>`.
 `channels_first` tensors are transposed to `channels_last` first.
 
-Each form relies only on kernels every TensorFlow build has, on CPU (with or
+Each form has a path on kernels every TensorFlow build has, on CPU (with or
 without oneDNN), GPU and under XLA: strided slices, elementwise products and
-sums, matrix products and einsums, and for depthwise kernels outside XLA the
-depthwise filter gradient (`depthwise_filter_gradients`).
+sums, matrix products and einsums. TensorFlow's own
+filter gradients with the examples as groups are in
+`keras_gradtrack.rules.filter_gradients`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +31,6 @@ import tensorflow as tf
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
 from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.ops import (
-    compiling_with_xla,
     materialized,
     reshape_per_example,
     summed,
@@ -216,9 +215,7 @@ def per_example_kernel_gradients(
     """`g_i[k] = S_ik^T D_i` per group, flattened in the kernel's layout: `(B, n)`.
 
     One matrix product per kernel offset (per group): the window copies and
-    batched products run on every device and with or without oneDNN, at the
-    speed of TensorFlow's grouped filter gradient with examples as groups
-    (which CPU TensorFlow without oneDNN cannot run).
+    batched products run on every device, with or without oneDNN and under XLA.
 
     Args:
         slices: Per kernel offset, `(B, P, C)` windows.
@@ -315,92 +312,3 @@ def with_bias(
 
 
 Pairs = list[tuple[tf.Tensor, tf.Tensor]]
-
-
-def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
-    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs.
-
-    Depthwise kernels (one channel per group) take TensorFlow's depthwise filter
-    gradient with the examples as channels where it applies (`depthwise_native`),
-    the others the windows' products.
-    """
-    if groups == pairs[0][0].shape[-1] and depthwise_native(window):
-        return tf.add_n([depthwise_filter_gradients(s, t, window) for s, t in pairs])
-    slices, targets = stacked_windows(pairs, window)
-    return per_example_kernel_gradients(slices, targets, groups)
-
-
-def depthwise_native(window: Window) -> bool:
-    """Whether `depthwise_filter_gradients` applies: 1-D or 2-D windows, equal strides,
-    no dilation, and not under XLA (which fuses the windows' products and sums into one
-    loop, and runs a depthwise filter gradient over B x C channels as a grouped
-    convolution)."""
-    return (
-        not compiling_with_xla()
-        and len(window.kernel_size) <= 2
-        and len(set(window.strides)) == 1
-        and all(rate == 1 for rate in window.dilation_rate)
-    )
-
-
-def depthwise_filter_gradients(source: tf.Tensor, target: tf.Tensor, window: Window) -> tf.Tensor:
-    """`g_i[k, c, m] = sum_p S_ik[p, c] D_i[p, c M + m]` by `DepthwiseConv2dNativeBackpropFilter`.
-
-    The examples become channels: `B C` channels in, multiplier M, so the filter
-    gradient of that depthwise convolution holds every example's kernel gradient.
-    Its kernels exist on CPU (with or without oneDNN) and GPU; on CPU it runs
-    about twice as fast as the windows' products and sums (batch 128, 16 x 16 x 48).
-
-    Args:
-        source: `(B, *spatial, C)`, the tensor the kernel slides over.
-        target: `(B, *positions, C * M)`, the gradient at the depthwise output.
-        window: The convolution's geometry (`depthwise_native` holds).
-    """
-    source = padded(source, sizes(target)[1:-1], window)
-    kernel_size = window.kernel_size
-    if len(kernel_size) == 1:  # as 2-D, with a spatial axis of size 1
-        source, target = source[:, tf.newaxis], target[:, tf.newaxis]
-        kernel_size = (1, *kernel_size)
-    channels, width = source.shape[-1], target.shape[-1]
-    batch = tf.shape(source)[0]
-
-    # The axes move by einsum rather than tf.transpose: with oneDNN on, the
-    # latter took 1.5x as long for such shapes.
-    def examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
-        shape = tf.shape(tensor)
-        moved = tf.einsum("bhwc->hwbc", tensor)
-        return tf.reshape(moved, [1, shape[1], shape[2], batch * tensor.shape[-1]])
-
-    stride = window.strides[0]
-    gradient = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-        input=examples_as_channels(source),
-        filter_sizes=tf.stack([*kernel_size, batch * channels, width // channels]),
-        out_backprop=examples_as_channels(target),
-        strides=[1, stride, stride, 1],
-        padding="VALID",
-    )
-    per_example = tf.reshape(gradient, [math.prod(kernel_size), batch, width])
-    return tf.reshape(tf.einsum("kbc->bkc", per_example), [batch, -1])
-
-
-def kernel_and_bias_per_example(
-    layer: Any, calls: Sequence[LayerCall], windowed: Pairs, groups: int
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of a (grouped) convolution's kernel and bias.
-
-    Args:
-        layer: The layer (its kernel, bias, geometry).
-        calls: Its calls in this step.
-        windowed: Per call, `(source, target)`: the kernel's windows slide over
-            the source at the target's positions (`input_pairs`, or the swapped
-            roles of a transposed convolution).
-        groups: Number of channel groups.
-    """
-    pairs = []
-    if layer.kernel.trainable:
-        kernel_grad = per_example_filter_gradients(windowed, Window.of(layer), groups)
-        pairs.append((layer.kernel, kernel_grad))
-    bias_grad = per_example_bias_gradient(layer, calls)
-    if bias_grad is not None:
-        pairs.append((layer.bias, bias_grad))
-    return pairs

@@ -1,0 +1,200 @@
+"""Per-example kernel gradients of the convolution family by TensorFlow's own filter
+gradients, with the examples as groups or channels of one convolution.
+
+`per_example_filter_gradients` picks, per layer and machine: the depthwise
+filter gradient for depthwise kernels (CPU with or without oneDNN, GPU; not
+under XLA), the grouped `Conv2DBackpropFilter` for ungrouped kernels where
+oneDNN runs it (CPU with `TF_ENABLE_ONEDNN_OPTS` on, no GPU, not under XLA),
+and the windows' products (`keras_gradtrack.rules.windows`) everywhere else.
+`filter_gradient_kernel` names the choice for the summary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.util import _pywrap_util_port
+
+from keras_gradtrack.rules.contract import LayerCall
+from keras_gradtrack.rules.ops import compiling_with_xla
+from keras_gradtrack.rules.windows import (
+    FEW_CHANNELS,
+    Pairs,
+    Window,
+    padded,
+    per_example_bias_gradient,
+    per_example_kernel_gradients,
+    sizes,
+    stacked_windows,
+)
+
+
+def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
+    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs.
+
+    TensorFlow's own filter gradients with the examples as groups where they
+    run: depthwise kernels (one channel per group) by the depthwise filter
+    gradient (`depthwise_native`), ungrouped 1-D and 2-D kernels over more than
+    `FEW_CHANNELS` channels by the grouped `Conv2DBackpropFilter` where oneDNN
+    runs it (`grouped_filter_gradient_runs`); the others by the windows' products.
+    """
+    channels = pairs[0][0].shape[-1]
+    if groups == channels and depthwise_native(window):
+        return tf.add_n([depthwise_filter_gradients(s, t, window) for s, t in pairs])
+    if groups == 1 and (channels or 0) > FEW_CHANNELS and grouped_filter_native(window):
+        return tf.add_n([grouped_filter_gradients(s, t, window) for s, t in pairs])
+    slices, targets = stacked_windows(pairs, window)
+    return per_example_kernel_gradients(slices, targets, groups)
+
+
+def filter_gradient_kernel(groups: int, channels: int, window: Window) -> str:
+    """Which kernel `per_example_filter_gradients` runs for these shapes here (for the summary)."""
+    if groups == channels and depthwise_native(window):
+        kernel = "DepthwiseConv2dNativeBackpropFilter, examples as channels"
+    elif groups == 1 and channels > FEW_CHANNELS and grouped_filter_native(window):
+        kernel = "Conv2DBackpropFilter (oneDNN), examples as groups"
+    else:
+        kernel = "window products"
+    return f"per-example kernel gradients: {kernel}"
+
+
+def depthwise_native(window: Window) -> bool:
+    """Whether `depthwise_filter_gradients` applies: 1-D or 2-D windows, equal strides,
+    no dilation, and not under XLA (which fuses the windows' products and sums into one
+    loop, and runs a depthwise filter gradient over B x C channels as a grouped
+    convolution)."""
+    return (
+        not compiling_with_xla()
+        and len(window.kernel_size) <= 2
+        and len(set(window.strides)) == 1
+        and all(rate == 1 for rate in window.dilation_rate)
+    )
+
+
+def grouped_filter_native(window: Window) -> bool:
+    """Whether `grouped_filter_gradients` applies: a 1-D or 2-D window, and a grouped
+    `Conv2DBackpropFilter` runs here (`grouped_filter_gradient_runs`)."""
+    return len(window.kernel_size) <= 2 and grouped_filter_gradient_runs()
+
+
+def grouped_filter_gradient_runs() -> bool:
+    """Whether TensorFlow runs a grouped `Conv2DBackpropFilter` (input channels a multiple
+    of the filter's) here: only oneDNN's CPU kernel does, so oneDNN on
+    (`TF_ENABLE_ONEDNN_OPTS`), no GPU the step could be placed on, and not under XLA.
+    TensorFlow's own CPU kernel and the GPU kernels refuse such shapes at run time."""
+    return not compiling_with_xla() and onednn_cpu_only()
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_cpu_only() -> bool:
+    """oneDNN on and no GPU (fixed for the life of the process)."""
+    return bool(_pywrap_util_port.IsMklEnabled()) and not tf.config.list_logical_devices("GPU")
+
+
+def as_two_dimensional(
+    source: tf.Tensor, target: tf.Tensor, window: Window
+) -> tuple[tf.Tensor, tf.Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """`source` padded for "valid" windows, and both tensors with one spatial axis
+    made two (of size 1 first): `(source, target, kernel_size, strides, dilation_rate)`."""
+    source = padded(source, sizes(target)[1:-1], window)
+    kernel_size, strides, rates = window.kernel_size, window.strides, window.dilation_rate
+    if len(kernel_size) == 1:
+        source, target = source[:, tf.newaxis], target[:, tf.newaxis]
+        kernel_size, strides, rates = (1, *kernel_size), (1, *strides), (1, *rates)
+    return source, target, kernel_size, strides, rates
+
+
+def examples_as_channels(tensor: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
+    """`(B, H, W, C)` as one example of `B C` channels, `(1, H, W, B C)`.
+
+    The axes move by einsum rather than tf.transpose: with oneDNN on, the
+    latter took 1.5x as long for such shapes (CNN step at batch 128).
+    """
+    shape = tf.shape(tensor)
+    moved = tf.einsum("bhwc->hwbc", tensor)
+    return tf.reshape(moved, [1, shape[1], shape[2], batch * tensor.shape[-1]])
+
+
+def grouped_filter_gradients(source: tf.Tensor, target: tf.Tensor, window: Window) -> tf.Tensor:
+    """`g_i[k] = S_ik^T D_i` for a 1-D or 2-D window by one grouped `Conv2DBackpropFilter`.
+
+    The examples become the groups of one grouped convolution, `B C` channels
+    in and `B F` out, so its filter gradient holds every example's kernel
+    gradient in the kernel's layout, with no window copies. On CPU with oneDNN
+    it runs faster than the windows' products and holds less memory (no
+    `(B, P, C)` copy per kernel offset).
+
+    Args:
+        source: `(B, *spatial, C)`, the tensor the kernel slides over.
+        target: `(B, *positions, F)`, the gradient paired with its windows.
+        window: The convolution's geometry (`grouped_filter_native` holds).
+    """
+    source, target, kernel_size, strides, rates = as_two_dimensional(source, target, window)
+    channels, filters = source.shape[-1], target.shape[-1]
+    batch = tf.shape(source)[0]
+    gradient = tf.raw_ops.Conv2DBackpropFilter(
+        input=examples_as_channels(source, batch),
+        filter_sizes=tf.stack([*kernel_size, channels, batch * filters]),
+        out_backprop=examples_as_channels(target, batch),
+        strides=[1, *strides, 1],
+        padding="VALID",
+        dilations=[1, *rates, 1],
+    )
+    window_width = math.prod(kernel_size) * channels
+    per_example = tf.reshape(gradient, [window_width, batch, filters])
+    return tf.reshape(tf.einsum("kbf->bkf", per_example), [batch, window_width * filters])
+
+
+def depthwise_filter_gradients(source: tf.Tensor, target: tf.Tensor, window: Window) -> tf.Tensor:
+    """`g_i[k, c, m] = sum_p S_ik[p, c] D_i[p, c M + m]` by `DepthwiseConv2dNativeBackpropFilter`.
+
+    The examples become channels: `B C` channels in, multiplier M, so the filter
+    gradient of that depthwise convolution holds every example's kernel gradient.
+    Its kernels exist on CPU (with or without oneDNN) and GPU; on CPU it runs
+    about twice as fast as the windows' products and sums (batch 128, 16 x 16 x 48).
+
+    Args:
+        source: `(B, *spatial, C)`, the tensor the kernel slides over.
+        target: `(B, *positions, C * M)`, the gradient at the depthwise output.
+        window: The convolution's geometry (`depthwise_native` holds).
+    """
+    source, target, kernel_size, _, _ = as_two_dimensional(source, target, window)
+    channels, width = source.shape[-1], target.shape[-1]
+    batch = tf.shape(source)[0]
+    stride = window.strides[0]
+    gradient = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+        input=examples_as_channels(source, batch),
+        filter_sizes=tf.stack([*kernel_size, batch * channels, width // channels]),
+        out_backprop=examples_as_channels(target, batch),
+        strides=[1, stride, stride, 1],
+        padding="VALID",
+    )
+    per_example = tf.reshape(gradient, [math.prod(kernel_size), batch, width])
+    return tf.reshape(tf.einsum("kbc->bkc", per_example), [batch, -1])
+
+
+def kernel_and_bias_per_example(
+    layer: Any, calls: Sequence[LayerCall], windowed: Pairs, groups: int
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of a (grouped) convolution's kernel and bias.
+
+    Args:
+        layer: The layer (its kernel, bias, geometry).
+        calls: Its calls in this step.
+        windowed: Per call, `(source, target)`: the kernel's windows slide over
+            the source at the target's positions (`input_pairs`, or the swapped
+            roles of a transposed convolution).
+        groups: Number of channel groups.
+    """
+    pairs = []
+    if layer.kernel.trainable:
+        kernel_grad = per_example_filter_gradients(windowed, Window.of(layer), groups)
+        pairs.append((layer.kernel, kernel_grad))
+    bias_grad = per_example_bias_gradient(layer, calls)
+    if bias_grad is not None:
+        pairs.append((layer.bias, bias_grad))
+    return pairs
