@@ -327,7 +327,7 @@ def test_many_channel_kernels_take_the_filter_gradient_onednn_runs(
     expected = (
         "Conv2DBackpropFilter (oneDNN), examples as groups"
         if grouped_filter_gradient_runs() and windowed > FEW_CHANNELS
-        else "window products"
+        else "window products"  # also up to FEW_CHANNELS channels, with or without oneDNN
     )
     assert row.note == f"per-example kernel gradients: {expected}"
     x, y = rng.normal(size=(BATCH, *input_shape)), rng.integers(0, 3, BATCH)

@@ -32,34 +32,46 @@ from keras_gradtrack.rules.windows import (
     stacked_windows,
 )
 
+DEPTHWISE = "DepthwiseConv2dNativeBackpropFilter, examples as channels"
+GROUPED = "Conv2DBackpropFilter (oneDNN), examples as groups"
+WINDOWS = "window products"
+
+
+def filter_gradient_form(groups: int, channels: int | None, window: Window) -> str:
+    """Which kernel computes the per-example kernel gradients for these shapes here.
+
+    Up to `FEW_CHANNELS` ungrouped channels (an image input), the windows' one
+    product over all offsets (for one channel 2-3x faster than the depthwise
+    filter gradient, and without its copy of the output gradient); depthwise
+    kernels (one channel per group) the depthwise filter gradient
+    (`depthwise_native`); other ungrouped 1-D and 2-D kernels the grouped
+    `Conv2DBackpropFilter` where oneDNN runs it (`grouped_filter_native`); the
+    rest the windows' products.
+    """
+    if groups == 1 and (channels or 0) <= FEW_CHANNELS:
+        return WINDOWS
+    if groups == channels and depthwise_native(window):
+        return DEPTHWISE
+    if groups == 1 and grouped_filter_native(window):
+        return GROUPED
+    return WINDOWS
+
 
 def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
-    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)` pairs.
-
-    TensorFlow's own filter gradients with the examples as groups where they
-    run: depthwise kernels (one channel per group) by the depthwise filter
-    gradient (`depthwise_native`), ungrouped 1-D and 2-D kernels over more than
-    `FEW_CHANNELS` channels by the grouped `Conv2DBackpropFilter` where oneDNN
-    runs it (`grouped_filter_gradient_runs`); the others by the windows' products.
-    """
-    channels = pairs[0][0].shape[-1]
-    if groups == channels and depthwise_native(window):
+    """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)`
+    pairs, by the kernel `filter_gradient_form` picks."""
+    form = filter_gradient_form(groups, pairs[0][0].shape[-1], window)
+    if form == DEPTHWISE:
         return tf.add_n([depthwise_filter_gradients(s, t, window) for s, t in pairs])
-    if groups == 1 and (channels or 0) > FEW_CHANNELS and grouped_filter_native(window):
+    if form == GROUPED:
         return tf.add_n([grouped_filter_gradients(s, t, window) for s, t in pairs])
     slices, targets = stacked_windows(pairs, window)
     return per_example_kernel_gradients(slices, targets, groups)
 
 
 def filter_gradient_kernel(groups: int, channels: int, window: Window) -> str:
-    """Which kernel `per_example_filter_gradients` runs for these shapes here (for the summary)."""
-    if groups == channels and depthwise_native(window):
-        kernel = "DepthwiseConv2dNativeBackpropFilter, examples as channels"
-    elif groups == 1 and channels > FEW_CHANNELS and grouped_filter_native(window):
-        kernel = "Conv2DBackpropFilter (oneDNN), examples as groups"
-    else:
-        kernel = "window products"
-    return f"per-example kernel gradients: {kernel}"
+    """The summary's note for a materialized convolution: its kernel here."""
+    return f"per-example kernel gradients: {filter_gradient_form(groups, channels, window)}"
 
 
 def depthwise_native(window: Window) -> bool:
