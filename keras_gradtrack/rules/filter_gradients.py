@@ -42,13 +42,14 @@ def filter_gradient_form(groups: int, channels: int | None, window: Window) -> s
 
     Up to `FEW_CHANNELS` ungrouped channels (an image input), the windows' one
     product over all offsets (for one channel 2-3x faster than the depthwise
-    filter gradient, and without its copy of the output gradient); depthwise
+    filter gradient, and without its copy of the output gradient); a 1x1 kernel,
+    the one product of its one window (the input itself, at stride 1); depthwise
     kernels (one channel per group) the depthwise filter gradient
     (`depthwise_native`); other ungrouped 1-D and 2-D kernels the grouped
     `Conv2DBackpropFilter` where oneDNN runs it (`grouped_filter_native`); the
     rest the windows' products.
     """
-    if groups == 1 and (channels or 0) <= FEW_CHANNELS:
+    if groups == 1 and ((channels or 0) <= FEW_CHANNELS or math.prod(window.kernel_size) == 1):
         return WINDOWS
     if groups == channels and depthwise_native(window):
         return DEPTHWISE
