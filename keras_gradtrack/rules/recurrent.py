@@ -233,13 +233,19 @@ def recurrent_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     pairs = []
     for key, terms in parts.items():
         if terms[0].row is not None:  # the rows of a GRU's (2, 3 units) bias
-            grad = tf.stack([term_gradient(t) for t in sorted(terms, key=lambda t: t.row)], 1)
+            rows = sorted({term.row for term in terms})
+            grad = tf.stack([side_by_side([t for t in terms if t.row == r]) for r in rows], 1)
         else:
-            ordered = sorted(terms, key=lambda t: 0 if t.columns is None else t.columns.start)
-            grads = [term_gradient(t) for t in ordered]
-            grad = tf.concat(grads, axis=-1) if len(grads) > 1 else grads[0]
+            grad = side_by_side(terms)
         pairs.append((variables[key], grad))
     return pairs
+
+
+def side_by_side(terms: Sequence[Term]) -> tf.Tensor:
+    """The per-example gradient of the columns that `terms` cover together, in order."""
+    ordered = sorted(terms, key=lambda t: 0 if t.columns is None else t.columns.start)
+    grads = [term_gradient(term) for term in ordered]
+    return tf.concat(grads, axis=-1) if len(grads) > 1 else grads[0]
 
 
 def recurrent_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
