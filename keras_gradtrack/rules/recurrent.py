@@ -100,6 +100,11 @@ class SplitLoop:
         loop: CellLoop = loop_of(cell)(cell, training, sequences, initial_state)  # type: ignore[misc]
         projected = loop.project(sequences)
         dtypes: list[tf.DType] = []  # of the emitted tensors, as the step made them
+        # Without a mask the last output is the last state (each step returns its `h` as
+        # both), so a layer returning only its last output takes it from the states and
+        # its output sequence leaves the loop as bits too: the backward pass then has no
+        # gradient of the whole sequence, zero but at its last step, to build.
+        last_from_state = mask is None and not layer.return_sequences and not layer.unroll
 
         def step(projected_t: tf.Tensor, states: Any) -> tuple[Any, list[tf.Tensor]]:
             output, new_states, emitted = loop.step(projected_t, states)
@@ -110,7 +115,9 @@ class SplitLoop:
             # their bits: a float sequence without a gradient would get a zero one
             # from TensorFlow's while loop (`while_v2._preprocess_grad`), kept from
             # the loop to its backward pass; the rule reads them after the backward.
-            dtypes[:] = [tf.as_dtype(tensor.dtype) for tensor in emitted]
+            dtypes[:] = [tf.as_dtype(tensor.dtype) for tensor in [output, *emitted]]
+            if last_from_state:
+                output = as_bits(output)
             return (output, *[as_bits(tensor) for tensor in emitted]), new_states
 
         cudnn = runs_on_cudnn(layer)
@@ -130,7 +137,9 @@ class SplitLoop:
             outputs, *emitted = tf.split(outputs, 1 + len(loop.emitted), axis=-1)
         else:
             last_output, (outputs, *emitted) = last_output[0], outputs
-            emitted = [from_bits(sequence, dtype) for sequence, dtype in zip(emitted, dtypes)]
+            emitted = [from_bits(sequence, dtype) for sequence, dtype in zip(emitted, dtypes[1:])]
+            if last_from_state:
+                last_output, outputs = states[0], from_bits(outputs, dtypes[0])
         if layer.go_backwards:
             # The loop emits in its order; pair each step with its input (P's order).
             emitted = [tf.reverse(sequence, axis=[1]) for sequence in emitted]
