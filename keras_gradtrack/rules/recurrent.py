@@ -242,7 +242,7 @@ def recurrent_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     pairs = []
     for key, terms in parts.items():
         if terms[0].row is not None:  # the rows of a GRU's (2, 3 units) bias
-            rows = sorted({term.row for term in terms})
+            rows = sorted({term.row for term in terms if term.row is not None})
             grad = tf.stack([side_by_side([t for t in terms if t.row == r]) for r in rows], 1)
         else:
             grad = side_by_side(terms)
