@@ -10,6 +10,7 @@ of a per-example `GradientTape` loop; and the peak-memory growth of plain and tr
 python benchmarks/recurrent.py                    # imdb and gru, B = 128
 python benchmarks/recurrent.py --quick            # smoke test: short sequences, 1 round
 python benchmarks/recurrent.py --models imdb --rounds 9 --out benchmarks/results/rnn.md
+python benchmarks/recurrent.py --no-timing        # the memory columns only
 ```
 
 Models (synthetic data of the real sizes; Adam):
@@ -414,7 +415,9 @@ def report(args: argparse.Namespace, timings: dict[str, Any], memory: dict[Any, 
     )
     for name, timing in timings.items():
         traced = ", ".join(f"{k} {v:.0f} s" for k, v in timing.get("traced", {}).items())
-        lines += ["", f"## {name}", "", f"First step (tracing included): {traced}", ""]
+        lines += ["", f"## {name}", ""]
+        if traced:
+            lines += [f"First step (tracing included): {traced}", ""]
         lines += ["```", timing.get("summary", "(no plan: the child failed)"), "```"]
     lines += ["", "## Results", "", HEADER, "|" + " --- |" * (HEADER.count("|") - 1)]
     lines += [table_row(name, args, timing, memory) for name, timing in timings.items()]
@@ -448,6 +451,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with the sequence length when unrolled)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory columns")
+    parser.add_argument(
+        "--no-timing",
+        action="store_true",
+        help="skip the time columns (memory does not depend on the machine's load, time does)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: length 20, 1 round")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -473,6 +481,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     timings = {}
     for name in args.models:
+        if args.no_timing:
+            timings[name] = {"failures": {}, "traced": {}, "rounds": {}, "summary": "(not timed)"}
+            continue
         progress(f"timing {name}")
         timings[name] = time_model(name, args)
     memory = {} if args.no_memory else measure_memory(args)

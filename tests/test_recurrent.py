@@ -419,3 +419,30 @@ def test_a_stateful_layer_carries_its_states_as_in_plain_keras(tmp_path: Path) -
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
     for actual, want in zip(tracked.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(actual, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_mixed_precision_float16_sequences_leave_the_loop_unchanged(cell: str) -> None:
+    """The loop emits `h_{t-1}` (and a GRU's reset gate) as their bits; under
+    mixed_float16 they are 16 bits wide and must come back as float16."""
+    x, y = sequences(6), rng.integers(0, 2, BATCH)
+
+    def build() -> Any:
+        inputs = keras.Input((6, 2))
+        hidden = CELLS[cell](4, return_sequences=True)(inputs)
+        outputs = L.Dense(2, dtype="float32")(CELLS[cell](3)(hidden))
+        return compiled(inputs, outputs)
+
+    reference = build()
+    expected = oracle_statistics(reference, x, y)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = build()
+        model.set_weights(reference.get_weights())
+        stats = model.gradient_statistics(x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert_paths(model, {L.RNN: RULE})
+    # float16 keeps 11 significant bits (tests/test_mixed_precision.py's tolerance).
+    for name in ("loss", "grad_norm", "layer_grad_norm"):
+        np.testing.assert_allclose(stats[name], expected[name], rtol=5e-3, err_msg=name)

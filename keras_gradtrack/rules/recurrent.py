@@ -61,6 +61,21 @@ def runs_on_cudnn(layer: Any) -> bool:
     return False
 
 
+# The integer type of each float width, for `as_bits`.
+BITS = {2: tf.int16, 4: tf.int32, 8: tf.int64}
+
+
+def as_bits(tensor: Any) -> tf.Tensor:
+    """The tensor's bits as integers of its width: not differentiable, not copied."""
+    tensor = tf.convert_to_tensor(tensor)  # a stateful layer's states are variables
+    return tf.bitcast(tensor, BITS[tensor.dtype.size])
+
+
+def from_bits(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """The inverse of `as_bits`."""
+    return tf.bitcast(tensor, dtype)
+
+
 class SplitLoop:
     """The layer's `inner_loop` for one tracked call: Keras' loop over the split step.
 
@@ -84,11 +99,26 @@ class SplitLoop:
             initial_state = [initial_state]
         loop: CellLoop = loop_of(cell)(cell, training, sequences, initial_state)  # type: ignore[misc]
         projected = loop.project(sequences)
+        dtypes: list[tf.DType] = []  # of the emitted tensors, as the step made them
+        # Without a mask the last output is the last state (each step returns its `h` as
+        # both), so a layer returning only its last output takes it from the states and
+        # its output sequence leaves the loop as bits too: the backward pass then has no
+        # gradient of the whole sequence, zero but at its last step, to build.
+        last_from_state = mask is None and not layer.return_sequences and not layer.unroll
 
-        def step(projected_t: tf.Tensor, states: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        def step(projected_t: tf.Tensor, states: Any) -> tuple[Any, list[tf.Tensor]]:
             output, new_states, emitted = loop.step(projected_t, states)
-            # One tensor per step: the unrolled loop stacks outputs, not structures.
-            return tf.concat([output, *emitted], axis=-1), new_states
+            if layer.unroll:  # the unrolled loop stacks outputs, not structures
+                return tf.concat([output, *emitted], axis=-1), new_states
+            # The while loop keeps one sequence per output: no per-step copy into a
+            # concatenation, no split of it afterwards. The emitted ones travel as
+            # their bits: a float sequence without a gradient would get a zero one
+            # from TensorFlow's while loop (`while_v2._preprocess_grad`), kept from
+            # the loop to its backward pass; the rule reads them after the backward.
+            dtypes[:] = [tf.as_dtype(tensor.dtype) for tensor in [output, *emitted]]
+            if last_from_state:
+                output = as_bits(output)
+            return (output, *[as_bits(tensor) for tensor in emitted]), new_states
 
         cudnn = runs_on_cudnn(layer)
         last_output, outputs, states = keras_backend.rnn(
@@ -102,13 +132,20 @@ class SplitLoop:
             zero_output_for_mask=layer.return_sequences if cudnn else layer.zero_output_for_mask,
             return_all_outputs=True,  # the emitted sequences are needed whole
         )
-        outputs, *emitted = tf.split(outputs, 1 + len(loop.emitted), axis=-1)
+        if layer.unroll:
+            last_output = last_output[:, : cell.units]
+            outputs, *emitted = tf.split(outputs, 1 + len(loop.emitted), axis=-1)
+        else:
+            last_output, (outputs, *emitted) = last_output[0], outputs
+            emitted = [from_bits(sequence, dtype) for sequence, dtype in zip(emitted, dtypes[1:])]
+            if last_from_state:
+                last_output, outputs = states[0], from_bits(outputs, dtypes[0])
         if layer.go_backwards:
             # The loop emits in its order; pair each step with its input (P's order).
             emitted = [tf.reverse(sequence, axis=[1]) for sequence in emitted]
         self.projected = projected
         self.saved = {"loop": loop, "inputs": sequences, **dict(zip(loop.emitted, emitted))}
-        return last_output[:, : cell.units], outputs, states
+        return last_output, outputs, states
 
 
 def recurrent_tap(layer: Any, call: Any, args: tuple[Any, ...], kwargs: Any) -> Tapped:
@@ -205,13 +242,19 @@ def recurrent_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     pairs = []
     for key, terms in parts.items():
         if terms[0].row is not None:  # the rows of a GRU's (2, 3 units) bias
-            grad = tf.stack([term_gradient(t) for t in sorted(terms, key=lambda t: t.row)], 1)
+            rows = sorted({term.row for term in terms if term.row is not None})
+            grad = tf.stack([side_by_side([t for t in terms if t.row == r]) for r in rows], 1)
         else:
-            ordered = sorted(terms, key=lambda t: 0 if t.columns is None else t.columns.start)
-            grads = [term_gradient(t) for t in ordered]
-            grad = tf.concat(grads, axis=-1) if len(grads) > 1 else grads[0]
+            grad = side_by_side(terms)
         pairs.append((variables[key], grad))
     return pairs
+
+
+def side_by_side(terms: Sequence[Term]) -> tf.Tensor:
+    """The per-example gradient of the columns that `terms` cover together, in order."""
+    ordered = sorted(terms, key=lambda t: 0 if t.columns is None else t.columns.start)
+    grads = [term_gradient(term) for term in ordered]
+    return tf.concat(grads, axis=-1) if len(grads) > 1 else grads[0]
 
 
 def recurrent_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:

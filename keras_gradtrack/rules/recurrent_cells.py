@@ -269,14 +269,21 @@ class GRULoop(CellLoop):
             if cell.use_bias:
                 terms.append(Term(cell.bias, None, grads))
             return terms
-        # The candidate's recurrent product is scaled by r_t after the product.
-        recurrent_grads = tf.concat(
-            [grads[..., : 2 * units], grads[..., 2 * units :] * saved["reset"]], axis=-1
-        )
-        terms += self.recurrent_terms(saved["h_prev"], recurrent_grads, self.recurrent_runs())
+        # The candidate's recurrent product is scaled by r_t after the product. Its
+        # terms are apart from the gates' (not one `(B, T, 3 units)` gradient put
+        # together): a sequence-sized concatenation would be the step's largest copy.
+        gates = slice(0, 2 * units)
+        candidate = slice(2 * units, 3 * units)
+        candidate_grads = grads[..., candidate] * saved["reset"]
+        terms += self.recurrent_terms(saved["h_prev"], grads, self.recurrent_runs(0, 2))
+        terms += [
+            Term(cell.recurrent_kernel, masked(saved["h_prev"], mask), candidate_grads, columns)
+            for mask, columns in self.recurrent_runs(2, 3)
+        ]
         if cell.use_bias:
             terms.append(Term(cell.bias, None, grads, row=0))
-            terms.append(Term(cell.bias, None, recurrent_grads, row=1))
+            terms.append(Term(cell.bias, None, grads[..., gates], gates, row=1))
+            terms.append(Term(cell.bias, None, candidate_grads, candidate, row=1))
         return terms
 
 
