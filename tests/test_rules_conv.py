@@ -21,7 +21,7 @@ from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
-from keras_gradtrack.rules import LayerCall, lookup, rule_for
+from keras_gradtrack.rules import LayerCall, filter_gradients, lookup, rule_for
 from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs
 from keras_gradtrack.rules.ops import compiled_with_xla
@@ -350,6 +350,29 @@ def test_many_channel_kernels_take_the_filter_gradient_onednn_runs(
     assert model.gradient_tracking.forms[row.name] == "materialized"
     for actual, expected in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+CHUNKED_LAYERS = [
+    (lambda: L.Conv2D(5, 3, padding="same", strides=(2, 1)), (9, 8, 6)),
+    (lambda: L.Conv1D(4, 3, padding="same", use_bias=False), (15, 8)),
+    (lambda: L.DepthwiseConv2D(3, depth_multiplier=2), (7, 6, 5)),
+]
+
+
+@pytest.mark.parametrize(("make", "input_shape"), CHUNKED_LAYERS)
+def test_filter_gradients_in_chunks_of_examples_match_the_oracle(
+    make: Callable[[], Any], input_shape: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches larger than a chunk take the loop over chunks of examples, the last
+    one short: the per-example gradients are the same, in the examples' order."""
+    monkeypatch.setattr(filter_gradients, "EXAMPLES_PER_CHUNK", 3)
+    assert BATCH > 3 and BATCH % 3
+    inputs = keras.Input(input_shape)
+    model = classifier(inputs, make()(inputs))
+    x, y = rng.normal(size=(BATCH, *input_shape)), rng.integers(0, 3, BATCH)
+    assert_matches_oracle(
+        model.gradient_statistics(x, y, statistics=STATISTICS), oracle_statistics(model, x, y)
+    )
 
 
 def test_onednn_is_detected_from_the_environment() -> None:
