@@ -356,6 +356,9 @@ CHUNKED_LAYERS = [
     (lambda: L.Conv2D(5, 3, padding="same", strides=(2, 1)), (9, 8, 6)),
     (lambda: L.Conv1D(4, 3, padding="same", use_bias=False), (15, 8)),
     (lambda: L.DepthwiseConv2D(3, depth_multiplier=2), (7, 6, 5)),
+    (lambda: L.Conv2D(4, 3, padding="same"), (8, 7, 3)),
+    (lambda: L.Conv2D(4, 3, groups=2), (8, 7, 6)),
+    (lambda: L.Conv2DTranspose(3, 3, strides=2, padding="same"), (5, 6, 2)),
 ]
 
 

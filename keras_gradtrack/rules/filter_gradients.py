@@ -36,11 +36,12 @@ DEPTHWISE = "DepthwiseConv2dNativeBackpropFilter, examples as channels"
 GROUPED = "Conv2DBackpropFilter (oneDNN), examples as groups"
 WINDOWS = "window products"
 
-# The filter gradients with examples as groups or channels run on this many
-# examples at a time, one chunk after the other: their examples-as-channels
-# copies of the input and output gradient (and oneDNN's reorders of them) are
-# then a chunk's, not the batch's. At batch 512 the CNN's second convolution
-# held 78 MiB of such copies at once; in chunks of 128, a quarter.
+# The per-example kernel gradients are computed for this many examples at a
+# time, one chunk after the other: the filter gradients' examples-as-channels
+# copies of the input and output gradient (and oneDNN's reorders of them), or
+# the windows' copies, are then a chunk's, not the batch's. At batch 512 the
+# CNN's second convolution held 78 MiB of such copies at once, ResNet-8's first
+# 54 MiB of windows; in chunks of 128, a quarter.
 EXAMPLES_PER_CHUNK = 128
 
 
@@ -73,8 +74,16 @@ def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> t
         return tf.add_n([in_chunks(depthwise_filter_gradients, s, t, window) for s, t in pairs])
     if form == GROUPED:
         return tf.add_n([in_chunks(grouped_filter_gradients, s, t, window) for s, t in pairs])
-    slices, targets = stacked_windows(pairs, window)
-    return per_example_kernel_gradients(slices, targets, groups)
+    if compiling_with_xla():
+        # XLA plans the memory of the whole step itself.
+        slices, targets = stacked_windows(pairs, window)
+        return per_example_kernel_gradients(slices, targets, groups)
+
+    def products(source: tf.Tensor, target: tf.Tensor, window: Window) -> tf.Tensor:
+        slices, targets = stacked_windows([(source, target)], window)
+        return per_example_kernel_gradients(slices, targets, groups)
+
+    return tf.add_n([in_chunks(products, s, t, window) for s, t in pairs])
 
 
 def filter_gradient_kernel(groups: int, channels: int, window: Window) -> str:
