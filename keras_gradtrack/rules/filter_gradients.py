@@ -129,8 +129,8 @@ def in_chunks(gradients: Any, source: tf.Tensor, target: tf.Tensor, window: Wind
     examples at a time in a loop of one iteration at a time.
 
     The loop orders the chunks: as separate ops, the executor would run them
-    side by side and hold every chunk's copies at once. A batch known to fit
-    in one chunk skips the loop.
+    side by side and hold every chunk's copies at once. A batch of at most one
+    chunk skips the loop.
     """
     batch_size = source.shape[0]
     if batch_size is not None and batch_size <= EXAMPLES_PER_CHUNK:
@@ -145,10 +145,14 @@ def in_chunks(gradients: Any, source: tf.Tensor, target: tf.Tensor, window: Wind
         part = gradients(source[start:end], target[start:end], window)
         return index + 1, parts.write(index, part)
 
-    _, parts = tf.while_loop(
-        lambda index, _: index < count, body, (tf.constant(0), parts), parallel_iterations=1
-    )
-    return parts.concat()
+    def loop() -> tf.Tensor:
+        _, chunks = tf.while_loop(
+            lambda index, _: index < count, body, (tf.constant(0), parts), parallel_iterations=1
+        )
+        return chunks.concat()
+
+    # A batch that turns out to fit one chunk skips the loop and its concatenation.
+    return tf.cond(count > 1, loop, lambda: gradients(source, target, window))
 
 
 def as_two_dimensional(
