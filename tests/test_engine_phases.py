@@ -86,8 +86,9 @@ def test_backward_gives_the_losses_shares_and_every_taps_gradient() -> None:
     assert id(sequence.kernel) not in result.weights
     assert [len(c) for c in result.calls] == [1, 1, 1]
     assert all(c[0].output_grads is not None for c in result.calls)
-    per_example = backward.materialized_gradients(context.plan, result.calls, forms)
-    assert per_example[id(sequence.kernel)].shape == (6, 15)
+    materialized = backward.materialized_gradients(context.plan, result.calls, forms)
+    assert materialized.per_example[id(sequence.kernel)].shape == (6, 15)
+    assert materialized.chunks == {}  # a Dense rule has no `dot`
 
 
 def test_the_schedule_reports_every_step_and_finishes_every_subscriber() -> None:

@@ -15,10 +15,10 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine import losses
+from keras_gradtrack.engine.chunked import Chunked, chunked_gradients, flat_gradients, takes_chunks
 from keras_gradtrack.engine.plan import MATERIALIZED, Plan
 from keras_gradtrack.engine.tracking import TrackingContext
 from keras_gradtrack.rules import LayerCall
-from keras_gradtrack.rules.ops import flat_per_example
 
 Calls = tuple[LayerCall, ...]
 
@@ -138,33 +138,61 @@ def per_example_loss_error(model: Any) -> ValueError:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Materialized:
+    """The materialized layers' per-example results.
+
+    Attributes:
+        per_example: `{id(variable): (B, n) d l_i / d variable}` (rules' scale);
+            `(0, n)` for a layer in `chunks` whose batch exceeded one chunk.
+        sums: `{id(variable): (n,)}` their sum over the batch.
+        chunks: By column name, the layers taken chunk by chunk (`engine.chunked`).
+    """
+
+    per_example: dict[int, tf.Tensor]
+    sums: dict[int, tf.Tensor]
+    chunks: dict[str, Chunked]
+
+
 def materialized_gradients(
-    plan: Plan, calls: Sequence[Calls], forms: Sequence[str]
-) -> dict[int, tf.Tensor]:
-    """`{id(variable): (B, n) d l_i / d variable}` of the materialized layers (rules' scale)."""
+    plan: Plan, calls: Sequence[Calls], forms: Sequence[str], keeps_per_example: bool = True
+) -> Materialized:
+    """The per-example gradients of the materialized layers, and their sums.
+
+    Args:
+        plan: The tracked layers.
+        calls: Their calls with output gradients.
+        forms: Their forms.
+        keeps_per_example: Whether something besides the statistics' squared
+            norms and dots reads the per-example gradients (a Gram matrix,
+            targets, sketches); if not, layers whose rule has `dot` take large
+            batches chunk by chunk.
+    """
     per_example: dict[int, tf.Tensor] = {}
+    sums: dict[int, tf.Tensor] = {}
+    chunks: dict[str, Chunked] = {}
     for tracked, layer_calls, form in zip(plan, calls, forms):
         if form != MATERIALIZED:
             continue
-        assert tracked.rule is not None and tracked.rule.per_example is not None
-        pairs = tracked.rule.per_example(tracked.layer, layer_calls)
-        grads = {id(variable): flat_per_example(grad) for variable, grad in pairs}
-        if set(grads) != {id(v) for v in tracked.variables}:
-            raise ValueError(
-                f"Rule {tracked.rule.name!r} returned per-example gradients for "
-                f"{[v.path for v, _ in pairs]} on layer {tracked.layer.name!r}, whose "
-                f"trainable variables are {[v.path for v in tracked.variables]}."
-            )
-        per_example.update(grads)
-    return per_example
+        if takes_chunks(tracked, layer_calls, keeps_per_example):
+            chunk = chunked_gradients(tracked, layer_calls, flat_gradients)
+            chunks[tracked.name] = chunk
+            per_example.update(chunk.per_example)
+            sums.update(chunk.sums)
+            continue
+        grads = flat_gradients(tracked, layer_calls)
+        for v, grad in zip(tracked.variables, grads):
+            per_example[id(v)] = grad
+            sums[id(v)] = tf.reduce_sum(grad, axis=0)
+    return Materialized(per_example, sums, chunks)
 
 
 def summed_gradient(
-    variable: Any, per_example: dict[int, tf.Tensor], penalty: tf.Tensor | None
+    variable: Any, sums: dict[int, tf.Tensor], penalty: tf.Tensor | None
 ) -> tf.Tensor:
     """The batch gradient of a materialized variable: the sum of its per-example
     gradients, plus its penalties' part."""
-    total = tf.reshape(tf.reduce_sum(per_example[id(variable)], axis=0), variable.shape)
+    total = tf.reshape(sums[id(variable)], variable.shape)
     if penalty is not None:
         total += penalty
     return tf.cast(total, variable.dtype)

@@ -8,13 +8,14 @@ so `S = sum over replicas of data / (c s)`. The factors go on the `(B,)` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Backward, Calls
+from keras_gradtrack.engine.chunked import Chunked
 from keras_gradtrack.engine.coupled import CoupledGradients
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
@@ -33,6 +34,7 @@ def step_primitives(
     per_example: dict[int, tf.Tensor],
     penalties: dict[int, tf.Tensor],
     coupled: CoupledGradients | None = None,
+    chunks: Mapping[str, Chunked] | None = None,
 ) -> StepPrimitives:
     """The batch reference and sums, every layer's primitives, gathered across replicas.
 
@@ -45,6 +47,7 @@ def step_primitives(
         per_example: Per-example gradients of the materialized layers.
         penalties: Each regularized variable's penalty part of the gradient.
         coupled: The Jacobian rows of the coupled layers, if any.
+        chunks: The materialized layers taken chunk by chunk, by column name.
     """
     variables = [v for tracked in plan for v in tracked.variables]
     by_id = {id(v): gradient for v, gradient in gradients}
@@ -76,7 +79,9 @@ def step_primitives(
         if form == COUPLED:
             sq_norm, dot = coupled_primitives[tracked.name]
         else:
-            sq_norm, dot = layer_primitives(tracked, layer_calls, form, reference, per_example)
+            sq_norm, dot = layer_primitives(
+                tracked, layer_calls, form, reference, per_example, (chunks or {}).get(tracked.name)
+            )
         sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
         dots.append(dot * unscale / scale)
     rows = {
@@ -127,8 +132,12 @@ def layer_primitives(
     form: str,
     reference: Reference,
     per_example: dict[int, tf.Tensor],
+    chunk: Chunked | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """`(sq_norm, dot)` of one layer, by its form: materialized, its rule, or the fallback."""
+    """`(sq_norm, dot)` of one layer, by its form: materialized (whole or chunk by
+    chunk), its rule, or the fallback."""
+    if chunk is not None:
+        return chunk.sq_norm, chunk.dot(tracked, calls, reference)
     if form == MATERIALIZED:
         grads = [per_example[id(v)] for v in tracked.variables]
         result = materialized(grads, [reference(v) for v in tracked.variables])

@@ -71,16 +71,28 @@ def tracked_gradient(
     with compiled_with_xla(bool(getattr(model, "jit_compile", False))):
         backward = run_backward(context, tape, loss, sources, plan, calls, forms, per_example_loss)
         coupled = coupled_gradients(context, plan, forms, backward)
-        per_example = materialized_gradients(plan, backward.calls, forms)
+        keeps_per_example = bool(context.requests) or any(
+            statistic.needs_gram for statistic in context.statistics
+        )
+        materialized = materialized_gradients(plan, backward.calls, forms, keeps_per_example)
+        per_example = materialized.per_example
         penalties = penalty_gradients(context, backward.penalty_weights)
         gradients = [
             backward.weights[id(v)]
             if id(v) in backward.weights
-            else summed_gradient(v, per_example, penalties.get(id(v)))
+            else summed_gradient(v, materialized.sums, penalties.get(id(v)))
             for v in sources
         ]
         primitives = step_primitives(
-            context, plan, backward, forms, zip(sources, gradients), per_example, penalties, coupled
+            context,
+            plan,
+            backward,
+            forms,
+            zip(sources, gradients),
+            per_example,
+            penalties,
+            coupled,
+            materialized.chunks,
         )
         attribution = attribution_rows(context, plan, backward, forms, per_example)
     payload = {s.name: s.compute(primitives) for s in context.statistics}

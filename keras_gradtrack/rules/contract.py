@@ -142,6 +142,14 @@ CrossFn = Callable[[Any, Sequence[LayerCall], Sequence[LayerCall]], tf.Tensor]
 # (see `Projection`), from the factors. Rules without one project per-example gradients.
 SketchFn = Callable[[Any, Sequence[LayerCall], Projection], list[tuple[Any, tf.Tensor]]]
 
+# Optional: (layer, calls, reference) -> (B,) `<g_i^(k), R^(k)>` without per-example
+# gradients: the layer's own linear map applied to R, paired with the output
+# gradients (for a convolution, `<D_i, conv(x_i, R_kernel)> + <sum_p D_i[p], R_bias>`).
+# With it, the engine builds a materialized layer's per-example gradients a chunk of
+# examples at a time and keeps only their squared norms and sum, when the batch
+# exceeds a chunk (`Rule.dot`).
+DotFn = Callable[[Any, Sequence[LayerCall], Reference], tf.Tensor]
+
 # Optional: (layer, calls) -> [(variable, (B, ...) per-example gradient)], one
 # pair per trainable variable of the layer, each `d l_i / d variable`.
 PerExampleFn = Callable[[Any, Sequence[LayerCall]], list[tuple[Any, tf.Tensor]]]
@@ -212,6 +220,13 @@ class Rule:
         cross: Optional products with other examples' gradients (for influence
             on targets), see `CrossFn`.
         sketch: Optional gradient sketches from the factors, see `SketchFn`.
+        dot: Optional `<g_i, R>` through the layer's linear map (see `DotFn`).
+            With it, a batch of more than `EXAMPLES_PER_CHUNK` examples has its
+            per-example gradients built one chunk at a time (the engine slices
+            every tensor of rank 1 or more the calls hold along its first axis,
+            so the layer's calls must hold only tensors whose first axis is the
+            batch) and reduced to squared
+            norms and the batch gradient as they go: none is held whole.
         kernels: Optional: which TensorFlow kernels `per_example` runs for the
             layer on this machine (the summary's note where it materializes).
 
@@ -241,6 +256,7 @@ class Rule:
     covers_sublayers: bool = False
     cross: CrossFn | None = None
     sketch: SketchFn | None = None
+    dot: DotFn | None = None
     kernels: Callable[[Any], str] | None = None
 
     def derives_gradients(self, layer: Any, calls: Sequence[LayerCall]) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
@@ -25,8 +26,10 @@ from keras_gradtrack.rules.windows import (
     Window,
     channels_last,
     grouped_kernel_primitives,
+    paired,
     stacked_windows,
     with_bias,
+    with_bias_dot,
 )
 
 
@@ -81,6 +84,35 @@ def conv_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
+def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+    """`(B,)` `<g_i, R>` without per-example gradients: the layer's convolution of its
+    inputs with R's kernel, paired with the output gradients, plus the bias term.
+
+    Example:
+
+    ```python
+    # <g_i, R> = <conv(x_i, R_kernel), D_i> + <sum_p D_i[p], R_bias>
+    ```
+    """
+    terms = []
+    if layer.kernel.trainable:
+        kernel = reference(layer.kernel)
+        for call in calls:
+            inputs, padding = tf.cast(call.inputs, tf.float32), layer.padding
+            if padding == "causal":  # as Conv1D's own call
+                inputs, padding = ops.pad(inputs, layer._compute_causal_padding()), "valid"
+            outputs = ops.conv(
+                inputs,
+                kernel,
+                strides=list(layer.strides),
+                padding=padding,
+                dilation_rate=layer.dilation_rate,
+                data_format=layer.data_format,
+            )
+            terms.append(paired(outputs, call.output_grad))
+    return with_bias_dot(layer, calls, reference, terms)
+
+
 def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     # Kernel (*kernel_size, C / groups, filters).
     channels, filters = layer.kernel.shape[-2:]
@@ -116,6 +148,24 @@ def depthwise_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
+def depthwise_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+    """`(B,)` `<g_i, R>` without per-example gradients (see `conv_dot`)."""
+    terms = []
+    if layer.kernel.trainable:
+        kernel = reference(layer.kernel)
+        for call in calls:
+            outputs = ops.depthwise_conv(
+                tf.cast(call.inputs, tf.float32),
+                kernel,
+                strides=layer.strides,
+                padding=layer.padding,
+                dilation_rate=layer.dilation_rate,
+                data_format=layer.data_format,
+            )
+            terms.append(paired(outputs, call.output_grad))
+    return with_bias_dot(layer, calls, reference, terms)
+
+
 def depthwise_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     # Kernel (*kernel_size, C, M): C groups of one channel, M filters each.
     channels, multiplier = layer.kernel.shape[-2:]
@@ -134,6 +184,7 @@ CONV = Rule(
     has_plain_weights,
     per_example=conv_per_example,
     materializes=conv_materializes,
+    dot=conv_dot,
     kernels=lambda layer: filter_gradient_kernel(
         layer.groups, layer.kernel.shape[-2] * layer.groups, Window.of(layer)
     ),
@@ -144,6 +195,7 @@ DEPTHWISE_CONV = Rule(
     has_plain_weights,
     per_example=depthwise_per_example,
     materializes=depthwise_materializes,
+    dot=depthwise_dot,
     kernels=lambda layer: filter_gradient_kernel(
         layer.kernel.shape[-2], layer.kernel.shape[-2], Window.of(layer)
     ),

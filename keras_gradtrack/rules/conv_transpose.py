@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
@@ -28,8 +29,10 @@ from keras_gradtrack.rules.windows import (
     Window,
     channels_last,
     grouped_kernel_primitives,
+    paired,
     stacked_windows,
     with_bias,
+    with_bias_dot,
 )
 
 
@@ -79,6 +82,27 @@ def conv_transpose_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
+def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+    """`(B,)` `<g_i, R>` without per-example gradients: the layer's transposed
+    convolution of its inputs with R's kernel, paired with the output gradients,
+    plus the bias term."""
+    terms = []
+    if layer.kernel.trainable:
+        kernel = reference(layer.kernel)
+        for call in calls:
+            outputs = ops.conv_transpose(
+                tf.cast(call.inputs, tf.float32),
+                kernel,
+                strides=list(layer.strides),
+                padding=layer.padding,
+                output_padding=layer.output_padding,
+                dilation_rate=layer.dilation_rate,
+                data_format=layer.data_format,
+            )
+            terms.append(paired(outputs, call.output_grad))
+    return with_bias_dot(layer, calls, reference, terms)
+
+
 def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     """Whether per-example kernel gradients cost less than the direct form."""
     if not layer.kernel.trainable:
@@ -103,6 +127,7 @@ CONV_TRANSPOSE = Rule(
     conv_transpose_applies,
     per_example=conv_transpose_per_example,
     materializes=conv_transpose_materializes,
+    dot=conv_transpose_dot,
     # The windows slide over the output gradient (the kernel's `filters` axis).
     kernels=lambda layer: filter_gradient_kernel(1, layer.kernel.shape[-2], Window.of(layer)),
 )

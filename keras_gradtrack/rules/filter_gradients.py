@@ -11,9 +11,11 @@ and the windows' products (`keras_gradtrack.rules.windows`) everywhere else.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -43,6 +45,19 @@ WINDOWS = "window products"
 # CNN's second convolution held 78 MiB of such copies at once, ResNet-8's first
 # 54 MiB of windows; in chunks of 128, a quarter.
 EXAMPLES_PER_CHUNK = 128
+
+_ONE_CHUNK = contextvars.ContextVar("one_chunk_of_examples", default=False)
+
+
+@contextlib.contextmanager
+def one_chunk_of_examples() -> Iterator[None]:
+    """Rules traced inside run on at most `EXAMPLES_PER_CHUNK` examples (the engine's
+    own loop over chunks): `in_chunks` adds no loop of its own."""
+    token = _ONE_CHUNK.set(True)
+    try:
+        yield
+    finally:
+        _ONE_CHUNK.reset(token)
 
 
 def filter_gradient_form(groups: int, channels: int | None, window: Window) -> str:
@@ -133,7 +148,7 @@ def in_chunks(gradients: Any, source: tf.Tensor, target: tf.Tensor, window: Wind
     chunk skips the loop.
     """
     batch_size = source.shape[0]
-    if batch_size is not None and batch_size <= EXAMPLES_PER_CHUNK:
+    if _ONE_CHUNK.get() or (batch_size is not None and batch_size <= EXAMPLES_PER_CHUNK):
         return gradients(source, target, window)
     batch = tf.shape(source)[0]
     count = (batch + EXAMPLES_PER_CHUNK - 1) // EXAMPLES_PER_CHUNK

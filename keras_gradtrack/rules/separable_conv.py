@@ -34,9 +34,11 @@ from keras_gradtrack.rules.windows import (
     Window,
     channels_last,
     grouped_kernel_primitives,
+    paired,
     per_example_bias_gradient,
     stacked_windows,
     with_bias,
+    with_bias_dot,
 )
 
 
@@ -130,6 +132,32 @@ def separable_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
+def separable_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+    """`(B,)` `<g_i, R>` without per-example gradients: the depthwise convolution of
+    the inputs with R's depthwise kernel paired with the gradient at `U_i`, `U_i`
+    times R's pointwise kernel paired with `D_i`, and the bias term."""
+    depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
+    terms = []
+    if pointwise.trainable:
+        intermediate, targets = sequences(layer, calls)
+        pointwise_reference = tf.reshape(reference(pointwise), pointwise.shape[-2:])
+        response = tf.einsum("bpc,cf->bpf", intermediate, pointwise_reference)
+        terms.append(tf.reduce_sum(response * targets, axis=[1, 2]))
+    if depthwise.trainable:
+        kernel = reference(depthwise)
+        for source, target in depthwise_pairs(layer, calls):
+            outputs = ops.depthwise_conv(
+                tf.cast(source, tf.float32),
+                kernel,
+                strides=layer.strides,
+                padding=layer.padding,
+                dilation_rate=layer.dilation_rate,
+                data_format="channels_last",
+            )
+            terms.append(paired(outputs, target))
+    return with_bias_dot(layer, calls, reference, terms)
+
+
 def separable_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     """Whether the pointwise kernel's per-example gradients cost less than its direct
     form (the depthwise kernel's are small: the direct form builds them too)."""
@@ -167,6 +195,7 @@ SEPARABLE_CONV = Rule(
     tap=separable_tap,
     per_example=separable_per_example,
     materializes=separable_materializes,
+    dot=separable_dot,
     kernels=lambda layer: filter_gradient_kernel(
         layer.depthwise_kernel.shape[-2], layer.depthwise_kernel.shape[-2], Window.of(layer)
     ),

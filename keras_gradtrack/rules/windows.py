@@ -312,3 +312,21 @@ def with_bias(
 
 
 Pairs = list[tuple[tf.Tensor, tf.Tensor]]
+
+
+def paired(outputs: tf.Tensor, output_grad: tf.Tensor) -> tf.Tensor:
+    """`(B,)` `<z_i, d_i>` over all axes but the batch (same layout)."""
+    products = tf.cast(outputs, tf.float32) * tf.cast(output_grad, tf.float32)
+    return tf.reduce_sum(tf.reshape(products, [tf.shape(products)[0], -1]), axis=1)
+
+
+def with_bias_dot(
+    layer: Any, calls: Sequence[LayerCall], reference: Reference, terms: list[tf.Tensor]
+) -> tf.Tensor:
+    """The layer's `<g_i, R>`: the given kernel terms plus the bias term."""
+    bias_grad = per_example_bias_gradient(layer, calls)
+    if bias_grad is not None:
+        terms = [*terms, tf.linalg.matvec(bias_grad, reference(layer.bias))]
+    if not terms:  # every variable of the layer is frozen
+        return tf.zeros([tf.shape(calls[0].output_grad)[0]])
+    return tf.add_n(terms)

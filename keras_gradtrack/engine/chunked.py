@@ -1,0 +1,209 @@
+"""Materialized layers on batches larger than a chunk: per-example gradients built
+one chunk of examples at a time and kept only as squared norms and a sum.
+
+A materialized layer's per-example gradients, `(B, n)`, are the largest tensors
+of a tracked step at large batches (ResNet-8's 64-channel convolutions at batch
+512: 72 MiB each, held as the loop's pieces and again as their concatenation).
+When the layer's rule has `Rule.dot` (its linear map applied to the reference)
+and nothing else in the step reads the per-example gradients (no Gram matrix,
+targets or sketches), a batch of more than `EXAMPLES_PER_CHUNK` examples takes
+them `EXAMPLES_PER_CHUNK` at a time in a sequential loop: each chunk's squared
+norms are kept and its gradients added to the batch gradient, then dropped;
+`<g_i, R>` comes from `Rule.dot` once R exists. A batch that turns out to fit
+one chunk takes the materialized form as before (`tf.cond`), so small batches
+run the same operations as without this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.plan import TrackedLayer
+from keras_gradtrack.rules import LayerCall, Reference, filter_gradients
+from keras_gradtrack.rules.ops import compiling_with_xla, flat_per_example, sum_of_squares
+
+Calls = tuple[LayerCall, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked:
+    """One materialized layer's per-example results, chunk by chunk when the batch is large.
+
+    Attributes:
+        sq_norm: `(B,)` `||g_i||^2` over the layer's variables.
+        sums: `{id(variable): (n,)}` the sum of the per-example gradients.
+        per_example: `{id(variable): (B, n)}` when the batch fit one chunk
+            (`whole`), else `(0, n)`: the chunks were not kept.
+        whole: Scalar bool: whether the batch fit one chunk.
+    """
+
+    sq_norm: tf.Tensor
+    sums: dict[int, tf.Tensor]
+    per_example: dict[int, tf.Tensor]
+    whole: tf.Tensor
+
+    def dot(self, tracked: TrackedLayer, calls: Calls, reference: Reference) -> tf.Tensor:
+        """`(B,)` `<g_i, R>`: from the per-example gradients when they were kept,
+        else by the rule's `dot`, one chunk of examples at a time (its temporaries,
+        such as a convolution's output, are then a chunk's)."""
+        assert tracked.rule is not None and tracked.rule.dot is not None
+        rule_dot = tracked.rule.dot
+
+        def from_gradients() -> tf.Tensor:
+            return tf.add_n(
+                [
+                    tf.linalg.matvec(self.per_example[id(v)], tf.reshape(reference(v), [-1]))
+                    for v in tracked.variables
+                ]
+            )
+
+        def by_rule(part: Calls) -> tf.Tensor:
+            return rule_dot(tracked.layer, part, reference)
+
+        return tf.cond(self.whole, from_gradients, lambda: over_chunks(calls, by_rule))
+
+
+def takes_chunks(tracked: TrackedLayer, calls: Calls, keeps_per_example: bool) -> bool:
+    """Whether a materialized layer's per-example gradients go chunk by chunk in this
+    step: its rule has `dot`, nothing else reads them (`keeps_per_example` false),
+    not under XLA (which plans the whole step's memory itself), the batch may
+    exceed one chunk, and an example's gradient is larger than its input and output.
+
+    Measured on the zoo at batch 512 (`benchmarks/overhead.py`): ResNet-8's peak
+    growth 1055-1118 MiB whole, 944-946 in chunks; taking every layer's chunks,
+    the early wide-output layers too, cost MobileNetV2 80-110 MiB more than whole.
+    """
+    rule = tracked.rule
+    if rule is None or rule.dot is None or keeps_per_example or compiling_with_xla():
+        return False
+    batch = calls[0].tapped[0].shape[0]
+    if batch is not None and batch <= filter_gradients.EXAMPLES_PER_CHUNK:
+        return False
+    return outweighs_its_activations(tracked, calls)
+
+
+def outweighs_its_activations(tracked: TrackedLayer, calls: Calls) -> bool:
+    """Whether an example's gradient of the layer is larger than its input and
+    output gradient, which the chunks' second pass (the dot, once R exists) holds
+    in its place (true when a size is unknown)."""
+    sizes = [s for call in calls for s in (call.inputs.shape[1:], call.tapped[0].shape[1:])]
+    if any(None in size for size in sizes):
+        return True
+    return tracked.num_parameters > sum(math.prod(size) for size in sizes)
+
+
+def chunked_gradients(
+    tracked: TrackedLayer,
+    calls: Calls,
+    per_example: Callable[[TrackedLayer, Calls], list[tf.Tensor]],
+) -> Chunked:
+    """The layer's squared norms and summed gradient, one chunk of examples at a time.
+
+    Args:
+        tracked: The layer (its rule has `dot`).
+        calls: Its calls with their output gradients.
+        per_example: `(tracked, calls) -> [(b, n) per variable]`, the rule's
+            per-example gradients of those calls, flat, in the variables' order.
+    """
+    chunk = filter_gradients.EXAMPLES_PER_CHUNK
+    batch = tf.shape(calls[0].output_grad)[0]
+    count = (batch + chunk - 1) // chunk
+    sizes = [math.prod(v.shape) for v in tracked.variables]
+
+    def gradients_of(part: Calls) -> list[tf.Tensor]:
+        with filter_gradients.one_chunk_of_examples():
+            return per_example(tracked, part)
+
+    def whole() -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+        grads = gradients_of(calls)
+        sq_norm = tf.add_n([sum_of_squares(g, axis=1) for g in grads])
+        return sq_norm, [tf.reduce_sum(g, axis=0) for g in grads], grads
+
+    def in_chunks() -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+        def body(
+            index: tf.Tensor, norms: tf.TensorArray, sums: list[tf.Tensor]
+        ) -> tuple[tf.Tensor, tf.TensorArray, list[tf.Tensor]]:
+            start = index * chunk
+            grads = gradients_of(sliced(calls, start, tf.minimum(start + chunk, batch)))
+            norms = norms.write(index, tf.add_n([sum_of_squares(g, axis=1) for g in grads]))
+            return index + 1, norms, [s + tf.reduce_sum(g, axis=0) for s, g in zip(sums, grads)]
+
+        initial = (
+            tf.constant(0),
+            tf.TensorArray(tf.float32, size=count, infer_shape=False),
+            [tf.zeros([n]) for n in sizes],
+        )
+        _, norms, sums = tf.while_loop(
+            lambda index, *_: index < count, body, initial, parallel_iterations=1
+        )
+        return norms.concat(), sums, [tf.zeros([0, n]) for n in sizes]
+
+    sq_norm, sums, grads = tf.cond(count > 1, in_chunks, whole)
+    ids = [id(v) for v in tracked.variables]
+    return Chunked(sq_norm, dict(zip(ids, sums)), dict(zip(ids, grads)), count <= 1)
+
+
+def over_chunks(calls: Calls, per_chunk: Callable[[Calls], tf.Tensor]) -> tf.Tensor:
+    """`(B,)` `per_chunk` of the calls' examples, `EXAMPLES_PER_CHUNK` at a time, in order."""
+    chunk = filter_gradients.EXAMPLES_PER_CHUNK
+    batch = tf.shape(calls[0].output_grad)[0]
+    count = (batch + chunk - 1) // chunk
+
+    def body(index: tf.Tensor, parts: tf.TensorArray) -> tuple[tf.Tensor, tf.TensorArray]:
+        start = index * chunk
+        return index + 1, parts.write(
+            index, per_chunk(sliced(calls, start, tf.minimum(start + chunk, batch)))
+        )
+
+    initial = (tf.constant(0), tf.TensorArray(tf.float32, size=count, infer_shape=False))
+    _, parts = tf.while_loop(lambda index, _: index < count, body, initial, parallel_iterations=1)
+    return parts.concat()
+
+
+def sliced(calls: Sequence[LayerCall], start: tf.Tensor, end: tf.Tensor) -> Calls:
+    """The calls restricted to examples `start:end`: every tensor they hold of rank 1
+    or more is sliced along its first axis (`Rule.dot`'s condition: a rule with
+    `dot` reads only tensors whose first axis is the batch)."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, tf.Tensor) and value.shape.rank:
+            return value[start:end]
+        return value
+
+    def cut_all(structure: Any) -> Any:
+        return tf.nest.map_structure(cut, structure)
+
+    return tuple(
+        dataclasses.replace(
+            call,
+            args=cut_all(call.args),
+            kwargs=cut_all(dict(call.kwargs)),
+            tapped=cut_all(call.tapped),
+            saved=cut_all(dict(call.saved)),
+            output_grads=cut_all(call.output_grads),
+        )
+        for call in calls
+    )
+
+
+def flat_gradients(tracked: TrackedLayer, calls: Calls) -> list[tf.Tensor]:
+    """The rule's per-example gradients of the calls, `(B, n)` per variable in order.
+
+    Raises:
+        ValueError: If the rule returns gradients of other variables than the layer's.
+    """
+    assert tracked.rule is not None and tracked.rule.per_example is not None
+    pairs = tracked.rule.per_example(tracked.layer, calls)
+    grads = {id(variable): flat_per_example(grad) for variable, grad in pairs}
+    if set(grads) != {id(v) for v in tracked.variables}:
+        raise ValueError(
+            f"Rule {tracked.rule.name!r} returned per-example gradients for "
+            f"{[v.path for v, _ in pairs]} on layer {tracked.layer.name!r}, whose "
+            f"trainable variables are {[v.path for v in tracked.variables]}."
+        )
+    return [grads[id(v)] for v in tracked.variables]
