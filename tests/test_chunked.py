@@ -3,8 +3,7 @@ gradients one chunk of examples at a time, kept as squared norms and the batch
 gradient, `<g_i, R>` by the rule's `dot` (the layer's linear map applied to R).
 
 Chunks of 3 examples here (`EXAMPLES_PER_CHUNK` patched): a batch of 8 takes
-three chunks, the last one short; a batch of 3 fits one and takes the whole
-materialized form. Each case checks the logged statistics of one `fit` step
+three chunks, the last one short; a batch of 3 runs the loops once. Each case checks the logged statistics of one `fit` step
 against the one-tape-per-example oracle and the update against plain Keras.
 """
 
@@ -105,8 +104,8 @@ def test_chunks_match_the_oracle_and_plain_keras(
     logger = kgt.HDF5GradientLogger(path)
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[logger])
 
-    # fit's batch size is only known at run time: the step takes the chunked form,
-    # which runs the loop for 8 examples and the whole form for 3.
+    # fit's batch size is only known at run time: the step takes the chunks (three
+    # for 8 examples, one for 3).
     assert (row.name, None) in chunks_of_three
     with kgt.GradientLog(path) as log:
         logged = {name: log.per_example(name) for name in log.per_example_names}

@@ -143,8 +143,8 @@ class Materialized:
     """The materialized layers' per-example results.
 
     Attributes:
-        per_example: `{id(variable): (B, n) d l_i / d variable}` (rules' scale);
-            `(0, n)` for a layer in `chunks` whose batch exceeded one chunk.
+        per_example: `{id(variable): (B, n) d l_i / d variable}` (rules' scale),
+            of the layers not in `chunks`.
         sums: `{id(variable): (n,)}` their sum over the batch.
         chunks: By column name, the layers taken chunk by chunk (`engine.chunked`).
     """
@@ -177,7 +177,6 @@ def materialized_gradients(
         if takes_chunks(tracked, layer_calls, keeps_per_example):
             chunk = chunked_gradients(tracked, layer_calls, flat_gradients)
             chunks[tracked.name] = chunk
-            per_example.update(chunk.per_example)
             sums.update(chunk.sums)
             continue
         grads = flat_gradients(tracked, layer_calls)

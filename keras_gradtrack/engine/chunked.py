@@ -6,12 +6,13 @@ of a tracked step at large batches (ResNet-8's 64-channel convolutions at batch
 512: 72 MiB each, held as the loop's pieces and again as their concatenation).
 When the layer's rule has `Rule.dot` (its linear map applied to the reference)
 and nothing else in the step reads the per-example gradients (no Gram matrix,
-targets or sketches), a batch of more than `EXAMPLES_PER_CHUNK` examples takes
-them `EXAMPLES_PER_CHUNK` at a time in a sequential loop: each chunk's squared
-norms are kept and its gradients added to the batch gradient, then dropped;
-`<g_i, R>` comes from `Rule.dot` once R exists. A batch that turns out to fit
-one chunk takes the materialized form as before (`tf.cond`), so small batches
-run the same operations as without this module.
+targets or sketches), a batch not known to fit one chunk takes them
+`EXAMPLES_PER_CHUNK` at a time in a sequential loop: each chunk's squared norms
+are kept and its gradients added to the batch gradient, then dropped;
+`<g_i, R>` comes from `Rule.dot` once R exists, again a chunk at a time. A batch
+known only at run time runs the loops once when it fits one chunk: a `tf.cond`
+between them and the whole batch would trace the layer's gradients twice, and
+measured no faster at batch 128 (`benchmarks/overhead.py`'s zoo).
 """
 
 from __future__ import annotations
@@ -32,40 +33,22 @@ Calls = tuple[LayerCall, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Chunked:
-    """One materialized layer's per-example results, chunk by chunk when the batch is large.
+    """One materialized layer's per-example results, taken chunk by chunk.
 
     Attributes:
         sq_norm: `(B,)` `||g_i||^2` over the layer's variables.
         sums: `{id(variable): (n,)}` the sum of the per-example gradients.
-        per_example: `{id(variable): (B, n)}` when the batch fit one chunk
-            (`whole`), else `(0, n)`: the chunks were not kept.
-        whole: Scalar bool: whether the batch fit one chunk.
     """
 
     sq_norm: tf.Tensor
     sums: dict[int, tf.Tensor]
-    per_example: dict[int, tf.Tensor]
-    whole: tf.Tensor
 
     def dot(self, tracked: TrackedLayer, calls: Calls, reference: Reference) -> tf.Tensor:
-        """`(B,)` `<g_i, R>`: from the per-example gradients when they were kept,
-        else by the rule's `dot`, one chunk of examples at a time (its temporaries,
-        such as a convolution's output, are then a chunk's)."""
+        """`(B,)` `<g_i, R>` by the rule's `dot`, one chunk of examples at a time (its
+        temporaries, such as a convolution's output, are then a chunk's)."""
         assert tracked.rule is not None and tracked.rule.dot is not None
         rule_dot = tracked.rule.dot
-
-        def from_gradients() -> tf.Tensor:
-            return tf.add_n(
-                [
-                    tf.linalg.matvec(self.per_example[id(v)], tf.reshape(reference(v), [-1]))
-                    for v in tracked.variables
-                ]
-            )
-
-        def by_rule(part: Calls) -> tf.Tensor:
-            return rule_dot(tracked.layer, part, reference)
-
-        return tf.cond(self.whole, from_gradients, lambda: over_chunks(calls, by_rule))
+        return over_chunks(calls, lambda part: rule_dot(tracked.layer, part, reference))
 
 
 def takes_chunks(tracked: TrackedLayer, calls: Calls, keeps_per_example: bool) -> bool:
@@ -74,9 +57,10 @@ def takes_chunks(tracked: TrackedLayer, calls: Calls, keeps_per_example: bool) -
     not under XLA (which plans the whole step's memory itself), the batch may
     exceed one chunk, and an example's gradient is larger than its input and output.
 
-    Measured on the zoo at batch 512 (`benchmarks/overhead.py`): ResNet-8's peak
-    growth 1055-1118 MiB whole, 944-946 in chunks; taking every layer's chunks,
-    the early wide-output layers too, cost MobileNetV2 80-110 MiB more than whole.
+    Measured at batch 512 (peak RSS growth of a 5-step `fit`, fresh processes):
+    ResNet-8 872-910 MiB with its per-example gradients whole, 756-763 in chunks;
+    taking every layer's chunks, the early wide-output layers too, cost
+    MobileNetV2 80-110 MiB more than whole.
     """
     rule = tracked.rule
     if rule is None or rule.dot is None or keeps_per_example or compiling_with_xla():
@@ -113,39 +97,26 @@ def chunked_gradients(
     chunk = filter_gradients.EXAMPLES_PER_CHUNK
     batch = tf.shape(calls[0].output_grad)[0]
     count = (batch + chunk - 1) // chunk
-    sizes = [math.prod(v.shape) for v in tracked.variables]
 
-    def gradients_of(part: Calls) -> list[tf.Tensor]:
+    def body(
+        index: tf.Tensor, norms: tf.TensorArray, sums: list[tf.Tensor]
+    ) -> tuple[tf.Tensor, tf.TensorArray, list[tf.Tensor]]:
+        start = index * chunk
+        part = sliced(calls, start, tf.minimum(start + chunk, batch))
         with filter_gradients.one_chunk_of_examples():
-            return per_example(tracked, part)
+            grads = per_example(tracked, part)
+        norms = norms.write(index, tf.add_n([sum_of_squares(g, axis=1) for g in grads]))
+        return index + 1, norms, [s + tf.reduce_sum(g, axis=0) for s, g in zip(sums, grads)]
 
-    def whole() -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
-        grads = gradients_of(calls)
-        sq_norm = tf.add_n([sum_of_squares(g, axis=1) for g in grads])
-        return sq_norm, [tf.reduce_sum(g, axis=0) for g in grads], grads
-
-    def in_chunks() -> tuple[tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
-        def body(
-            index: tf.Tensor, norms: tf.TensorArray, sums: list[tf.Tensor]
-        ) -> tuple[tf.Tensor, tf.TensorArray, list[tf.Tensor]]:
-            start = index * chunk
-            grads = gradients_of(sliced(calls, start, tf.minimum(start + chunk, batch)))
-            norms = norms.write(index, tf.add_n([sum_of_squares(g, axis=1) for g in grads]))
-            return index + 1, norms, [s + tf.reduce_sum(g, axis=0) for s, g in zip(sums, grads)]
-
-        initial = (
-            tf.constant(0),
-            tf.TensorArray(tf.float32, size=count, infer_shape=False),
-            [tf.zeros([n]) for n in sizes],
-        )
-        _, norms, sums = tf.while_loop(
-            lambda index, *_: index < count, body, initial, parallel_iterations=1
-        )
-        return norms.concat(), sums, [tf.zeros([0, n]) for n in sizes]
-
-    sq_norm, sums, grads = tf.cond(count > 1, in_chunks, whole)
-    ids = [id(v) for v in tracked.variables]
-    return Chunked(sq_norm, dict(zip(ids, sums)), dict(zip(ids, grads)), count <= 1)
+    initial = (
+        tf.constant(0),
+        tf.TensorArray(tf.float32, size=count, infer_shape=False),
+        [tf.zeros([math.prod(v.shape)]) for v in tracked.variables],
+    )
+    _, norms, sums = tf.while_loop(
+        lambda index, *_: index < count, body, initial, parallel_iterations=1
+    )
+    return Chunked(norms.concat(), {id(v): s for v, s in zip(tracked.variables, sums)})
 
 
 def over_chunks(calls: Calls, per_chunk: Callable[[Calls], tf.Tensor]) -> tf.Tensor:

@@ -144,8 +144,12 @@ def in_chunks(gradients: Any, source: tf.Tensor, target: tf.Tensor, window: Wind
     examples at a time in a loop of one iteration at a time.
 
     The loop orders the chunks: as separate ops, the executor would run them
-    side by side and hold every chunk's copies at once. A batch of at most one
-    chunk skips the loop.
+    side by side and hold every chunk's copies at once. Only a batch known
+    to fit one chunk when the step is traced skips the loop; a batch known only
+    at run time takes it (once, when it fits one chunk). A `tf.cond` between the
+    loop and the whole batch would trace the gradients twice, which cost
+    MobileNetV2's tracked `fit` 130 MiB of peak memory in tracing alone and
+    measured no faster at batch 128.
     """
     batch_size = source.shape[0]
     if _ONE_CHUNK.get() or (batch_size is not None and batch_size <= EXAMPLES_PER_CHUNK):
@@ -160,14 +164,10 @@ def in_chunks(gradients: Any, source: tf.Tensor, target: tf.Tensor, window: Wind
         part = gradients(source[start:end], target[start:end], window)
         return index + 1, parts.write(index, part)
 
-    def loop() -> tf.Tensor:
-        _, chunks = tf.while_loop(
-            lambda index, _: index < count, body, (tf.constant(0), parts), parallel_iterations=1
-        )
-        return chunks.concat()
-
-    # A batch that turns out to fit one chunk skips the loop and its concatenation.
-    return tf.cond(count > 1, loop, lambda: gradients(source, target, window))
+    _, chunks = tf.while_loop(
+        lambda index, _: index < count, body, (tf.constant(0), parts), parallel_iterations=1
+    )
+    return chunks.concat()
 
 
 def as_two_dimensional(
