@@ -12,6 +12,7 @@ python benchmarks/overhead.py --out benchmarks/results/overhead.md   # the zoo, 
 python benchmarks/overhead.py --quick                                # smoke test
 python benchmarks/overhead.py --models cnn,mobilenet --device gpu    # on a GPU
 python benchmarks/overhead.py --models mlp,cnn --baselines           # + tape loop, jacobian
+python benchmarks/overhead.py --no-timing --memory-repeats 3         # memory alone, medians
 ```
 """
 
@@ -280,10 +281,12 @@ def time_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_memory(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
-    """Memory growth per (model, variant), each in a fresh child, two children at a time."""
+    """Memory growth per (model, variant), each run in a fresh child, two children at a
+    time; with `--memory-repeats N`, N runs each (plain and tracked side by side in each
+    repeat), reported as their median with every run kept under "runs"."""
 
-    def one(key: tuple[str, str]) -> Any:
-        name, variant = key
+    def one(key: tuple[str, str, int]) -> Any:
+        name, variant, _ = key
         spec = {**vars(args), "kind": "memory", "model": name, "variant": variant}
         spec["batch_size"] = args.memory_batch_size
         result: dict[str, Any] = {}
@@ -291,9 +294,25 @@ def measure_memory(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
         progress(f"memory {name} {variant} done")
         return result.get("memory") or result.get("failure") or f"child exited {code}"
 
-    keys = [(name, variant) for name in args.models for variant in ("plain", "tracked")]
+    keys = [
+        (name, variant, repeat)
+        for repeat in range(args.memory_repeats)
+        for name in args.models
+        for variant in ("plain", "tracked")
+    ]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(keys, pool.map(one, keys)))
+        measured = dict(zip(keys, pool.map(one, keys)))
+    memory: dict[tuple[str, str], Any] = {}
+    for name in args.models:
+        for variant in ("plain", "tracked"):
+            runs = [measured[(name, variant, r)] for r in range(args.memory_repeats)]
+            failures = [run for run in runs if not isinstance(run, dict)]
+            if failures:
+                memory[(name, variant)] = failures[0]
+                continue
+            growth = [run["growth"] for run in runs]
+            memory[(name, variant)] = {"growth": statistics.median(growth), "runs": growth}
+    return memory
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -316,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--onednn", choices=("default", "on", "off"), default="default", help="CPU oneDNN")
     add("--baselines", action="store_true", help="also time the tape loop and tape.jacobian")
     add("--no-memory", action="store_true", help="skip the memory columns")
+    add("--no-timing", action="store_true", help="only the memory columns")
+    add("--memory-repeats", type=int, default=1, help="runs per memory figure, median (1)")
     add("--quick", action="store_true", help="smoke test: mlp and cnn, B=32, 1 round")
     add("--out", help="also write the report (markdown) to this file")
     add("--memory-limit-gib", type=float, default=8.0, help="cap per child process (8)")
@@ -336,12 +357,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     timings = {}
-    for name in args.models:
+    for name in [] if args.no_timing else args.models:
         progress(f"timing {name}")
         timings[name] = time_model(name, args)
     memory = {} if args.no_memory else measure_memory(args)
     minutes = (time.perf_counter() - started) / 60
-    text = report.render(args, timings, memory, load_before, os.getloadavg()[0], minutes)
+    load_after = os.getloadavg()[0]
+    if args.no_timing:
+        text = report.render_memory(args, memory, load_before, load_after, minutes)
+    else:
+        text = report.render(args, timings, memory, load_before, load_after, minutes)
     report.print_and_save(text, args.out)
 
 

@@ -189,6 +189,38 @@ def render(
     return "\n".join(lines)
 
 
+def memory_cell(measured: Any) -> str:
+    """A memory figure: the median, and the runs' range when there were several."""
+    if not isinstance(measured, dict):
+        return str(measured)
+    runs = measured.get("runs", [])
+    spread = f" ({min(runs):.0f}-{max(runs):.0f})" if len(runs) > 1 else ""
+    return number(measured["growth"]) + spread
+
+
+def render_memory(
+    args: Any, memory: dict[Any, Any], load_before: float, load_after: float, minutes: float
+) -> str:
+    """The memory table alone (`overhead.py --no-timing`)."""
+    lines = ["# keras_gradtrack memory benchmark", "", *machine_lines(args.device)]
+    lines += [
+        f"- load average {load_before:.1f} at start, {load_after:.1f} at end; {minutes:.1f} min",
+        "",
+        f"Peak growth during a {args.memory_steps}-step `fit` at batch size "
+        f"{args.memory_batch_size} over the memory in use just before it, each run in a "
+        f"fresh process, {args.memory_repeats} run(s) per variant: median (range), MiB.",
+        "",
+        "| model | plain | tracked | tracked / plain (medians) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in args.models:
+        plain, tracked = memory.get((name, "plain"), "-"), memory.get((name, "tracked"), "-")
+        both = isinstance(plain, dict) and isinstance(tracked, dict) and plain["growth"] > 0
+        ratio_text = number(tracked["growth"] / plain["growth"]) + "x" if both else "-"
+        lines.append(f"| {name} | {memory_cell(plain)} | {memory_cell(tracked)} | {ratio_text} |")
+    return "\n".join(lines)
+
+
 def print_and_save(text: str, out: str | None) -> None:
     """Prints the report and, with `--out`, writes it there too (folders made)."""
     print(text, end="")
