@@ -2,7 +2,7 @@
 gradients one chunk of examples at a time, kept as squared norms and the batch
 gradient, `<g_i, R>` by the rule's `dot` (the layer's linear map applied to R).
 
-Chunks of 3 examples here (`EXAMPLES_PER_CHUNK` patched): a batch of 8 takes
+Chunks of 3 examples here (`EXAMPLES_PER_CHUNK` and `LARGE_BATCH_CHUNK` patched): a batch of 8 takes
 three chunks, the last one short; a batch of 3 runs the loops once. Each case checks the logged statistics of one `fit` step
 against the one-tape-per-example oracle and the update against plain Keras.
 """
@@ -72,6 +72,7 @@ def chunks_of_three(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     gradient is smaller than their activations); records which layers
     `chunked_gradients` took."""
     monkeypatch.setattr(filter_gradients, "EXAMPLES_PER_CHUNK", CHUNK)
+    monkeypatch.setattr(filter_gradients, "LARGE_BATCH_CHUNK", CHUNK)
     monkeypatch.setattr(chunked, "outweighs_its_activations", lambda tracked, calls: True)
     taken: list[tuple[str, Any]] = []
     original = chunked.chunked_gradients
@@ -164,6 +165,7 @@ def test_chunks_are_taken_where_a_gradient_outweighs_its_activations(
     batch gradient exists: taken only where that is less than the per-example
     gradients it saves."""
     monkeypatch.setattr(filter_gradients, "EXAMPLES_PER_CHUNK", CHUNK)
+    monkeypatch.setattr(filter_gradients, "LARGE_BATCH_CHUNK", CHUNK)
     taken: list[str] = []
     original = chunked.chunked_gradients
     monkeypatch.setattr(
@@ -204,3 +206,12 @@ def test_dot_equals_the_rules_per_example_gradients_against_any_reference(case: 
         for v, g in rule.per_example(layer, calls)
     )
     np.testing.assert_allclose(rule.dot(layer, calls, reference), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("batch", "size", "count"), [(1, 128, 1), (128, 128, 1), (129, 64, 3), (512, 64, 8)]
+)
+def test_a_batch_up_to_a_chunk_is_one_chunk_and_larger_ones_go_64_at_a_time(
+    batch: int, size: int, count: int
+) -> None:
+    assert [int(t) for t in filter_gradients.chunking(tf.constant(batch))] == [size, count]

@@ -369,6 +369,7 @@ def test_filter_gradients_in_chunks_of_examples_match_the_oracle(
     """Batches larger than a chunk take the loop over chunks of examples, the last
     one short: the per-example gradients are the same, in the examples' order."""
     monkeypatch.setattr(filter_gradients, "EXAMPLES_PER_CHUNK", 3)
+    monkeypatch.setattr(filter_gradients, "LARGE_BATCH_CHUNK", 3)
     assert BATCH > 3 and BATCH % 3
     inputs = keras.Input(input_shape)
     model = classifier(inputs, make()(inputs))

@@ -94,9 +94,8 @@ def chunked_gradients(
         per_example: `(tracked, calls) -> [(b, n) per variable]`, the rule's
             per-example gradients of those calls, flat, in the variables' order.
     """
-    chunk = filter_gradients.EXAMPLES_PER_CHUNK
     batch = tf.shape(calls[0].output_grad)[0]
-    count = (batch + chunk - 1) // chunk
+    chunk, count = filter_gradients.chunking(batch)
 
     def body(
         index: tf.Tensor, norms: tf.TensorArray, sums: list[tf.Tensor]
@@ -120,10 +119,9 @@ def chunked_gradients(
 
 
 def over_chunks(calls: Calls, per_chunk: Callable[[Calls], tf.Tensor]) -> tf.Tensor:
-    """`(B,)` `per_chunk` of the calls' examples, `EXAMPLES_PER_CHUNK` at a time, in order."""
-    chunk = filter_gradients.EXAMPLES_PER_CHUNK
+    """`(B,)` `per_chunk` of the calls' examples, a chunk at a time (`chunking`), in order."""
     batch = tf.shape(calls[0].output_grad)[0]
-    count = (batch + chunk - 1) // chunk
+    chunk, count = filter_gradients.chunking(batch)
 
     def body(index: tf.Tensor, parts: tf.TensorArray) -> tuple[tf.Tensor, tf.TensorArray]:
         start = index * chunk
