@@ -15,12 +15,15 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine import losses
-from keras_gradtrack.engine.chunked import Chunked, chunked_gradients, flat_gradients, takes_chunks
+from keras_gradtrack.engine.chunked import (
+    Calls,
+    Chunked,
+    chunked_gradients,
+    flat_gradients,
+    takes_chunks,
+)
 from keras_gradtrack.engine.plan import MATERIALIZED, Plan
 from keras_gradtrack.engine.tracking import TrackingContext
-from keras_gradtrack.rules import LayerCall
-
-Calls = tuple[LayerCall, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,11 +25,10 @@ from keras_gradtrack.rules.windows import (
     Pairs,
     Window,
     channels_last,
+    forward_dot,
     grouped_kernel_primitives,
-    paired,
     stacked_windows,
     with_bias,
-    with_bias_dot,
 )
 
 
@@ -94,23 +93,21 @@ def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf
     # <g_i, R> = <conv(x_i, R_kernel), D_i> + <sum_p D_i[p], R_bias>
     ```
     """
-    terms = []
-    if layer.kernel.trainable:
-        kernel = reference(layer.kernel)
-        for call in calls:
-            inputs, padding = tf.cast(call.inputs, tf.float32), layer.padding
-            if padding == "causal":  # as Conv1D's own call
-                inputs, padding = ops.pad(inputs, layer._compute_causal_padding()), "valid"
-            outputs = ops.conv(
-                inputs,
-                kernel,
-                strides=list(layer.strides),
-                padding=padding,
-                dilation_rate=layer.dilation_rate,
-                data_format=layer.data_format,
-            )
-            terms.append(paired(outputs, call.output_grad))
-    return with_bias_dot(layer, calls, reference, terms)
+
+    def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+        padding = layer.padding
+        if padding == "causal":  # as Conv1D's own call
+            inputs, padding = ops.pad(inputs, layer._compute_causal_padding()), "valid"
+        return ops.conv(
+            inputs,
+            kernel,
+            strides=list(layer.strides),
+            padding=padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+
+    return forward_dot(layer, calls, reference, convolved)
 
 
 def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
@@ -150,20 +147,18 @@ def depthwise_primitives(
 
 def depthwise_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
     """`(B,)` `<g_i, R>` without per-example gradients (see `conv_dot`)."""
-    terms = []
-    if layer.kernel.trainable:
-        kernel = reference(layer.kernel)
-        for call in calls:
-            outputs = ops.depthwise_conv(
-                tf.cast(call.inputs, tf.float32),
-                kernel,
-                strides=layer.strides,
-                padding=layer.padding,
-                dilation_rate=layer.dilation_rate,
-                data_format=layer.data_format,
-            )
-            terms.append(paired(outputs, call.output_grad))
-    return with_bias_dot(layer, calls, reference, terms)
+
+    def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+        return ops.depthwise_conv(
+            inputs,
+            kernel,
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+
+    return forward_dot(layer, calls, reference, convolved)
 
 
 def depthwise_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:

@@ -28,11 +28,10 @@ from keras_gradtrack.rules.windows import (
     Pairs,
     Window,
     channels_last,
+    forward_dot,
     grouped_kernel_primitives,
-    paired,
     stacked_windows,
     with_bias,
-    with_bias_dot,
 )
 
 
@@ -86,21 +85,19 @@ def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Refere
     """`(B,)` `<g_i, R>` without per-example gradients: the layer's transposed
     convolution of its inputs with R's kernel, paired with the output gradients,
     plus the bias term."""
-    terms = []
-    if layer.kernel.trainable:
-        kernel = reference(layer.kernel)
-        for call in calls:
-            outputs = ops.conv_transpose(
-                tf.cast(call.inputs, tf.float32),
-                kernel,
-                strides=list(layer.strides),
-                padding=layer.padding,
-                output_padding=layer.output_padding,
-                dilation_rate=layer.dilation_rate,
-                data_format=layer.data_format,
-            )
-            terms.append(paired(outputs, call.output_grad))
-    return with_bias_dot(layer, calls, reference, terms)
+
+    def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+        return ops.conv_transpose(
+            inputs,
+            kernel,
+            strides=list(layer.strides),
+            padding=layer.padding,
+            output_padding=layer.output_padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+
+    return forward_dot(layer, calls, reference, convolved)
 
 
 def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:

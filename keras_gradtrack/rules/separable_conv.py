@@ -99,6 +99,16 @@ def depthwise_pairs(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[tf.Ten
     ]
 
 
+def pointwise_dot(
+    layer: Any, intermediate: tf.Tensor, targets: tf.Tensor, reference: Reference
+) -> tf.Tensor:
+    """`(B,)` `<U_i^T D_i, R_pointwise>` from `sequences`' `U` and `D`."""
+    pointwise = layer.pointwise_kernel
+    pointwise_reference = tf.reshape(reference(pointwise), pointwise.shape[-2:])
+    response = tf.einsum("bpc,cf->bpf", intermediate, pointwise_reference)
+    return tf.reduce_sum(response * targets, axis=[1, 2])
+
+
 def separable_primitives(
     layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
@@ -115,12 +125,10 @@ def separable_primitives(
     terms = []
     if pointwise.trainable:
         intermediate, targets = sequences(layer, calls)
-        pointwise_reference = tf.reshape(reference(pointwise), pointwise.shape[-2:])
-        response = tf.einsum("bpc,cf->bpf", intermediate, pointwise_reference)
         terms.append(
             LayerPrimitives(
                 sq_norm=sequence_kernel_sq_norm(intermediate, targets),
-                dot=tf.reduce_sum(response * targets, axis=[1, 2]),
+                dot=pointwise_dot(layer, intermediate, targets, reference),
             )
         )
     if depthwise.trainable:
@@ -139,10 +147,7 @@ def separable_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) 
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
     terms = []
     if pointwise.trainable:
-        intermediate, targets = sequences(layer, calls)
-        pointwise_reference = tf.reshape(reference(pointwise), pointwise.shape[-2:])
-        response = tf.einsum("bpc,cf->bpf", intermediate, pointwise_reference)
-        terms.append(tf.reduce_sum(response * targets, axis=[1, 2]))
+        terms.append(pointwise_dot(layer, *sequences(layer, calls), reference))
     if depthwise.trainable:
         kernel = reference(depthwise)
         for source, target in depthwise_pairs(layer, calls):

@@ -320,6 +320,24 @@ def paired(outputs: tf.Tensor, output_grad: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.reshape(products, [tf.shape(products)[0], -1]), axis=1)
 
 
+def forward_dot(
+    layer: Any,
+    calls: Sequence[LayerCall],
+    reference: Reference,
+    forward: Any,
+) -> tf.Tensor:
+    """`(B,)` `<g_i, R>` of a layer linear in its kernel and bias: `forward(inputs,
+    kernel)` (the layer's own kernel map, float32) applied to each call's inputs with
+    R's kernel, paired with the output gradients, plus the bias term."""
+    terms = []
+    if layer.kernel.trainable:
+        kernel = reference(layer.kernel)
+        for call in calls:
+            outputs = forward(tf.cast(call.inputs, tf.float32), kernel)
+            terms.append(paired(outputs, call.output_grad))
+    return with_bias_dot(layer, calls, reference, terms)
+
+
 def with_bias_dot(
     layer: Any, calls: Sequence[LayerCall], reference: Reference, terms: list[tf.Tensor]
 ) -> tf.Tensor:
