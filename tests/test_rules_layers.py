@@ -208,6 +208,20 @@ def transformer_block() -> Case:
     return classifier(inputs, x), ids, labels(), paths
 
 
+@case("group_norm_4d_far_from_zero")
+def group_norm_far_from_zero() -> Case:
+    """Inputs whose mean is many standard deviations from zero: the rule sums `d * x`
+    and subtracts `mean * sum(d)`, the order Keras' own gradient of gamma takes."""
+    inputs = keras.Input((3, 3, 4))
+    hidden = keras.layers.Dense(4, bias_initializer=keras.initializers.Constant(30.0))(inputs)
+    layer = keras.layers.GroupNormalization(groups=2)
+    hidden = layer(hidden)
+    model = classifier(inputs, hidden)
+    for variable in layer.trainable_variables:
+        variable.assign(rng.normal(1.0, 0.3, variable.shape))
+    return model, rng.normal(size=(BATCH, 3, 3, 4)), labels(), GROUP_NORM
+
+
 def layer_norm(**kwargs: Any) -> Callable[[], Any]:
     return lambda: keras.layers.LayerNormalization(**kwargs)
 
@@ -247,6 +261,7 @@ CASES = [
         group_norm(groups=2, axis=1, center=False),
         GROUP_NORM,
     ),
+    group_norm_far_from_zero,
     normalization_case("rms_norm_2d", (6,), rms_norm(), RMS_NORM),
     normalization_case("rms_norm_3d_two_axes", (4, 5), rms_norm(axis=[-2, -1]), RMS_NORM),
     normalization_case(

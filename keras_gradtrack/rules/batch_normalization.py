@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, Rule
-from keras_gradtrack.rules.ops import affine_per_example, primitives_of
+from keras_gradtrack.rules.ops import primitives_of, standardized_affine_per_example
 
 
 def batch_normalization_applies(layer: Any) -> bool:
@@ -37,8 +37,9 @@ def uses_batch_statistics(layer: Any, args: Sequence[Any], kwargs: Mapping[str, 
     return bool(training) and bool(layer.trainable)
 
 
-def normalized_inputs(layer: Any, x: tf.Tensor, call: LayerCall) -> tf.Tensor:
-    """`xhat` of one call's float32 input `x`, with the moments the call used."""
+def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+    """`(mean, inverse)` of one call's float32 input `x`, with the moments the call used,
+    shaped to broadcast against `x`: `xhat = (x - mean) * inverse`."""
     if uses_batch_statistics(layer, call.args, call.kwargs):
         mask = call.args[2] if len(call.args) > 2 else call.kwargs.get("mask")
         # Keras' own moments: the same reduction, and masked calls weigh positions alike.
@@ -50,7 +51,7 @@ def normalized_inputs(layer: Any, x: tf.Tensor, call: LayerCall) -> tf.Tensor:
     shape[axis] = x.shape[axis]
     mean = tf.reshape(tf.cast(mean, tf.float32), shape)
     variance = tf.reshape(tf.cast(variance, tf.float32), shape)
-    return (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
+    return mean, tf.math.rsqrt(variance + layer.epsilon)
 
 
 def batch_normalization_per_example(
@@ -64,9 +65,9 @@ def batch_normalization_per_example(
     # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} d_ihw * xhat_ihw,  g_i(beta) = sum_{h,w} d_ihw
     ```
     """
-    return affine_per_example(
+    return standardized_affine_per_example(
         calls,
-        lambda x, call: normalized_inputs(layer, x, call),
+        lambda x, call: moments_of_call(layer, x, call),
         lambda rank: [layer.axis % rank],
         scale=getattr(layer, "gamma", None),
         offset=getattr(layer, "beta", None),

@@ -6,7 +6,11 @@ input normalized over some axes of one example (no other example enters) and
 at the layer's output, example i's parameter gradients are
 `sum_pos d_i * n(x_i)` and `sum_pos d_i`: as small as the parameters, so they
 are materialized. `n(x)` is recomputed from the recorded input as the layer
-computes it (float32, same epsilon and axes).
+computes it (float32, same epsilon and axes). GroupNormalization's mean and
+inverse deviation are constant over the positions summed per channel, so its
+rule sums `d_i * x_i` and `d_i` per channel and applies them there, with the
+layer's own moments: the step's graph computes those once for the layer and the
+rule, and no tensor of `n(x)` exists.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ import keras
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, PerExampleFn, Rule
-from keras_gradtrack.rules.ops import affine_per_example, primitives_of
+from keras_gradtrack.rules.ops import (
+    affine_per_example,
+    primitives_of,
+    standardized_affine_per_example,
+)
 
 
 def built_input_rank(layer: Any) -> int | None:
@@ -113,22 +121,29 @@ def group_normalization_per_example(
     """
     epsilon = epsilon_of(layer)
 
-    def normalize(x: tf.Tensor, call: LayerCall) -> tf.Tensor:
-        rank = x.shape.rank
-        (axis,) = normalized_axes(layer, layer.axis, rank)
-        shape = tf.shape(x)
-        grouped_shape = [shape[a] for a in range(rank)]
-        grouped_shape[axis] = x.shape[axis] // layer.groups
-        grouped_shape.insert(axis, layer.groups)
-        grouped = tf.reshape(x, grouped_shape)
-        reduction = [a for a in range(1, rank + 1) if a != axis]
-        mean, variance = tf.nn.moments(grouped, reduction, keepdims=True)
-        inverse = tf.math.rsqrt(variance + epsilon)
-        return tf.reshape(grouped * inverse - mean * inverse, shape)
+    def statistics(x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+        # The layer's own reshape and moments, so the step's graph can share them with
+        # the layer's forward pass: (B, ..., groups, channels // groups, ...).
+        grouped = layer._reshape_into_groups(x)
+        axis = layer.axis % x.shape.rank
+        reduction = [a for a in range(1, grouped.shape.rank) if a != axis]
+        mean, variance = keras.ops.moments(grouped, axes=reduction, keepdims=True)
+        inverse = keras.ops.rsqrt(variance + epsilon)
+        # (B, 1.., groups, 1, 1..) to the input's layout, one value per channel.
+        spread = [1] * grouped.shape.rank
+        spread[axis : axis + 2] = grouped.shape[axis : axis + 2]
+        by_channel = [-1] + [1] * (x.shape.rank - 1)
+        by_channel[axis] = x.shape[axis]
 
-    return affine_per_example(
+        def to_channels(moment: tf.Tensor) -> tf.Tensor:
+            spread_out = tf.broadcast_to(moment, [tf.shape(moment)[0], *spread[1:]])
+            return tf.reshape(spread_out, by_channel)
+
+        return to_channels(mean), to_channels(inverse)
+
+    return standardized_affine_per_example(
         calls,
-        normalize,
+        statistics,
         lambda rank: normalized_axes(layer, layer.axis, rank),
         scale=layer.gamma,
         offset=layer.beta,

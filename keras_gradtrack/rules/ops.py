@@ -171,6 +171,15 @@ def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
 # that multiplies gamma.
 NormalizeFn = Callable[[tf.Tensor, LayerCall], tf.Tensor]
 
+# Maps a normalization layer's input (float32) and its call to the `(mean, inverse)`
+# it normalizes with, `n(x) = (x - mean) * inverse`: each of the input's rank,
+# broadcastable to it, and constant over the axes the parameters do not span.
+StatisticsFn = Callable[[tf.Tensor, LayerCall], tuple[tf.Tensor, tf.Tensor]]
+
+# Maps a call's float32 output gradient, the call and the summed axes to the
+# per-example gradient of the variable multiplying `n(x)`.
+ScaleGradientFn = Callable[[tf.Tensor, LayerCall, list[int]], tf.Tensor]
+
 
 def affine_per_example(
     calls: Sequence[LayerCall],
@@ -190,21 +199,72 @@ def affine_per_example(
         scale: The variable multiplying `n(x)`, or None.
         offset: The variable added, or None.
     """
-    scale = scale if scale is not None and scale.trainable else None
-    offset = offset if offset is not None and offset.trainable else None
-    scale_grads, offset_grads = [], []
-    for call in calls:
-        d = tf.cast(call.output_grad, tf.float32)
+
+    def scale_gradient(d: tf.Tensor, call: LayerCall, summed: list[int]) -> tf.Tensor:
         # `n(x)` is as large as the input and needs only the input: without this
         # dependency the executor computes it early in the backward pass and
         # holds it until `d` arrives (ResNet-8 at batch 512: 32 MiB per
         # GroupNormalization, several at once at the allocator's peak).
         with tf.control_dependencies([d]):
             x = tf.identity(tf.cast(call.inputs, tf.float32))
-        kept = param_axes(x.shape.rank)
-        summed = [a for a in range(1, x.shape.rank) if a not in kept]
+        return tf.reduce_sum(d * normalize(x, call), axis=summed)
+
+    return affine_pairs(calls, scale_gradient, param_axes, scale, offset)
+
+
+def standardized_affine_per_example(
+    calls: Sequence[LayerCall],
+    statistics: StatisticsFn,
+    param_axes: Callable[[int], list[int]],
+    scale: Any,
+    offset: Any,
+) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of `y = (x - mean) * inverse * scale + offset` whose
+    `mean` and `inverse` are constant over the positions summed per example
+    (GroupNormalization, BatchNormalization): `sum_pos d_i (x_i - mean) inverse =
+    inverse (sum_pos d_i x_i - mean sum_pos d_i)`, two sums per channel and no `n(x)`
+    as large as the input. Keras' own gradient of gamma takes the same order.
+
+    Args:
+        calls: The layer's calls in this step.
+        statistics: Computes `(mean, inverse)` from the float32 input and its call,
+            as the layer does (the step's graph may then share them with the layer's).
+        param_axes: As for `affine_per_example`.
+        scale: The variable multiplying `(x - mean) * inverse`, or None.
+        offset: The variable added, or None.
+    """
+
+    def scale_gradient(d: tf.Tensor, call: LayerCall, summed: list[int]) -> tf.Tensor:
+        x = tf.cast(call.inputs, tf.float32)
+        mean, inverse = statistics(x, call)
+        sum_dx = tf.reduce_sum(d * x, axis=summed, keepdims=True)
+        sum_d = tf.reduce_sum(d, axis=summed, keepdims=True)
+        gradient = inverse * (sum_dx - mean * sum_d)
+        # (`tf.squeeze` of no axes would squeeze every axis of size one.)
+        return tf.squeeze(gradient, axis=summed) if summed else gradient
+
+    return affine_pairs(calls, scale_gradient, param_axes, scale, offset)
+
+
+def affine_pairs(
+    calls: Sequence[LayerCall],
+    scale_gradient: ScaleGradientFn,
+    param_axes: Callable[[int], list[int]],
+    scale: Any,
+    offset: Any,
+) -> list[tuple[Any, tf.Tensor]]:
+    """`(variable, per-example gradient)` of the trainable ones of `scale` and `offset`,
+    summed over the calls; `scale_gradient` gives one call's gradient of `scale`."""
+    scale = scale if scale is not None and scale.trainable else None
+    offset = offset if offset is not None and offset.trainable else None
+    scale_grads, offset_grads = [], []
+    for call in calls:
+        d = tf.cast(call.output_grad, tf.float32)
+        rank = call.output_grad.shape.rank
+        kept = param_axes(rank)
+        summed = [a for a in range(1, rank) if a not in kept]
         if scale is not None:
-            scale_grads.append(tf.reduce_sum(d * normalize(x, call), axis=summed))
+            scale_grads.append(scale_gradient(d, call, summed))
         if offset is not None:
             offset_grads.append(tf.reduce_sum(d, axis=summed))
     pairs = [(scale, tf.add_n(scale_grads))] if scale is not None else []
