@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -302,6 +303,39 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         with strategy.scope():
             return self._symbolic_build(data_batch=data_batch)
 
+    def _build_before_tracing(self, iterator: Any) -> None:
+        """Creates the optimizer's, the metrics' and the loss's variables before the
+        first step is traced, from the shapes of the data `iterator` yields.
+
+        Without a strategy Keras creates them inside the first trace of the step,
+        and `tf.function` then traces the step a second time, without variable
+        creation, and keeps both graphs; under a strategy Keras builds them first.
+        Built here, the step is traced once: the second trace of the tracked step
+        cost MobileNetV2's tracked `fit` at batch 512 about 130 MiB of peak memory
+        (638 -> 503 MiB; plain `fit` 426). Only for a built model whose step is the
+        built-in `train_step` (it hands the optimizer `trainable_weights`, as the
+        optimizer is built here) and a `tf.data` iterator of dense tensors (`fit`'s,
+        not `train_on_batch`'s), when the first step is due: after `on_train_begin`,
+        so the callbacks' checks still come first.
+        """
+        spec = getattr(iterator, "element_spec", None)
+        if (
+            spec is None
+            or not all(type(leaf) is tf.TensorSpec for leaf in tf.nest.flatten(spec))
+            or self._distribute_strategy is not None  # type: ignore[attr-defined]
+            or type(self).train_step is not GradientTrackingMixin.train_step
+            or not all(layer.built for layer in self._flatten_layers())  # type: ignore[attr-defined]
+        ):
+            return
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and not optimizer.built and self.trainable_weights:  # type: ignore[attr-defined]
+            # As `apply_gradients` builds it: these variables, under its name scope.
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(self.trainable_weights)  # type: ignore[attr-defined]
+            optimizer.built = True
+        # The metrics and the loss, as Keras builds them under a strategy.
+        self._symbolic_build(data_batch=spec)
+
     def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if data_batch is None and iterator is not None:
             for _, _, data_or_iterator in iterator:
@@ -367,7 +401,12 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         untracked = compiled(self._untracked_step)
         tracked_by_statistics: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
 
+        unprepared = [True]
+
         def train_function(iterator: Any) -> Any:
+            if unprepared:
+                self._build_before_tracing(iterator)
+                unprepared.clear()
             due = state.due()
             if not due:
                 outputs = distribute.unprotect(dict(untracked(iterator)), strategy)

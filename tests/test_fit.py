@@ -57,6 +57,75 @@ def test_weight_updates_equal_plain_keras_over_epochs_with_adam(tmp_path: Path) 
         assert log.per_step("batch_size").tolist() == [16, 16] * 3
 
 
+def test_the_step_is_traced_once_with_the_optimizer_keras_would_build(tmp_path: Path) -> None:
+    # Keras builds the optimizer inside the first trace of the step, and tf.function
+    # then traces the step again; the tracked model builds it before, so once.
+    x, y = classification_data(32)
+    plain = mlp(keras.Model)
+    tracked = mlp()
+    tracked.set_weights(plain.get_weights())
+    traces = []
+    step = tracked._tracked_step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        traces.append(1)
+        return step(*args, **kwargs)
+
+    tracked._tracked_step = counted
+    fit_args = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    plain.fit(x, y, **fit_args)
+    tracked.fit(x, y, callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")], **fit_args)
+    assert len(traces) == 1
+
+    # The same optimizer state as Keras builds: variables, their paths, their values.
+    def paths(model: Any) -> list[str]:
+        # Adam's slots are named after their weights' paths, and the models' layers differ
+        # in name only: number the weights instead.
+        names = {
+            w.path.replace("/", "_"): f"weight{i}" for i, w in enumerate(model.trainable_weights)
+        }
+        paths = [v.path.split("/", 1)[1] for v in model.optimizer.variables]
+        for name, number in sorted(names.items(), key=lambda item: -len(item[0])):
+            paths = [path.replace(name, number) for path in paths]
+        return paths
+
+    assert paths(tracked) == paths(plain)
+    assert paths(tracked)[:4] == [
+        "iteration",
+        "learning_rate",
+        "weight0_momentum",
+        "weight0_velocity",
+    ]
+    for expected, actual in zip(plain.optimizer.variables, tracked.optimizer.variables):
+        np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=1e-5, atol=1e-7)
+    for expected, actual in zip(plain.get_weights(), tracked.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_custom_train_step_builds_its_optimizers_itself(tmp_path: Path) -> None:
+    # A step of its own may hand the optimizer other variables: left to build it.
+    class FirstLayerOnly(kgt.GradientTrackingModel):
+        def train_step(self, data: Any) -> Any:
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            variables = self.layers[1].trainable_weights
+            gradients = self.tracked_gradient(tape, loss, variables)
+            self.optimizer.apply_gradients(zip(gradients, variables))
+            return {"loss": loss}
+
+    inputs = keras.Input((10,))
+    outputs = keras.layers.Dense(4)(keras.layers.Dense(16, activation="relu")(inputs))
+    model = FirstLayerOnly(inputs, outputs)
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x, y = classification_data(16)
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[kgt.HDF5GradientLogger(tmp_path / "r.h5")])
+    # Adam's two slots for the first Dense's kernel and bias only, as Keras builds them.
+    assert len(model.optimizer.variables) == 2 + 2 * 2
+
+
 class ExpGain(keras.layers.Layer):
     """`x * exp(w)` per feature: no rule covers it, and its gradient `x * exp(w)` depends on w."""
 
