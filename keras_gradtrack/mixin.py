@@ -303,6 +303,9 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         with strategy.scope():
             return self._symbolic_build(data_batch=data_batch)
 
+    def _layers_built(self) -> bool:
+        return all(layer.built for layer in self._flatten_layers())  # type: ignore[attr-defined]
+
     def _build_before_tracing(self, iterator: Any) -> None:
         """Creates the optimizer's, the metrics' and the loss's variables before the
         first step is traced, from the shapes of the data `iterator` yields.
@@ -324,7 +327,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             or not all(type(leaf) is tf.TensorSpec for leaf in tf.nest.flatten(spec))
             or self._distribute_strategy is not None  # type: ignore[attr-defined]
             or type(self).train_step is not GradientTrackingMixin.train_step
-            or not all(layer.built for layer in self._flatten_layers())  # type: ignore[attr-defined]
+            or not self._layers_built()
         ):
             return
         optimizer = getattr(self, "optimizer", None)
@@ -353,7 +356,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
     def _tracking(
         self, data: Any, statistics: Sequence[Statistic], ids: Any, requests: Sequence[Any] = ()
     ) -> tracking.TrackingContext:
-        if not all(layer.built for layer in self._flatten_layers()):  # type: ignore[attr-defined]
+        if not self._layers_built():
             # The taps are chosen before the forward pass, so a subclassed model
             # whose first step would build it is built here, from this batch.
             self._symbolic_build(data_batch=data)
@@ -401,12 +404,13 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         untracked = compiled(self._untracked_step)
         tracked_by_statistics: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
 
-        unprepared = [True]
+        prepared = False
 
         def train_function(iterator: Any) -> Any:
-            if unprepared:
+            nonlocal prepared
+            if not prepared:
                 self._build_before_tracing(iterator)
-                unprepared.clear()
+                prepared = True
             due = state.due()
             if not due:
                 outputs = distribute.unprotect(dict(untracked(iterator)), strategy)
