@@ -18,6 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 from keras import tree
+from keras.src.backend.common.tensor_attributes import get_tensor_attr, set_tensor_attr
 
 from keras_gradtrack.engine.batchless import BatchDependence, broadcast_arguments
 from keras_gradtrack.rules.contract import LayerCall, Rule, Tapped
@@ -98,7 +99,23 @@ class LayerTap:
         return outputs
 
     def _tapped_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Tapped]:
-        original = self.original_call
+        own_outputs: list[Any] = []
+
+        def original(*call_args: Any, **call_kwargs: Any) -> Any:
+            outputs = self.original_call(*call_args, **call_kwargs)
+            own_outputs.append(outputs)
+            return outputs
+
+        outputs, tapped = self._paths_call(original, args, kwargs)
+        if own_outputs:
+            # What the layer attached to its outputs in `call` (a padding mask)
+            # goes with the tensors the path returns in their place.
+            carry_metadata(own_outputs[-1], outputs)
+        return outputs, tapped
+
+    def _paths_call(
+        self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Tapped]:
         if self.rule is not None and self.rule.tap is not None:
             tapped = self.rule.tap(self.layer, original, args, kwargs)
             return tapped.outputs, tapped
@@ -163,6 +180,26 @@ def installed(taps: Sequence[LayerTap]) -> Iterator[Sequence[LayerTap]]:
     finally:
         for tap in taps:
             tap.uninstall()
+
+
+# Attributes Keras attaches to tensors (`keras.src.backend.common.tensor_attributes`).
+KERAS_TENSOR_ATTRIBUTES = ("_keras_mask",)
+
+
+def carry_metadata(source: Any, target: Any) -> None:
+    """Attaches the Keras attributes of `source`'s tensors (a mask set in `call`) to
+    the tensors at the same positions of `target` that stand in for them."""
+    try:
+        pairs = zip(tree.flatten(source), tree.flatten(target), strict=True)
+        for own, returned in pairs:
+            if own is returned or not tf.is_tensor(own) or not tf.is_tensor(returned):
+                continue
+            for name in KERAS_TENSOR_ATTRIBUTES:
+                value = get_tensor_attr(own, name)
+                if value is not None and get_tensor_attr(returned, name) is None:
+                    set_tensor_attr(returned, name, value)
+    except ValueError:
+        return  # the path returned another structure: nothing stands in for the call's own
 
 
 def fresh_float_copy(value: Any) -> Any:
