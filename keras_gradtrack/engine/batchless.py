@@ -113,6 +113,10 @@ class BatchDependence:
             through_shapes: Whether a path through the batch size counts (the size
                 of a non-batch axis never does).
         """
+        if not hasattr(tensor, "graph"):
+            # A value made outside the step (a position index built in `build`,
+            # an eager constant): captured by the step's graph, batch-free.
+            return False
         memo = self._memo[through_shapes]
         # Post-order over the operations `tensor` comes from, each visited once per step.
         stack = [(tensor.op, False)]
