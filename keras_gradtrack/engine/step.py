@@ -83,6 +83,7 @@ def tracked_gradient(
             else summed_gradient(v, materialized.sums, penalties.get(id(v)))
             for v in sources
         ]
+        gradients = merged_broadcast_rows(plan, recorded, columns, sources, gradients)
         primitives = step_primitives(
             context,
             plan,
@@ -109,6 +110,43 @@ def tracked_gradient(
     payload["learning_rate"] = tf.cast(learning_rate, tf.float32)
     context.result = StepResult(payload, {t.name: f for t, f in zip(plan, forms)})
     return gradients
+
+
+def merged_broadcast_rows(
+    plan: Plan,
+    recorded: Sequence[Sequence[Any]],
+    columns: Sequence[int],
+    sources: Sequence[Any],
+    gradients: list[Any],
+) -> list[Any]:
+    """The gradients, with each row of a sparse gradient of a broadcast layer once.
+
+    A batchless call broadcast to the batch (a position table looked up by
+    `arange(maxlen)`) looks every row up once per example, so its variable's
+    sparse gradient lists each row B times where plain Keras lists it once.
+    Their sum is the same, but an optimizer's sparse update is not linear in the
+    rows (Adam squares each row it receives): the rows are summed per index, as
+    plain Keras' gradient holds them.
+    """
+    broadcast = {
+        id(v)
+        for tracked, column in zip(plan, columns)
+        if any(call.batchless for call in recorded[column])
+        for v in tracked.variables
+    }
+    return [
+        unique_rows(gradient)
+        if id(v) in broadcast and isinstance(gradient, tf.IndexedSlices)
+        else gradient
+        for v, gradient in zip(sources, gradients)
+    ]
+
+
+def unique_rows(gradient: tf.IndexedSlices) -> tf.IndexedSlices:
+    """`gradient` with its rows summed per index, indices in order of first appearance."""
+    indices, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
+    return tf.IndexedSlices(values, indices, gradient.dense_shape)
 
 
 def covered_plan(plan: Plan, sources: Sequence[Any]) -> Plan:
