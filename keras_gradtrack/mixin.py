@@ -9,7 +9,6 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -18,6 +17,13 @@ from keras_gradtrack.batch_normalization_tracking import BatchNormalizationTrack
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, preflight, tracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
+from keras_gradtrack.engine.independence import (
+    IndependenceGuard,
+    find_example_mixing,
+    first_batch,
+    mixing_error,
+    subscribes_to_gradients,
+)
 from keras_gradtrack.engine.plan import Plan, build_plan
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
 from keras_gradtrack.engine.step import tracked_gradient
@@ -68,6 +74,33 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             state = GradientTrackingState()
             self.__dict__["_gradient_tracking_state"] = state
         return state
+
+    @property
+    def check_example_independence(self) -> bool:
+        """Whether a fit checks, before its first tracked step, that examples do not mix
+        (default True).
+
+        In inference mode, the first half of the first batch runs alone and its
+        outputs and per-example losses must equal those of the same examples in
+        the whole batch; otherwise the step is refused before any weight changes
+        (an operation mixes examples, so no per-example gradient is defined). It
+        costs one forward pass of half a batch, once per fit.
+
+        Example:
+
+        ```python
+        model.check_example_independence = False   # skip the check (at your own risk)
+        ```
+        """
+        return bool(self.__dict__.get("_check_example_independence", True))
+
+    @check_example_independence.setter
+    def check_example_independence(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"Expected check_example_independence to be a bool. Received: {value!r}"
+            )
+        self.__dict__["_check_example_independence"] = value
 
     def gradient_tracking_plan(self) -> Plan:
         """The tracked layers, in the column order of the per-layer statistics.
@@ -226,6 +259,12 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 return payload
 
             functions[key] = tf.function(compute, reduce_retracing=True, autograph=False)
+        if self.check_example_independence and not self.__dict__.get("_examples_independent"):
+            model_x, _ = batch_data.split_example_ids(x, validate=False)
+            mixing = find_example_mixing(self, model_x, y, sample_weight)
+            if mixing is not None:
+                raise mixing_error(self, mixing)
+            self.__dict__["_examples_independent"] = True
         data = data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
         payload = functions[key](data)
         return {name: np.asarray(value) for name, value in payload.items()}
@@ -275,14 +314,30 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         # Keras converts numpy inputs before any step, and fails on string ids
         # with "Invalid dtype": say what ids must be first.
         batch_data.check_example_ids(args[0] if args else kwargs.get("x"))
+        callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
+        guard = self.__dict__["_independence_guard"] = IndependenceGuard(
+            self.check_example_independence and subscribes_to_gradients(callbacks)
+        )
         try:
             return super().fit(*args, **kwargs)  # type: ignore[misc]
         finally:
+            guard.batch = None
             # However fit ends (an exception, an interrupt), its subscribers finish:
             # every tracked step they received reaches their files.
             self.gradient_tracking.end_fit()
 
+    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_independence_guard"] = IndependenceGuard(
+            self.check_example_independence and self.gradient_tracking.subscribed()
+        )
+        return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]
+
     def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        guard = self.__dict__.get("_independence_guard")
+        if guard is not None and guard.wanted and guard.batch is None:
+            # Keras resets `fit`'s iterator after this call, so a batch taken here is
+            # seen again by the first step.
+            guard.batch = data_batch if data_batch is not None else first_batch(iterator)
         if self._distribute_strategy is None or iterator is None:  # type: ignore[attr-defined]
             return super()._maybe_symbolic_build(iterator, data_batch)  # type: ignore[misc]
         # Keras averages a distributed batch across replicas to learn its shapes,
@@ -292,14 +347,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         for _, _, data_iterator in iterator:
             batch = next(data_iterator)
             break
-        data_batch = tree.map_structure(
-            lambda value: (
-                strategy.experimental_local_results(value)[0]
-                if isinstance(value, tf.distribute.DistributedValues)
-                else value
-            ),
-            batch,
-        )
+        data_batch = distribute.first_replica(batch, strategy)
         with strategy.scope():
             return self._symbolic_build(data_batch=data_batch)
 
@@ -364,6 +412,20 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             self, build_plan(self), statistics, ids, requests, batch=data
         )
 
+    def _check_independence_once(self) -> None:
+        """Runs the example-independence guard on the batch this fit put aside, once."""
+        guard = self.__dict__.get("_independence_guard")
+        if guard is None or guard.batch is None:
+            return
+        batch, guard.batch = guard.batch, None
+        x, y, sample_weight, _ = batch_data.unpack_batch(
+            distribute.first_replica(batch, self.distribute_strategy),  # type: ignore[attr-defined]
+            validate=False,
+        )
+        mixing = find_example_mixing(self, x, y, sample_weight)
+        if mixing is not None:
+            raise mixing_error(self, mixing)
+
     def _untracked_step(self, data: Any) -> Any:
         x, _, _, _ = batch_data.unpack_batch(data)
         logs = self.train_step(batch_data.strip_example_ids(data))
@@ -417,6 +479,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 payload = outputs.pop(PAYLOAD_KEY)
                 state.report(int(payload["batch_size"]), None, due)
                 return outputs
+            self._check_independence_once()
             statistics, requests = state.statistics(due), state.requests(due)
             key = (
                 tuple(statistic.name for statistic in statistics),

@@ -93,3 +93,15 @@ def _joined_int64(outputs: Any) -> Any:
 
     # high * 2**32 stays within int64 (high < 2**31), and adding low < 2**32 too.
     return as_int64(outputs[INT64_HIGH]) * (1 << 32) + as_int64(outputs[INT64_LOW])
+
+
+def first_replica(data: Any, strategy: Any) -> Any:
+    """`data` with each distributed value replaced by its first replica's (shapes per replica)."""
+    return tree.map_structure(
+        lambda value: (
+            strategy.experimental_local_results(value)[0]
+            if isinstance(value, tf.distribute.DistributedValues)
+            else value
+        ),
+        data,
+    )

@@ -93,6 +93,10 @@ class GradientTrackingState:
     def unsubscribe(self, key: Hashable) -> None:
         self._subscriptions.pop(key, None)
 
+    def subscribed(self) -> bool:
+        """Whether a subscriber asks for reports now."""
+        return bool(self._subscriptions)
+
     def due(self) -> list[Subscription]:
         """The subscriptions that want the next step tracked."""
         return [s for s in self._subscriptions.values() if s.wants(self.step)]
