@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.engine.preflight import steps_per_execution_refusal
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
 from keras_gradtrack.engine.targets import AttributionRequest, TargetSet
@@ -52,11 +53,7 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
             f"Received: a {type(model).__name__}"
         )
     if getattr(model, "steps_per_execution", 1) > 1:
-        raise ValueError(
-            "Gradient tracking logs every step it tracks, so it needs "
-            "`steps_per_execution=1` in `compile()`. "
-            f"Received: steps_per_execution={model.steps_per_execution}"
-        )
+        raise ValueError(steps_per_execution_refusal(model))
 
 
 class HDF5GradientLogger(keras.callbacks.Callback):
@@ -122,6 +119,9 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     logger = kgt.HDF5GradientLogger("run.h5", targets=(x_test[:64], y_test[:64]))
     ```
     """
+
+    # `fit` checks that examples do not mix before the first step this callback tracks.
+    subscribes_to_gradients = True
 
     def __init__(
         self,

@@ -90,6 +90,8 @@ def run_backward(
         connected = [r for r, g in zip(context.losses.records, loss_gradients) if g is not None]
         shares = losses.per_example_shares(context.losses.records, loss_gradients)
         if shares is None:
+            if context.losses.whole_batch:
+                raise whole_batch_loss_error(context.model)
             raise per_example_loss_error(context.model)
         factor = losses.loss_factor(connected, tf.shape(shares)[0]) * scale
 
@@ -131,13 +133,32 @@ def user_loss_shares(per_example_loss: tf.Tensor, gradient: Any) -> tuple[tf.Ten
     return values * weights, tf.reduce_mean(weights)
 
 
+# Said by both loss refusals: when no per-example loss exists at all.
+MIXED_LOSS_ADVICE = (
+    "If each example's term depends on the other examples of the batch (a contrastive "
+    "loss such as InfoNCE, SimCLR's or CLIP's, a triplet loss with in-batch negatives), "
+    "no per-example gradient is defined for it, and the model cannot be tracked."
+)
+
+
 def per_example_loss_error(model: Any) -> ValueError:
     return ValueError(
         f"The loss of model {model.name!r} was not computed by a keras.losses.Loss in this "
-        "step, so example i's share `l_i` of it cannot be told apart. Use a Keras loss "
-        "(`compile(loss=...)` and `self.compute_loss(...)`, or a keras.losses.Loss object), "
-        "or pass the per-example losses: `self.tracked_gradient(tape, loss, variables, "
-        "per_example_loss=l)` with `loss = tf.reduce_mean(l)`."
+        "step, so example i's share `l_i` of it cannot be told apart. If it is a mean or "
+        "sum of per-example terms, use a Keras loss (`compile(loss=...)` and "
+        "`self.compute_loss(...)`, or a keras.losses.Loss object), or pass the terms: "
+        "`self.tracked_gradient(tape, loss, variables, per_example_loss=l)` with "
+        f"`loss = tf.reduce_mean(l)`. {MIXED_LOSS_ADVICE}"
+    )
+
+
+def whole_batch_loss_error(model: Any) -> ValueError:
+    return ValueError(
+        f"A loss of model {model.name!r} returned one value for the whole batch: the loss "
+        "function reduced over the batch itself (with `ops.mean`, say), so Keras received "
+        "no per-example values and example i's share `l_i` cannot be told apart. Return "
+        "one value per example (shape (batch,) or (batch, ...)) and let Keras reduce them "
+        f"(the compiled loss' `reduction`). {MIXED_LOSS_ADVICE}"
     )
 
 

@@ -5,6 +5,7 @@ Each raises before any weight changes, naming the layer or variable and the way 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,15 +127,66 @@ def refuse_tied_variables(
 
 
 def refuse_activation_losses(model: Any) -> None:
-    """Raises when a loss term added in `call` (activity regularization) depends on activations.
+    """Raises when a loss term added in `call` (activity regularization, `add_loss`)
+    depends on activations, with the way out that fits the term.
 
-    Such a term reaches the taps' gradients but belongs to no example.
+    Such a term is added to the batch loss as one number: it reaches the taps'
+    gradients but belongs to no example.
     """
     for layer in model._flatten_layers(include_self=True):
-        if getattr(layer, "activity_regularizer", None) is not None or layer._losses:
-            raise ValueError(
-                f"Layer {layer.name!r} adds a loss in `call` (activity regularization or "
-                "`add_loss`). Such a term depends on the activations of the whole batch, "
-                "so per-example gradients would include it. Remove it, or use weight "
-                "regularizers (kernel_regularizer=...), which are supported."
-            )
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(activity_regularizer_error(layer))
+        if layer._losses:
+            raise ValueError(added_loss_error(layer))
+
+
+def activity_regularizer_error(layer: Any) -> str:
+    return (
+        f"Layer {layer.name!r} ({type(layer).__name__}) has an activity regularizer "
+        f"({type(layer.activity_regularizer).__name__}): Keras adds its value on the "
+        "batch's activations to the loss as one number, which belongs to no example, so "
+        "per-example gradients cannot include it. Put the term into each example's loss "
+        "instead (as for PointNet's orthogonality term): drop `activity_regularizer=`, "
+        "compute the penalty of each example's activations in a train_step of your own "
+        "and pass `per_example_loss=data_loss + penalty` (shape (batch,)) to "
+        "`self.tracked_gradient(tape, loss, variables, per_example_loss=...)`. A penalty "
+        "of the weights alone stays supported as `kernel_regularizer=`."
+    )
+
+
+def added_loss_error(layer: Any) -> str:
+    what = f"{'Model' if hasattr(layer, 'compile') else 'Layer'} {layer.name!r} ({type(layer).__name__})"
+    common = (
+        f"{what} adds a loss in `call` (`self.add_loss`). Keras adds it to the batch loss "
+        "as one number, which belongs to no example, so per-example gradients cannot "
+        "include it. "
+    )
+    if computes_ctc(layer):
+        return common + (
+            "It looks like a CTC loss computed in a layer (the keras-io OCR example's "
+            "CTCLayer): make it the model's loss instead, `compile(loss=keras.losses.CTC())` "
+            "with the labels as `y`, and drop the layer (the model's output is then "
+            "`y_pred`). Keras' CTC loss gives one value per example."
+        )
+    return common + (
+        "The way out depends on the term: a loss of the model's outputs and targets (a "
+        "CTC loss in a layer): make it the compiled loss (`compile(loss=...)`, one value "
+        "per example, e.g. keras.losses.CTC); a term per example (a VAE's KL divergence): "
+        "return it from `call` per example and, in a train_step of your own, pass "
+        "`per_example_loss=reconstruction + kl` (shape (batch,)) to "
+        "`self.tracked_gradient(tape, loss, variables, per_example_loss=...)` (see "
+        "GradientTrackingMixin.tracked_gradient); a penalty of the weights alone: "
+        "`kernel_regularizer=`, which is supported."
+    )
+
+
+def computes_ctc(layer: Any) -> bool:
+    """Whether the layer's class or name speaks of a CTC loss."""
+    names = [layer.name, *(cls.__name__ for cls in type(layer).__mro__)]
+    if any("ctc" in name.lower() for name in names):
+        return True
+    try:
+        source = inspect.getsource(type(layer))
+    except (OSError, TypeError):
+        return False
+    return "ctc" in source.lower()

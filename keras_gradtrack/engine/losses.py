@@ -59,6 +59,8 @@ class LossRecorder:
     def __init__(self) -> None:
         self.records: list[LossRecord] = []
         self.refused: list[str] = []
+        # Reductions of a single value: a loss function that reduced the batch itself.
+        self.whole_batch = 0
 
 
 @contextlib.contextmanager
@@ -76,6 +78,7 @@ def recording_losses() -> Iterator[LossRecorder]:
             recorder.refused.append(repr(reduction))
             return original(values, sample_weight, reduction)
         if shape in ((), (0,)):
+            recorder.whole_batch += shape == ()
             return original(values, sample_weight, reduction)
         copy = tf.identity(values)
         if reduction == "sum":

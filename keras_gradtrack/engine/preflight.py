@@ -11,16 +11,26 @@ reduction) is checked at the first tracked step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
+import keras
 import tensorflow as tf
 from keras import tree
 
+from keras_gradtrack import statistics
 from keras_gradtrack.engine import checks
 from keras_gradtrack.engine.batchless import rows_mixing_errors
 from keras_gradtrack.engine.coupled import coupled_layer_names
 from keras_gradtrack.engine.data import split_example_ids
+from keras_gradtrack.engine.independence import (
+    find_example_mixing,
+    mixing_error,
+    rows,
+    state_variables,
+)
 from keras_gradtrack.engine.plan import (
     COUPLED,
     JACOBIAN,
@@ -97,7 +107,14 @@ class TrackingCheck:
         return format_check(self)
 
 
-def check(model: Any, x: Any = None, forms: dict[str, str] | None = None) -> TrackingCheck:
+def check(
+    model: Any,
+    x: Any = None,
+    forms: dict[str, str] | None = None,
+    *,
+    y: Any = None,
+    sample_weight: Any = None,
+) -> TrackingCheck:
     """Which path each tracked layer of `model` will take, known before training.
 
     Per layer: its rule and the form the rule takes for the model's shapes
@@ -106,12 +123,22 @@ def check(model: Any, x: Any = None, forms: dict[str, str] | None = None) -> Tra
     in training mode, a layer inside a loop, tied weights...). The forward pass is
     traced once on symbolic inputs; nothing runs and no weight changes.
 
+    Given a batch (`x` as arrays or tensors, with `y` where the model has a
+    compiled loss), it predicts every refusal the first tracked step of `fit`
+    would make: the example-independence guard runs on it (one forward pass of
+    half the batch, in inference mode), and the tracked step is traced on it
+    (the loss' reductions, the model's own `train_step`), still without running
+    anything.
+
     Args:
-        model: A built model with `GradientTrackingMixin`.
-        x: Optional inputs (arrays, tensors or `tf.TensorSpec`s; only their shapes
-            and dtypes are read), for a subclassed model whose input shapes Keras
-            does not know.
+        model: A model with `GradientTrackingMixin`; an unbuilt one is built from
+            `x` when `x` holds values.
+        x: Optional inputs (arrays, tensors or `tf.TensorSpec`s), for a subclassed
+            model whose input shapes Keras does not know; with values, a batch
+            to check as described above.
         forms: Forms of a traced tracked step, shown instead of the predicted ones.
+        y: The batch's targets, for the checks of the loss.
+        sample_weight: The batch's sample weights, if any.
 
     Returns:
         A `TrackingCheck`: `.layers` (one `LayerPath` per column), `.refusals`,
@@ -136,10 +163,14 @@ def check(model: Any, x: Any = None, forms: dict[str, str] | None = None) -> Tra
             "Expected a Keras model with GradientTrackingMixin (kgt.GradientTrackingModel, "
             f"kgt.GradientTrackingSequential). Received: {type(model).__name__}"
         )
+    batch = x is not None and has_values(x)
+    if not model.built and batch:
+        build_from(model, x)
     if not model.built:
         raise ValueError(
             f"Model {model.name!r} is not built yet; call it on a batch or `build()` it "
-            "before checking how its layers will be tracked."
+            "before checking how its layers will be tracked (or pass a batch: "
+            "`kgt.check(model, x=...)`)."
         )
     plan = tracked_layers(model)
     specs = input_specs(model, x)
@@ -149,6 +180,10 @@ def check(model: Any, x: Any = None, forms: dict[str, str] | None = None) -> Tra
         checks.refuse_activation_losses(model)
     except ValueError as error:
         model_refusals.append(str(error))
+    if getattr(model, "steps_per_execution", 1) > 1:
+        model_refusals.append(steps_per_execution_refusal(model))
+    if batch:
+        model_refusals.extend(batch_refusals(model, x, y, sample_weight, model_refusals))
     opted_in = getattr(model, "track_batch_normalization", False)
     rows = []
     for column, tracked in enumerate(plan):
@@ -161,6 +196,96 @@ def check(model: Any, x: Any = None, forms: dict[str, str] | None = None) -> Tra
         None in spec.shape[1:] for spec in tree.flatten(specs)
     )
     return TrackingCheck(tuple(rows), tuple(model_refusals), specs is not None, unknown_sizes)
+
+
+def has_values(x: Any) -> bool:
+    """Whether `x` holds values (arrays, tensors), not only `tf.TensorSpec`s."""
+    leaves = [leaf for leaf in tree.flatten(x) if leaf is not None]
+    return bool(leaves) and not any(isinstance(leaf, tf.TensorSpec) for leaf in leaves)
+
+
+def build_from(model: Any, x: Any) -> None:
+    """Builds an unbuilt model by calling it on one example of `x` in inference mode;
+    its states are left as they were."""
+    inputs, _ = split_example_ids(x, validate=False)
+    saved = [(v, v.numpy()) for v in state_variables(model)]
+    model(rows(inputs, 1), training=False)
+    for variable, value in saved:
+        variable.assign(value)
+
+
+def batch_refusals(model: Any, x: Any, y: Any, sample_weight: Any, known: list[str]) -> list[str]:
+    """What the first tracked step of `fit` on this batch would refuse beyond the layers':
+    the example-independence guard, then the tracked step's own trace."""
+    inputs, _ = split_example_ids(x, validate=False)
+    found = []
+    if getattr(model, "check_example_independence", True):
+        mixing = find_example_mixing(model, inputs, y, sample_weight)
+        if mixing is not None:
+            found.append(str(mixing_error(model, mixing)))
+    if not found and not known:
+        refusal = traced_step_refusal(model, x, y, sample_weight)
+        if refusal:
+            found.append(refusal)
+    return found
+
+
+def traced_step_refusal(model: Any, x: Any, y: Any, sample_weight: Any) -> str:
+    """The error the tracked step raises when traced on this batch ("" if none).
+
+    The model's own `train_step` is traced (nothing runs), with the optimizer's
+    update left out of the trace: no variable changes.
+    """
+    if y is None and getattr(model, "compiled_loss", None) is not None and not has_own_step(model):
+        return ""  # the loss' checks need the targets
+    data = tree.map_structure(
+        lambda value: None if value is None else tf.convert_to_tensor(value),
+        keras.utils.pack_x_y_sample_weight(x, y, sample_weight),
+    )
+    defaults = statistics.resolve(None)
+    optimizer = getattr(model, "optimizer", None)
+
+    def step(data: Any) -> Any:
+        return model._tracked_step(data, defaults)
+
+    try:
+        with optimizer_updates_left_out(optimizer):
+            tf.function(step, autograph=False).get_concrete_function(data)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+        return str(error).strip()
+    return ""
+
+
+def has_own_step(model: Any) -> bool:
+    """Whether the model's class defines a `train_step` of its own."""
+    return type(model).train_step.__qualname__ != "GradientTrackingMixin.train_step"
+
+
+@contextlib.contextmanager
+def optimizer_updates_left_out(optimizer: Any) -> Iterator[None]:
+    """The optimizer's `apply` and `apply_gradients` as no-ops for the block."""
+    if optimizer is None:
+        yield
+        return
+    shadowed = {name: optimizer.__dict__.get(name) for name in ("apply", "apply_gradients")}
+    optimizer.apply = lambda *args, **kwargs: None
+    optimizer.apply_gradients = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name, value in shadowed.items():
+            if value is None:
+                optimizer.__dict__.pop(name, None)
+            else:
+                optimizer.__dict__[name] = value
+
+
+def steps_per_execution_refusal(model: Any) -> str:
+    return (
+        "Gradient tracking logs every step it tracks, so it needs "
+        "`steps_per_execution=1` in `compile()`. "
+        f"Received: steps_per_execution={model.steps_per_execution}"
+    )
 
 
 def layer_path(column: int, tracked: TrackedLayer, form: str, refusal: str, note: str) -> LayerPath:
