@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 from keras.src.applications.convnext import LayerScale
+from invariant import assert_tracked_step_equals_plain
 from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
@@ -80,11 +81,15 @@ def fine_tune_top(base: Any, count: int, batch_normalization: bool) -> None:
 
 
 def matches_oracle(model: Any, full_batch: bool = False) -> None:
+    """Exact against the oracle, and one tracked step equal to one plain Keras step."""
     state = [(v, v.numpy()) for v in model.non_trainable_variables]
     stats = model.gradient_statistics(X, Y)
     for variable, value in state:
         variable.assign(value)
     assert_matches_oracle(stats, oracle_statistics(model, X, Y, full_batch=full_batch))
+    for variable, value in state:
+        variable.assign(value)
+    assert_tracked_step_equals_plain(model, X, Y)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -159,3 +164,4 @@ def test_convnext_block_with_layer_scale() -> None:
     y = np.array([0, 1, 2, 1])
     assert_matches_oracle(model.gradient_statistics(x, y), oracle_statistics(model, x, y))
     assert model.gradient_tracking.forms["layer_scale"] == "materialized"
+    assert_tracked_step_equals_plain(model, x, y)

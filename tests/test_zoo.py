@@ -2,7 +2,8 @@
 
 Every model: one batch's statistics, per layer too, equal the oracle's; no layer
 is on the fallback path and none is refused, which `kgt.check` says before any
-step, with the forms the step then takes. Several also train with `fit` and an
+step, with the forms the step then takes; one tracked step trains as one plain
+Keras step (`invariant.py`). Several also train with `fit` and an
 `HDF5GradientLogger`, each logged step compared with the oracle at the weights
 before that step's update (ragged last batch included).
 """
@@ -17,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 from keras import tree
+from invariant import assert_tracked_step_equals_plain
 from oracle import assert_matches_oracle, oracle_statistics
 from zoo_models import ZOO, Zoo, transfer_learning
 
@@ -53,6 +55,13 @@ def test_known_before_training_and_exact_for_a_batch(name: str) -> None:
     )
     assert_matches_oracle(stats, expected)
     assert predicted == zoo.model.gradient_tracking.forms
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_a_tracked_step_trains_as_plain_keras(name: str) -> None:
+    """With the examples' own dropout: the same random draws on both steps."""
+    zoo = ZOO[name]()
+    assert_tracked_step_equals_plain(zoo.model, zoo.x, zoo.y, zoo.sample_weight)
 
 
 @pytest.mark.parametrize(
