@@ -28,12 +28,14 @@ if TYPE_CHECKING:
     from keras_gradtrack.model import GradientTrackingModel, GradientTrackingSequential
     from keras_gradtrack.output_logger import OutputGradientLogger
     from keras_gradtrack.rules import register_rule
+    from keras_gradtrack.statistics_to_logs import GradientStatisticsToLogs
 
 # Public name -> the module that defines it (None: the name is a submodule).
 # They are imported on first use, so that reading logs (GradientLog, the
 # keras-gradtrack command, analysis and plots) never imports TensorFlow.
 _LAZY = {
     "GradientLog": "keras_gradtrack.analysis",
+    "GradientStatisticsToLogs": "keras_gradtrack.statistics_to_logs",
     "GradientTrackingMixin": "keras_gradtrack.mixin",
     "GradientTrackingModel": "keras_gradtrack.model",
     "GradientTrackingSequential": "keras_gradtrack.model",
@@ -50,6 +52,7 @@ _LAZY = {
 
 __all__ = [
     "GradientLog",
+    "GradientStatisticsToLogs",
     "GradientTrackingMixin",
     "GradientTrackingModel",
     "GradientTrackingSequential",
