@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from keras_gradtrack.output_logger import OutputGradientLogger
     from keras_gradtrack.rules import register_rule
     from keras_gradtrack.statistics_to_logs import GradientStatisticsToLogs
+    from keras_gradtrack.tensorboard_events import write_tensorboard
+    from keras_gradtrack.tensorboard_logger import TensorBoardGradientLogger
 
 # Public name -> the module that defines it (None: the name is a submodule).
 # They are imported on first use, so that reading logs (GradientLog, the
@@ -41,6 +43,7 @@ _LAZY = {
     "GradientTrackingSequential": "keras_gradtrack.model",
     "HDF5GradientLogger": "keras_gradtrack.callbacks",
     "OutputGradientLogger": "keras_gradtrack.output_logger",
+    "TensorBoardGradientLogger": "keras_gradtrack.tensorboard_logger",
     "attribution": None,
     "autodiff": None,
     "convert_to_group_normalization": "keras_gradtrack.convert",
@@ -48,6 +51,7 @@ _LAZY = {
     "register_rule": "keras_gradtrack.rules",
     "rules": None,
     "statistics": None,
+    "write_tensorboard": "keras_gradtrack.tensorboard_events",
 }
 
 __all__ = [
@@ -58,6 +62,7 @@ __all__ = [
     "GradientTrackingSequential",
     "HDF5GradientLogger",
     "OutputGradientLogger",
+    "TensorBoardGradientLogger",
     "__version__",
     "attribution",
     "autodiff",
@@ -66,6 +71,7 @@ __all__ = [
     "register_rule",
     "rules",
     "statistics",
+    "write_tensorboard",
 ]
 
 
