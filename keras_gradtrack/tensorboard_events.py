@@ -128,7 +128,7 @@ def prepare_logdir(logdir: str | os.PathLike[str]) -> str:
     return os.fspath(path)
 
 
-def finite_values(values: np.ndarray) -> np.ndarray:
+def _finite_values(values: np.ndarray) -> np.ndarray:
     """The finite entries of `values` as float64 (a cosine is NaN where a norm is 0)."""
     values = np.asarray(values, dtype=np.float64).reshape(-1)
     return values[np.isfinite(values)]
@@ -153,7 +153,10 @@ class StepSummaryWriter:
     writer.write_step(
         7,
         per_step={"gradient_diversity": np.float32(1.8)},
-        per_example={"grad_norm": np.array([0.5, 2.0]), "layer_grad_norm": norms},
+        per_example={
+            "grad_norm": np.array([0.5, 2.0]),  # two examples
+            "layer_grad_norm": np.array([[0.3, 0.4], [1.2, 1.6]]),  # (examples, layers)
+        },
     )
     writer.close()
     ```
@@ -204,7 +207,7 @@ class StepSummaryWriter:
             value = np.asarray(value)
             # (B,) is one column; (B, L) one per layer (layers first for `_columns`).
             for tag, column in self._columns(name, value.T, per_layer=value.ndim == 2):
-                finite = finite_values(column)
+                finite = _finite_values(column)
                 mean = float(finite.mean()) if finite.size else float("nan")
                 summary.value.extend(ops.scalar_pb(_mean_tag(tag), mean).value)
                 if histograms and finite.size:
