@@ -28,17 +28,22 @@ if TYPE_CHECKING:
     from keras_gradtrack.model import GradientTrackingModel, GradientTrackingSequential
     from keras_gradtrack.output_logger import OutputGradientLogger
     from keras_gradtrack.rules import register_rule
+    from keras_gradtrack.statistics_to_logs import GradientStatisticsToLogs
+    from keras_gradtrack.tensorboard_events import write_tensorboard
+    from keras_gradtrack.tensorboard_logger import TensorBoardGradientLogger
 
 # Public name -> the module that defines it (None: the name is a submodule).
 # They are imported on first use, so that reading logs (GradientLog, the
 # keras-gradtrack command, analysis and plots) never imports TensorFlow.
 _LAZY = {
     "GradientLog": "keras_gradtrack.analysis",
+    "GradientStatisticsToLogs": "keras_gradtrack.statistics_to_logs",
     "GradientTrackingMixin": "keras_gradtrack.mixin",
     "GradientTrackingModel": "keras_gradtrack.model",
     "GradientTrackingSequential": "keras_gradtrack.model",
     "HDF5GradientLogger": "keras_gradtrack.callbacks",
     "OutputGradientLogger": "keras_gradtrack.output_logger",
+    "TensorBoardGradientLogger": "keras_gradtrack.tensorboard_logger",
     "attribution": None,
     "autodiff": None,
     "convert_to_group_normalization": "keras_gradtrack.convert",
@@ -46,15 +51,18 @@ _LAZY = {
     "register_rule": "keras_gradtrack.rules",
     "rules": None,
     "statistics": None,
+    "write_tensorboard": "keras_gradtrack.tensorboard_events",
 }
 
 __all__ = [
     "GradientLog",
+    "GradientStatisticsToLogs",
     "GradientTrackingMixin",
     "GradientTrackingModel",
     "GradientTrackingSequential",
     "HDF5GradientLogger",
     "OutputGradientLogger",
+    "TensorBoardGradientLogger",
     "__version__",
     "attribution",
     "autodiff",
@@ -63,6 +71,7 @@ __all__ = [
     "register_rule",
     "rules",
     "statistics",
+    "write_tensorboard",
 ]
 
 

@@ -7,6 +7,7 @@ keras-gradtrack influence LOG --target 7     proponents and opponents of a logge
 keras-gradtrack plot LOG --out DIR           PNGs of the log (needs matplotlib)
 keras-gradtrack export LOG --format csv      the tables as CSV or Parquet files
 keras-gradtrack watch LOG --interval 2       a summary refreshed while training writes the log
+keras-gradtrack tensorboard LOG --logdir tb/ TensorBoard event files of the log (needs tensorboard)
 ```
 
 Errors (a missing file, a file that is not a log, a missing optional dependency)
@@ -173,6 +174,18 @@ def _export(args: argparse.Namespace) -> None:
             print(writer(path, kind=kind))
 
 
+def _tensorboard(args: argparse.Namespace) -> None:
+    # Imports TensorFlow (tf.summary); the other commands never do.
+    from keras_gradtrack.tensorboard_events import write_tensorboard
+
+    logdir = args.logdir or Path(args.log).with_suffix("").as_posix() + "_tensorboard"
+    written = write_tensorboard(
+        args.log, logdir, histogram_every=args.histogram_every, buckets=args.buckets
+    )
+    print(written)
+    print(f"open it with: tensorboard --logdir {written}")
+
+
 def _watch(args: argparse.Namespace) -> None:
     watch(args.log, interval=args.interval, count=args.count)
 
@@ -224,6 +237,24 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
     export.add_argument("--table", choices=[*TABLES, "both"], default="both")
     export.add_argument("--out", help="output directory (default: the log's directory)")
+    board = command(
+        "tensorboard",
+        _tensorboard,
+        "Write TensorBoard event files of the log: scalars per step, histograms of the "
+        "per-example values (needs the tensorboard extra).",
+    )
+    board.add_argument(
+        "--logdir", help="output directory (default: LOG without .h5 + '_tensorboard')"
+    )
+    board.add_argument(
+        "--histogram-every",
+        type=_positive_int,
+        default=1,
+        help="histograms for one logged step in every N (default 1)",
+    )
+    board.add_argument(
+        "--buckets", type=_positive_int, default=30, help="buckets per histogram (default 30)"
+    )
     live = command("watch", _watch, "Print the summary again as training writes the log.")
     live.add_argument(
         "--interval", type=_non_negative_number, default=2.0, help="seconds (default 2)"

@@ -5,20 +5,26 @@ with example ids and `HDF5GradientLogger`; the log is then read back with
 `GradientLog`: its summary is printed, plots are written next to it, and the
 examples are ranked by TracIn self-influence (the sum over logged steps of the
 learning rate times the squared gradient norm). The top of that ranking is
-mostly the flipped labels.
+mostly the flipped labels. With the `tensorboard` extra installed, the run is
+also written for TensorBoard (`<out>/tensorboard/`: the gradient statistics'
+scalars and histograms, and Keras' own loss curves with the step statistics
+beside them), and the command that opens it is printed.
 
 Example:
 
 ```
 python -m keras_gradtrack.demo --out demo_output --epochs 8
 keras-gradtrack top demo_output/digits_run.h5 -k 20
+tensorboard --logdir demo_output/tensorboard
 ```
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ import numpy as np
 
 LOG_NAME = "digits_run.h5"
 FLIPPED_NAME = "flipped_ids.txt"
+TENSORBOARD_NAME = "tensorboard"
 
 
 def load_digits_with_flipped_labels(
@@ -83,28 +90,48 @@ def build_model() -> Any:
 
 
 def train(
-    path: str | os.PathLike[str], x: np.ndarray, y: np.ndarray, epochs: int, verbose: int = 2
+    path: str | os.PathLike[str],
+    x: np.ndarray,
+    y: np.ndarray,
+    epochs: int,
+    verbose: int = 2,
+    tensorboard_dir: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Trains `build_model()` on `(x, y)` with ids `0..len(x)-1`, logging to `path`.
+
+    The step statistics also go to fit's logs (the progress bar shows their epoch
+    means). With `tensorboard_dir`, the run is written for TensorBoard too: the
+    gradient statistics to `<tensorboard_dir>/gradients`, Keras' own logs (loss,
+    accuracy and the step statistics) to `<tensorboard_dir>/keras`.
 
     Example:
 
     ```python
-    train("run.h5", x, y, epochs=8)
+    train("run.h5", x, y, epochs=8, tensorboard_dir="tb")
     ```
     """
+    import keras
+
     import keras_gradtrack as kgt
 
     model = build_model()
     if verbose:
         model.gradient_tracking_summary()
+    callbacks = [kgt.HDF5GradientLogger(path, overwrite=True), kgt.GradientStatisticsToLogs()]
+    if tensorboard_dir is not None:
+        board = Path(tensorboard_dir)
+        callbacks += [
+            kgt.TensorBoardGradientLogger(board / "gradients"),
+            # After GradientStatisticsToLogs: its logs hold the step statistics.
+            keras.callbacks.TensorBoard(board / "keras", update_freq="batch", write_graph=False),
+        ]
     model.fit(
         {"pixels": x, "example_id": np.arange(len(x))},
         y,
         batch_size=64,
         epochs=epochs,
         verbose=verbose,
-        callbacks=[kgt.HDF5GradientLogger(path, overwrite=True)],
+        callbacks=callbacks,
     )
     return model
 
@@ -177,8 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOG_NAME
     np.savetxt(out / FLIPPED_NAME, np.flatnonzero(flipped), fmt="%d")
+    board = None
+    if importlib.util.find_spec("tensorboard") is not None:
+        board = out / TENSORBOARD_NAME
+        # A rerun replaces the run, as it does the log (TensorBoard would show both).
+        shutil.rmtree(board, ignore_errors=True)
     start = time.perf_counter()
-    train(path, x, y, args.epochs)
+    train(path, x, y, args.epochs, tensorboard_dir=board)
     print(f"trained {args.epochs} epochs in {time.perf_counter() - start:.1f} s; log: {path}")
     print(f"the ids of the {flipped.sum()} flipped labels: {out / FLIPPED_NAME}\n")
     with kgt.GradientLog(path) as log:
@@ -187,6 +219,12 @@ def main(argv: list[str] | None = None) -> None:
             print(_write_plots(log, out, flipped), end="\n\n")
     print(report(path, flipped))
     print(f"\nnext: keras-gradtrack top {path} -k 20   |   keras-gradtrack plot {path}")
+    if board is None:
+        print(
+            'for TensorBoard: pip install "keras-gradtrack[tensorboard]", then run the demo again'
+        )
+    else:
+        print(f"open the run in TensorBoard: tensorboard --logdir {board}")
 
 
 def _write_plots(log: Any, out: Path, flipped: np.ndarray) -> str:

@@ -138,7 +138,7 @@ def not_a_log(tmp_path: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "text", "foreign_hdf5"])
-@pytest.mark.parametrize("command", ["summary", "top", "plot", "export", "watch"])
+@pytest.mark.parametrize("command", ["summary", "top", "plot", "export", "watch", "tensorboard"])
 def test_a_file_that_is_not_a_log_is_one_line_and_status_1(capsys, tmp_path, kind, command):
     path = not_a_log(tmp_path, kind)
     status, out, err = run(capsys, command, path)
