@@ -68,6 +68,9 @@ class GradientStatisticsToLogs(keras.callbacks.Callback):
     ```
     """
 
+    # `fit` checks that examples do not mix before the first step this callback tracks.
+    subscribes_to_gradients = True
+
     def __init__(
         self,
         statistics: Iterable[str | Statistic] | None = None,

@@ -61,6 +61,9 @@ class TensorBoardGradientLogger(keras.callbacks.Callback):
     ```
     """
 
+    # `fit` checks that examples do not mix before the first step this callback tracks.
+    subscribes_to_gradients = True
+
     def __init__(
         self,
         log_dir: str | os.PathLike[str],

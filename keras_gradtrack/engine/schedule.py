@@ -85,7 +85,12 @@ class GradientTrackingState:
         finish: Callable[[], None] | None = None,
         requests: Sequence[Any] = (),
     ) -> None:
-        """Starts reports to `consume` from the next step on (replacing `key`'s earlier one)."""
+        """Starts reports to `consume` from the next step on (replacing `key`'s earlier one).
+
+        A callback that subscribes declares `subscribes_to_gradients = True`, so
+        that `fit` puts a batch aside for the example-independence guard, which
+        runs before the first tracked step.
+        """
         self._subscriptions[key] = Subscription(
             tuple(statistics), every_n_steps, self.step, consume, finish, tuple(requests)
         )
