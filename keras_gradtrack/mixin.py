@@ -422,7 +422,14 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             distribute.first_replica(batch, self.distribute_strategy),  # type: ignore[attr-defined]
             validate=False,
         )
-        mixing = find_example_mixing(self, x, y, sample_weight)
+        try:
+            mixing = find_example_mixing(self, x, y, sample_weight)
+        except Exception:
+            if type(self).train_step is GradientTrackingMixin.train_step:
+                raise
+            # A train_step of the model's own may feed the model something other than
+            # `x` (a GAN's latent samples): the guard does not apply (docs/zoo.md).
+            return
         if mixing is not None:
             raise mixing_error(self, mixing)
 

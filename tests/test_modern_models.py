@@ -96,6 +96,15 @@ def test_a_mask_set_in_call_reaches_a_masked_sequence_loss(embedding: str) -> No
     assert_tracked_step_equals_plain(model, ids, y)
 
 
+@pytest.mark.parametrize("embedding", sorted(MASKING_EMBEDDINGS))
+def test_a_mask_set_in_call_reaches_a_recurrent_layer(embedding: str) -> None:
+    """The LSTM's rule runs its loop with the mask: padded steps carry the state on."""
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    hidden = layers.LSTM(5, name="lstm")(MASKING_EMBEDDINGS[embedding]()(inputs))
+    model = compiled(kgt.GradientTrackingModel(inputs, layers.Dense(3, name="head")(hidden)))
+    exact_and_as_plain(model, padded_ids(), rng.integers(0, 3, size=6))
+
+
 def test_the_tracked_call_returns_the_mask_the_layer_attached() -> None:
     """Under the tap, the output of the layer carries the mask its own call attached."""
     seen = []
@@ -380,7 +389,102 @@ def refusal_cases() -> dict[str, tuple[Any, Any, Any, str]]:
         steps_per_execution=2,
     )
     cases["steps_per_execution"] = (model, x, y, "steps_per_execution=1")
+
+    inputs = keras.Input((5,), dtype="int32")
+    embedding = layers.Embedding(10, 4, name="tokens")
+    hidden = layers.Dense(4, name="hidden")(embedding(inputs))
+    outputs = layers.GlobalAveragePooling1D()(TiedOutput(embedding)(hidden))
+    model = compiled(kgt.GradientTrackingModel(inputs, outputs))
+    cases["tied_weights"] = (model, rng.integers(0, 10, (6, 5)), rng.integers(0, 10, 6), "tied")
+
+    model = compiled(dense_model(lambda h: Looped()(h)))
+    cases["call_in_a_loop"] = (model, x, y, "inside a loop")
+
+    inputs = keras.Input((5, 4))
+    token = TiledToken(name="cls")
+    hidden = layers.GlobalAveragePooling1D()(token(inputs))
+    model = compiled(kgt.GradientTrackingModel(inputs, layers.Dense(3)(hidden)))
+    cases["batchless_tiled"] = (model, rng.normal(size=(6, 5, 4)).astype("float32"), y, "Tile")
+
+    inputs = keras.Input((4,))
+    model = kgt.GradientTrackingModel(
+        inputs,
+        {
+            "value": layers.Dense(2, name="value")(inputs),
+            "label": layers.Dense(3, name="label")(inputs),
+        },
+    )
+    model.compile(
+        optimizer="adam",
+        loss={
+            "value": keras.losses.MeanSquaredError(reduction="sum"),
+            "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        },
+    )
+    two = {"value": rng.normal(size=(6, 2)).astype("float32"), "label": y}
+    cases["loss_factors_differ"] = (model, x, two, "reduce with different factors")
+
+    model = NoTrackedGradient()
+    model.compile(optimizer="adam")
+    cases["train_step_without_tracked_gradient"] = (model, x, None, "did not call")
     return cases
+
+
+class TiedOutput(layers.Layer):
+    """Projects onto the vocabulary with an Embedding's table (weight tying)."""
+
+    def __init__(self, embedding: layers.Embedding, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h: Any) -> Any:
+        return ops.matmul(h, ops.transpose(self.embedding.embeddings))
+
+
+class Looped(layers.Layer):
+    """Calls its Dense twice inside a tf.while_loop."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, activation="tanh")
+
+    def call(self, x: Any) -> Any:
+        import tensorflow as tf
+
+        return tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, self.dense(h)), (0, x))[1]
+
+
+class TiledToken(layers.Layer):
+    """A [CLS] token looked up by a constant id, then tiled by the batch size."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.token = layers.Embedding(1, 4)
+
+    def call(self, x: Any) -> Any:
+        token = self.token(ops.zeros((1, 1), "int32"))
+        return ops.concatenate([ops.tile(token, (ops.shape(x)[0], 1, 1)), x], axis=1)
+
+
+class NoTrackedGradient(kgt.GradientTrackingModel):
+    """A train_step of its own that calls `tape.gradient`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = layers.Dense(3)
+
+    def call(self, x: Any) -> Any:
+        return self.dense(x)
+
+    def train_step(self, data: Any) -> Any:
+        import tensorflow as tf
+
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(self(x)))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return {"loss": loss}
 
 
 def without_numbers(text: str) -> str:
