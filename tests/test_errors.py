@@ -170,7 +170,7 @@ def test_loss_that_cannot_be_split_per_example_is_refused(tmp_path: Path) -> Non
 def test_activity_regularization_is_refused(tmp_path: Path) -> None:
     model = small_model(keras.layers.ActivityRegularization(l2=0.1))
     logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
-    fit_fails_without_touching_weights(model, logger, ValueError, "activity regularization")
+    fit_fails_without_touching_weights(model, logger, ValueError, "has an activity regularizer")
 
 
 class TiedProjection(keras.layers.Layer):

@@ -135,12 +135,13 @@ def compare(
         norm = float(np.sum(batch64[both] ** 2))
         factor = float(np.sum(variant64[both] * batch64[both])) / norm if norm else 1.0
         if factor > 0:
-            batch64 = batch64 * factor
+            batch64 = np.where(both, batch64 * factor, batch64)
     finite = np.isfinite(variant64) & np.isfinite(batch64)
     if not finite.any():
         return None
+    # A non-finite value (a NaN loss of a diverged model) is compared by where it is.
     scale = float(np.abs(batch64[finite]).max())
-    difference = np.abs(variant64 - batch64)[finite]
+    difference = np.abs(variant64[finite] - batch64[finite])
     allowed = tolerance * (np.abs(batch64[finite]) + scale + np.finfo(np.float32).tiny)
     if np.all(difference <= allowed) and np.array_equal(
         np.isfinite(variant64), np.isfinite(batch64)
