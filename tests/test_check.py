@@ -173,6 +173,14 @@ def test_a_subclassed_model_is_checked_from_its_first_call_or_from_inputs() -> N
     assert [row.form for row in kgt.check(model, x=specs).layers] == ["direct"]
 
 
+def test_a_batch_builds_an_unbuilt_subclassed_model() -> None:
+    model = Subclassed()
+    report = kgt.check(model, x=rng.normal(size=(4, 3, 4)).astype("float32"))
+    assert model.built
+    assert [row.path for row in report.layers] == ["rule:dense", "rule:dense"]
+    assert report.refusals == []
+
+
 def test_unknown_sequence_lengths_are_said() -> None:
     inputs = keras.Input((None, 4))
     model = kgt.GradientTrackingModel(inputs, layers.Dense(2)(inputs))
