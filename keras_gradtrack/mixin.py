@@ -327,8 +327,11 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             self.gradient_tracking.end_fit()
 
     def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
+        # Checked once per model here (a loop of train_on_batch calls), once per fit in fit.
         self.__dict__["_independence_guard"] = IndependenceGuard(
-            self.check_example_independence and self.gradient_tracking.subscribed()
+            self.check_example_independence
+            and self.gradient_tracking.subscribed()
+            and not self.__dict__.get("_examples_independent")
         )
         return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]
 
@@ -432,6 +435,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             return
         if mixing is not None:
             raise mixing_error(self, mixing)
+        self.__dict__["_examples_independent"] = True
 
     def _untracked_step(self, data: Any) -> Any:
         x, _, _, _ = batch_data.unpack_batch(data)
