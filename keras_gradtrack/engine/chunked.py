@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_gradtrack.engine.plan import TrackedLayer
 from keras_gradtrack.rules import LayerCall, Reference, filter_gradients
+from keras_gradtrack.rules.contract import checked_per_example
 from keras_gradtrack.rules.ops import compiling_with_xla, flat_per_example, sum_of_squares
 
 Calls = tuple[LayerCall, ...]
@@ -164,14 +165,17 @@ def flat_gradients(tracked: TrackedLayer, calls: Calls) -> list[tf.Tensor]:
     """The rule's per-example gradients of the calls, `(B, n)` per variable in order.
 
     Raises:
-        ValueError: If the rule returns gradients of other variables than the layer's.
+        ValueError: If the rule returns gradients of other variables than the layer's,
+            or laid out otherwise than `(B, *variable.shape)`.
+        TypeError: If a gradient is not float32.
     """
-    assert tracked.rule is not None and tracked.rule.per_example is not None
-    pairs = tracked.rule.per_example(tracked.layer, calls)
+    rule = tracked.rule
+    assert rule is not None and rule.per_example is not None
+    pairs = checked_per_example(rule.name, tracked.layer, rule.per_example(tracked.layer, calls))
     grads = {id(variable): flat_per_example(grad) for variable, grad in pairs}
     if set(grads) != {id(v) for v in tracked.variables}:
         raise ValueError(
-            f"Rule {tracked.rule.name!r} returned per-example gradients for "
+            f"Rule {rule.name!r} returned per-example gradients for "
             f"{[v.path for v, _ in pairs]} on layer {tracked.layer.name!r}, whose "
             f"trainable variables are {[v.path for v in tracked.variables]}."
         )

@@ -119,7 +119,7 @@ class LayerTap:
         if self.rule is not None and self.rule.tap is not None:
             tapped = self.rule.tap(self.layer, original, args, kwargs)
             return tapped.outputs, tapped
-        if self.rule is None or not self.rule.split_activation:
+        if self.rule is None or not self.rule.splits_activation(self.layer):
             # Fresh copies, one per output position: the gradient at a copy is what
             # reaches it from outside the call. At the call's own tensors it would also
             # include paths inside the call (an LSTM cell returns `h, [h, c]` with `h`

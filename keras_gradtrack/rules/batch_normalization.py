@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, Rule
-from keras_gradtrack.rules.ops import primitives_of, standardized_affine_per_example
+from keras_gradtrack.rules.ops import standardized_affine_per_example
 
 
 def batch_normalization_applies(layer: Any) -> bool:
@@ -74,10 +74,6 @@ def batch_normalization_per_example(
     )
 
 
-BATCH_NORMALIZATION = Rule(
-    "batch_normalization",
-    primitives_of(batch_normalization_per_example),
-    batch_normalization_applies,
-    split_activation=False,
-    per_example=batch_normalization_per_example,
+BATCH_NORMALIZATION = Rule.from_per_example(
+    "batch_normalization", batch_normalization_per_example, applies=batch_normalization_applies
 )

@@ -24,7 +24,6 @@ import tensorflow as tf
 from keras_gradtrack.rules.contract import LayerCall, PerExampleFn, Rule
 from keras_gradtrack.rules.ops import (
     affine_per_example,
-    primitives_of,
     standardized_affine_per_example,
 )
 
@@ -195,13 +194,7 @@ def rms_normalization_per_example(
 
 def normalization_rule(name: str, per_example: PerExampleFn, applies: Any) -> Rule:
     """Normalization parameters are as small per example as in total: always materialized."""
-    return Rule(
-        name,
-        primitives_of(per_example),
-        applies,
-        split_activation=False,
-        per_example=per_example,
-    )
+    return Rule.from_per_example(name, per_example, applies=applies)
 
 
 LAYER_NORMALIZATION = normalization_rule(

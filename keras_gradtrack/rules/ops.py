@@ -15,8 +15,8 @@ from keras_gradtrack.rules.contract import (
     LayerPrimitives,
     PerExampleFn,
     Projection,
-    Reference,
     RuleFn,
+    primitives_from,
 )
 from keras_gradtrack.rules.cost import gram_is_cheaper
 
@@ -68,7 +68,8 @@ def materialized(
 
 
 def primitives_of(per_example: PerExampleFn) -> RuleFn:
-    """The rule function computing a layer's primitives from its per-example gradients.
+    """The rule function computing a layer's primitives from its per-example gradients
+    (`Rule.from_per_example` builds the whole rule).
 
     Example:
 
@@ -76,17 +77,7 @@ def primitives_of(per_example: PerExampleFn) -> RuleFn:
     rule = Rule("scale", primitives_of(scale_per_example), per_example=scale_per_example)
     ```
     """
-
-    def primitives(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> LayerPrimitives:
-        pairs = per_example(layer, calls)
-        if not pairs:
-            raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
-        return materialized(
-            [flat_per_example(grad) for _, grad in pairs],
-            [reference(variable) for variable, _ in pairs],
-        )
-
-    return primitives
+    return primitives_from(getattr(per_example, "__name__", "per_example"), per_example)
 
 
 def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
