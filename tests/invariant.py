@@ -219,7 +219,9 @@ def recurrent_states(model: Any) -> list[Any]:
     found = []
     for layer in model._flatten_layers():
         if getattr(layer, "stateful", False):
-            found.extend(s for s in tree.flatten(layer.states or []) if isinstance(s, keras.Variable))
+            found.extend(
+                s for s in tree.flatten(layer.states or []) if isinstance(s, keras.Variable)
+            )
     return found
 
 

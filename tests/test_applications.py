@@ -14,8 +14,8 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from keras.src.applications.convnext import LayerScale
 from invariant import assert_tracked_step_equals_plain
+from keras.src.applications.convnext import LayerScale
 from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt

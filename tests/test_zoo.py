@@ -17,8 +17,8 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from keras import tree
 from invariant import assert_tracked_step_equals_plain
+from keras import tree
 from oracle import assert_matches_oracle, oracle_statistics
 from zoo_models import ZOO, Zoo, transfer_learning
 
