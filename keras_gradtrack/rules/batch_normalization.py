@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, Rule
-from keras_gradtrack.rules.ops import standardized_affine_per_example
+from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example
 
 
 def batch_normalization_applies(layer: Any) -> bool:
@@ -54,10 +54,8 @@ def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tenso
     return mean, tf.math.rsqrt(variance + layer.epsilon)
 
 
-def batch_normalization_per_example(
-    layer: Any, calls: Sequence[LayerCall]
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of BatchNormalization's gamma and beta.
+def batch_normalization_statistics(layer: Any) -> StatisticsFn:
+    """BatchNormalization's moments, as each call used them.
 
     Example:
 
@@ -65,15 +63,11 @@ def batch_normalization_per_example(
     # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} d_ihw * xhat_ihw,  g_i(beta) = sum_{h,w} d_ihw
     ```
     """
-    return standardized_affine_per_example(
-        calls,
-        lambda x, call: moments_of_call(layer, x, call),
-        lambda rank: [layer.axis % rank],
-        scale=getattr(layer, "gamma", None),
-        offset=getattr(layer, "beta", None),
-    )
+    return lambda x, call: moments_of_call(layer, x, call)
 
 
 BATCH_NORMALIZATION = Rule.from_per_example(
-    "batch_normalization", batch_normalization_per_example, applies=batch_normalization_applies
+    "batch_normalization",
+    normalization_per_example(batch_normalization_statistics, "gamma", "beta", True),
+    applies=batch_normalization_applies,
 )

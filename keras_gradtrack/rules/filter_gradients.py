@@ -275,7 +275,7 @@ def kernel_and_bias_per_example(
         layer: The layer (its kernel, bias, geometry).
         calls: Its calls in this step.
         windowed: Per call, `(source, target)`: the kernel's windows slide over
-            the source at the target's positions (`input_pairs`, or the swapped
+            the source at the target's positions (`channels_last_pairs`, or the swapped
             roles of a transposed convolution).
         groups: Number of channel groups.
     """

@@ -33,6 +33,7 @@ from keras_gradtrack.rules.ops import (
 from keras_gradtrack.rules.windows import (
     Window,
     channels_last,
+    convolution_options,
     grouped_kernel_primitives,
     paired,
     per_example_bias_gradient,
@@ -151,14 +152,8 @@ def separable_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) 
     if depthwise.trainable:
         kernel = reference(depthwise)
         for source, target in depthwise_pairs(layer, calls):
-            outputs = ops.depthwise_conv(
-                tf.cast(source, tf.float32),
-                kernel,
-                strides=layer.strides,
-                padding=layer.padding,
-                dilation_rate=layer.dilation_rate,
-                data_format="channels_last",
-            )
+            options = convolution_options(layer, data_format="channels_last")
+            outputs = ops.depthwise_conv(tf.cast(source, tf.float32), kernel, **options)
             terms.append(paired(outputs, target))
     return with_bias_dot(layer, calls, reference, terms)
 

@@ -285,6 +285,40 @@ def grouped_kernel_primitives(
     )
 
 
+def kernel_and_bias_primitives(
+    layer: Any,
+    calls: Sequence[LayerCall],
+    reference: Reference,
+    pairs: Pairs,
+    groups: int,
+    layout: Any,
+) -> LayerPrimitives:
+    """`||g_i||^2` and `<g_i, R>` of a convolution's kernel and bias: the kernel's
+    windows slide over each pair's source at its target's positions
+    (`grouped_kernel_primitives`), R reshaped to `(K, *layout)` (`layout`: the kernel's
+    `(C / groups, O)` per offset)."""
+    terms = []
+    if layer.kernel.trainable:
+        slices, targets = stacked_windows(pairs, Window.of(layer))
+        kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), *layout])
+        terms.append(grouped_kernel_primitives(slices, targets, groups, kernel_reference))
+    return with_bias(layer, calls, reference, terms)
+
+
+def channels_last_pairs(layer: Any, calls: Sequence[LayerCall], swapped: bool = False) -> Pairs:
+    """Per call, `(input, output gradient)` channels last: the kernel's windows slide
+    over the input at the output's positions; `swapped`, `(output gradient, input)`, as
+    for a transposed convolution's kernel."""
+    pairs = []
+    for call in calls:
+        pair = (
+            channels_last(call.inputs, layer.data_format),
+            channels_last(call.output_grad, layer.data_format),
+        )
+        pairs.append(pair[::-1] if swapped else pair)
+    return pairs
+
+
 def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor | None:
     """`(B, filters)`, the output gradient summed over positions and calls; None without a trainable bias."""
     if layer.bias is None or not layer.bias.trainable:
@@ -318,6 +352,18 @@ def paired(outputs: tf.Tensor, output_grad: tf.Tensor) -> tf.Tensor:
     """`(B,)` `<z_i, d_i>` over all axes but the batch (same layout)."""
     products = tf.cast(outputs, tf.float32) * tf.cast(output_grad, tf.float32)
     return tf.reduce_sum(tf.reshape(products, [tf.shape(products)[0], -1]), axis=1)
+
+
+def convolution_options(layer: Any, **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments of `keras.ops.conv` and its siblings that repeat `layer`'s
+    geometry, with `overrides`."""
+    options = {
+        "strides": list(layer.strides),
+        "padding": layer.padding,
+        "dilation_rate": layer.dilation_rate,
+        "data_format": layer.data_format,
+    }
+    return {**options, **overrides}
 
 
 def forward_dot(
