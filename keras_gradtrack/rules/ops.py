@@ -133,6 +133,46 @@ def reshape_per_example(tensor: tf.Tensor, dims: Sequence[int]) -> tf.Tensor:
     return tf.reshape(tensor, [tf.shape(tensor)[0], *dims])
 
 
+def along_time(
+    calls: Sequence[LayerCall],
+    per_call: Callable[[LayerCall], tuple[tf.Tensor, ...]],
+    axis: int = 1,
+) -> tuple[tf.Tensor, ...]:
+    """`per_call`'s tensors of every call, each stacked along time (`axis`): a shared
+    layer's calls are one longer sequence to its rules."""
+    parts = [per_call(call) for call in calls]
+    return tuple(stacked_along_time(list(tensors), axis) for tensors in zip(*parts))
+
+
+def stacked_along_time(parts: Sequence[tf.Tensor], axis: int = 1) -> tf.Tensor:
+    """The calls' tensors side by side along `axis`; one call's as it is."""
+    return parts[0] if len(parts) == 1 else tf.concat(list(parts), axis=axis)
+
+
+def summed_bias_gradient(
+    calls: Sequence[LayerCall], bias_shape: Sequence[int], channels_first: bool = False
+) -> tf.Tensor:
+    """`(B, bias size)`: every call's output gradient summed over the axes a bias is
+    broadcast along (added to the trailing axes, or along axis 1 with `channels_first`),
+    summed over the calls."""
+
+    def one_call(call: LayerCall) -> tf.Tensor:
+        d = tf.cast(call.output_grad, tf.float32)
+        if channels_first:
+            return tf.reduce_sum(d, axis=list(range(2, d.shape.rank)))
+        offset = d.shape.rank - len(bias_shape)
+        if offset < 1:
+            raise ValueError(
+                f"The bias spans the batch axis. Received: bias shape={tuple(bias_shape)}, "
+                f"output shape={d.shape}"
+            )
+        broadcast = [offset + j for j, size in enumerate(bias_shape) if size == 1]
+        summed = tf.reduce_sum(d, axis=list(range(1, offset)) + broadcast)
+        return tf.reshape(summed, [tf.shape(d)[0], -1])
+
+    return tf.add_n([one_call(call) for call in calls])
+
+
 def positions_per_example(tensors: Sequence[Any], channels_first: bool = False) -> int | None:
     """Positions per example (every axis but the batch and channel axes), summed over
     the tensors; None if a size is not static."""

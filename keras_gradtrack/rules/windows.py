@@ -34,6 +34,7 @@ from keras_gradtrack.rules.ops import (
     materialized,
     reshape_per_example,
     summed,
+    summed_bias_gradient,
     zero_primitives,
 )
 
@@ -323,14 +324,7 @@ def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tens
     """`(B, filters)`, the output gradient summed over positions and calls; None without a trainable bias."""
     if layer.bias is None or not layer.bias.trainable:
         return None
-    channel_axis = 1 if layer.data_format == "channels_first" else -1
-    per_call = []
-    for call in calls:
-        grads = tf.cast(call.output_grad, tf.float32)
-        rank = len(grads.shape)
-        positions = [axis for axis in range(1, rank) if axis != channel_axis % rank]
-        per_call.append(tf.reduce_sum(grads, axis=positions))
-    return tf.add_n(per_call)
+    return summed_bias_gradient(calls, layer.bias.shape, layer.data_format == "channels_first")
 
 
 def with_bias(
@@ -358,7 +352,7 @@ def convolution_options(layer: Any, **overrides: Any) -> dict[str, Any]:
     """The keyword arguments of `keras.ops.conv` and its siblings that repeat `layer`'s
     geometry, with `overrides`."""
     options = {
-        "strides": list(layer.strides),
+        "strides": layer.strides,
         "padding": layer.padding,
         "dilation_rate": layer.dilation_rate,
         "data_format": layer.data_format,
