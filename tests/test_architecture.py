@@ -20,6 +20,7 @@ RULE_FOUNDATIONS = {
     "keras_gradtrack.rules.cost",
     "keras_gradtrack.rules.windows",
     "keras_gradtrack.rules.filter_gradients",
+    "keras_gradtrack.rules.chunks",
     "keras_gradtrack.rules.recurrent_cells",
 }
 

@@ -32,6 +32,9 @@ class LayerCall:
             structure), times one positive scalar the engine divides out of the
             rule's results; None in the shape tests, which run before the
             backward pass.
+        one_chunk: The engine's own loop over chunks of examples cut this call to
+            at most `EXAMPLES_PER_CHUNK` examples (`keras_gradtrack.rules.chunks`):
+            a rule adds no loop over chunks of its own.
     """
 
     args: tuple[Any, ...]
@@ -39,6 +42,7 @@ class LayerCall:
     tapped: tuple[tf.Tensor, ...] = ()
     saved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     output_grads: tuple[tf.Tensor, ...] | None = None
+    one_chunk: bool = False
 
     @property
     def inputs(self) -> Any:
@@ -277,7 +281,7 @@ class Rule:
             on targets), see `CrossFn`.
         sketch: Optional gradient sketches from the factors, see `SketchFn`.
         dot: Optional `<g_i, R>` through the layer's linear map (see `DotFn`).
-            With it, a batch of more than `EXAMPLES_PER_CHUNK` examples has its
+            With it, a batch of more than `chunks.EXAMPLES_PER_CHUNK` examples has its
             per-example gradients built one chunk at a time (the engine slices
             every tensor of rank 1 or more the calls hold along its first axis,
             so the layer's calls must hold only tensors whose first axis is the

@@ -25,8 +25,7 @@ from keras_gradtrack.rules.ops import (
 
 # Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
 # matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
-# it the Gram form loses quickly (measured on CPU, B=128, dim 16 to 512: at T=128
-# it is 1.2x to 6x slower, at T=512 6x to 35x).
+# it the Gram form, quadratic in T, loses quickly (docs/performance.md).
 GRAM_MAX_TOKENS = 32
 
 

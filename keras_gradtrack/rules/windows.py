@@ -39,8 +39,8 @@ from keras_gradtrack.rules.ops import (
 )
 
 # Up to this many input channels, the per-example kernel gradient is one matrix
-# product over all offsets' windows at once (measured faster for 1 and 3
-# channels, slower for 32).
+# product over all offsets' windows at once: fewer, larger products win while the
+# inner size is tiny (docs/performance.md).
 FEW_CHANNELS = 4
 
 # A static size, or a scalar tensor when the size is only known at run time.
@@ -229,8 +229,8 @@ def per_example_kernel_gradients(
     if groups == 1 and channels <= FEW_CHANNELS:
         # Few channels (an image input): one product over all offsets' windows
         # beats one product per offset with a tiny inner size. Stacked as
-        # (B, K, P, C), each offset's windows are one contiguous copy (for one
-        # channel, 2x faster than interleaving them as (B, P, K * C)).
+        # (B, K, P, C), each offset's windows are one contiguous copy (faster than
+        # interleaving them as (B, P, K * C)).
         windows = tf.stack(list(slices), axis=1)
         if windows.shape[-1] != 1:
             windows = tf.transpose(windows, [0, 1, 3, 2])
@@ -240,7 +240,7 @@ def per_example_kernel_gradients(
         per_offset = [tf.matmul(s, targets, transpose_a=True) for s in slices]
     elif group_channels == 1:
         # Depthwise: a product per position and channel, summed over positions
-        # (an einsum here becomes one tiny matrix product per channel: 10x slower).
+        # (an einsum here becomes one tiny matrix product per channel, much slower).
         multiplier = targets.shape[-1] // groups
         if multiplier == 1:
             per_offset = [tf.reduce_sum(s * targets, axis=1) for s in slices]
