@@ -21,7 +21,7 @@ from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
-from keras_gradtrack.rules import LayerCall, chunks, lookup, rule_for
+from keras_gradtrack.rules import LayerCall, chunks, lookup
 from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs
 from keras_gradtrack.rules.ops import compiled_with_xla
@@ -413,7 +413,7 @@ def test_channels_first_equals_channels_last(make: Callable[[], Any], input_shap
     def reference_first(variable: Any) -> tf.Tensor:
         return reference(twins[id(variable)])
 
-    rule = rule_for(last)
+    rule = lookup(last).rule
     assert rule is not None
     expected = rule.primitives(last, [LayerCall((x,), {}, output_grads=[d])], reference)
     call_first = LayerCall(

@@ -194,3 +194,10 @@ def test_the_documented_rule_holds_under_mixed_precision(registered: list[type])
     finally:
         keras.mixed_precision.set_global_policy("float32")
     np.testing.assert_allclose(stats["grad_norm"], expected["grad_norm"], rtol=5e-3)
+
+
+def test_the_rules_package_exports_the_contract_not_the_engines_lookup() -> None:
+    exported = set(kgt.rules.__all__)
+    assert {"Rule", "LayerCall", "Reference", "register_rule", "PRELU"} <= exported
+    assert not exported & {"lookup", "Lookup", "rule_for"}
+    assert all(hasattr(kgt.rules, name) for name in exported)

@@ -18,8 +18,8 @@ from typing import Any
 
 import tensorflow as tf
 from keras import tree
-from keras.src.backend.common.tensor_attributes import get_tensor_attr, set_tensor_attr
 
+from keras_gradtrack._keras_seam import KERAS_MASK, get_tensor_attr, set_tensor_attr
 from keras_gradtrack.engine.batchless import BatchDependence, broadcast_arguments
 from keras_gradtrack.rules.contract import LayerCall, Rule, Tapped
 
@@ -182,8 +182,8 @@ def installed(taps: Sequence[LayerTap]) -> Iterator[Sequence[LayerTap]]:
             tap.uninstall()
 
 
-# Attributes Keras attaches to tensors (`keras.src.backend.common.tensor_attributes`).
-KERAS_TENSOR_ATTRIBUTES = ("_keras_mask",)
+# Attributes Keras attaches to tensors.
+KERAS_TENSOR_ATTRIBUTES = (KERAS_MASK,)
 
 
 def carry_metadata(source: Any, target: Any) -> None:

@@ -42,8 +42,8 @@ import dataclasses
 from typing import Any
 
 import keras
-from keras.src.applications.convnext import LayerScale
 
+from keras_gradtrack._keras_seam import LayerScale
 from keras_gradtrack.rules.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.rules.contract import (
     CrossFn,
@@ -154,7 +154,10 @@ class Lookup:
 
 
 def lookup(layer: Any) -> Lookup:
-    """The rule for `layer`, along its class's MRO (see the module docstring)."""
+    """The rule for `layer`, along its class's MRO (see the module docstring).
+
+    The engine's, not public API (not in `__all__`): the plan and
+    `gradient_tracking_summary()` show which rule each layer takes."""
     mro = type(layer).__mro__
     for position, cls in enumerate(mro):
         rule = _REGISTRY.get(cls)
@@ -176,11 +179,6 @@ def lookup(layer: Any) -> Lookup:
     return Lookup(None, f"no rule registered for {type(layer).__name__}")
 
 
-def rule_for(layer: Any) -> Rule | None:
-    """The rule that computes `layer`'s primitives, or None for the fallback."""
-    return lookup(layer).rule
-
-
 __all__ = [
     "BATCH_NORMALIZATION",
     "CONV",
@@ -199,7 +197,6 @@ __all__ = [
     "CrossFn",
     "LayerCall",
     "LayerPrimitives",
-    "Lookup",
     "PerExampleFn",
     "Projection",
     "Reference",
@@ -207,9 +204,7 @@ __all__ = [
     "RuleFn",
     "SketchFn",
     "Tapped",
-    "lookup",
     "materialized",
     "primitives_of",
     "register_rule",
-    "rule_for",
 ]

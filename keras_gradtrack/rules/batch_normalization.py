@@ -21,6 +21,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack._keras_seam import batch_moments
 from keras_gradtrack.rules.contract import LayerCall, Rule
 from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example
 
@@ -43,7 +44,7 @@ def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tenso
     if uses_batch_statistics(layer, call.args, call.kwargs):
         mask = call.args[2] if len(call.args) > 2 else call.kwargs.get("mask")
         # Keras' own moments: the same reduction, and masked calls weigh positions alike.
-        mean, variance = layer._moments(x, mask)
+        mean, variance = batch_moments(layer, x, mask)
     else:
         mean, variance = layer.moving_mean, layer.moving_variance
     shape = [1] * x.shape.rank

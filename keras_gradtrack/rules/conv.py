@@ -14,6 +14,7 @@ from typing import Any
 import tensorflow as tf
 from keras import ops
 
+from keras_gradtrack._keras_seam import causal_padding
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
@@ -78,7 +79,7 @@ def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf
 
     def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
         if layer.padding == "causal":  # as Conv1D's own call
-            inputs = ops.pad(inputs, layer._compute_causal_padding())
+            inputs = ops.pad(inputs, causal_padding(layer))
             return ops.conv(inputs, kernel, **convolution_options(layer, padding="valid"))
         return ops.conv(inputs, kernel, **convolution_options(layer))
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.util import _pywrap_util_port
 
+from keras_gradtrack._keras_seam import is_onednn_enabled
 from keras_gradtrack.rules import chunks
 from keras_gradtrack.rules.contract import LayerCall
 from keras_gradtrack.rules.ops import compiling_with_xla
@@ -116,7 +116,7 @@ def grouped_filter_gradient_runs() -> bool:
 @functools.lru_cache(maxsize=1)
 def onednn_cpu_only() -> bool:
     """oneDNN on and no GPU (fixed for the life of the process)."""
-    return bool(_pywrap_util_port.IsMklEnabled()) and not tf.config.list_logical_devices("GPU")
+    return is_onednn_enabled() and not tf.config.list_logical_devices("GPU")
 
 
 def in_chunks(

@@ -21,6 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_gradtrack._keras_seam import reshape_into_groups
 from keras_gradtrack.rules.contract import LayerCall, Rule
 from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example, normalized_axes
 
@@ -96,7 +97,7 @@ def group_normalization_statistics(layer: Any) -> StatisticsFn:
     def statistics(x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
         # The layer's own reshape and moments, so the step's graph can share them with
         # the layer's forward pass: (B, ..., groups, channels // groups, ...).
-        grouped = layer._reshape_into_groups(x)
+        grouped = reshape_into_groups(layer, x)
         axis = layer.axis % x.shape.rank
         reduction = [a for a in range(1, grouped.shape.rank) if a != axis]
         mean, variance = keras.ops.moments(grouped, axes=reduction, keepdims=True)

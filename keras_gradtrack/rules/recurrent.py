@@ -24,8 +24,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras import tree
-from keras.src import backend as keras_backend
 
+from keras_gradtrack._keras_seam import keras_backend
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.ops import (
