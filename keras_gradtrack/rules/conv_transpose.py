@@ -17,6 +17,7 @@ from typing import Any
 import tensorflow as tf
 from keras import ops
 
+from keras_gradtrack.rules import windows
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
@@ -24,13 +25,6 @@ from keras_gradtrack.rules.filter_gradients import (
     kernel_and_bias_per_example,
 )
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
-from keras_gradtrack.rules.windows import (
-    Window,
-    channels_last_pairs,
-    convolution_options,
-    forward_dot,
-    kernel_and_bias_primitives,
-)
 
 
 def conv_transpose_applies(layer: Any) -> bool:
@@ -51,8 +45,10 @@ def conv_transpose_primitives(
     # g_i[k] = S_ik^T x_i,  ||g_i||^2 = sum_k ||S_ik^T x_i||^2 or <sum_k S_ik S_ik^T, x_i x_i^T>
     ```
     """
-    pairs = channels_last_pairs(layer, calls, swapped=True)
-    return kernel_and_bias_primitives(layer, calls, reference, pairs, 1, layer.kernel.shape[-2:])
+    pairs = windows.channels_last_pairs(layer, calls, swapped=True)
+    return windows.kernel_and_bias_primitives(
+        layer, calls, reference, pairs, 1, layer.kernel.shape[-2:]
+    )
 
 
 def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
@@ -61,10 +57,10 @@ def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Refere
     plus the bias term."""
 
     def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
-        options = convolution_options(layer, output_padding=layer.output_padding)
+        options = windows.convolution_options(layer, output_padding=layer.output_padding)
         return ops.conv_transpose(inputs, kernel, **options)
 
-    return forward_dot(layer, calls, reference, convolved)
+    return windows.forward_dot(layer, calls, reference, convolved)
 
 
 def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
@@ -83,7 +79,7 @@ def conv_transpose_per_example(
 ) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a transposed convolution's kernel and bias."""
     return kernel_and_bias_per_example(
-        layer, calls, channels_last_pairs(layer, calls, swapped=True), 1
+        layer, calls, windows.channels_last_pairs(layer, calls, swapped=True), 1
     )
 
 
@@ -95,5 +91,7 @@ CONV_TRANSPOSE = Rule(
     materializes=conv_transpose_materializes,
     dot=conv_transpose_dot,
     # The windows slide over the output gradient (the kernel's `filters` axis).
-    kernels=lambda layer: filter_gradient_kernel(1, layer.kernel.shape[-2], Window.of(layer)),
+    kernels=lambda layer: filter_gradient_kernel(
+        1, layer.kernel.shape[-2], windows.Window.of(layer)
+    ),
 )

@@ -69,6 +69,10 @@ def dense_primitives(
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for a Dense layer.
 
+    On 2-D inputs (one step per example) by `dense_2d_primitives`; on sequences, the
+    kernel's squared norm by `sequence_kernel_sq_norm` (Gram matrices or the
+    materialized product, whichever costs less) and the bias's from its sum over time.
+
     Example:
 
     ```python
