@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 
 install: $(STAMP)
 
-# The convolution rules once needed a oneDNN-only kernel: their tests run again with
-# oneDNN off, in a process of their own (the variable is read when TensorFlow loads).
+# The convolution rules pick their kernels by whether oneDNN is on: their tests run
+# again with oneDNN off, in a process of their own (read when TensorFlow loads).
 ONEDNN_OFF_TESTS := tests/test_rules_conv.py tests/test_materialized.py
 
 test: $(STAMP)

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
 from keras_gradtrack.engine.preflight import steps_per_execution_refusal
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
@@ -193,7 +194,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 check_checkpoints(self.path, overwrite=self.overwrite, append=self.append)
         requests: list[AttributionRequest] = []
         if self.targets is not None:
-            if getattr(self.model, "_compile_loss", None) is None:
+            if compiled_loss(self.model) is None:
                 raise ValueError(
                     "targets= needs the model's loss for the targets' gradients: compile "
                     f"the model with `loss=`. Received: model {self.model.name!r} without one."
@@ -212,7 +213,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         )
         # A subclassed model's layers may only be built by the first step; the
         # layer names (and the file's datasets) wait for it then.
-        if self._writes and all(layer.built for layer in self.model._flatten_layers()):
+        if self._writes and all(layer.built for layer in flatten_layers(self.model)):
             self._open_writer()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import keras
 
+from keras_gradtrack._keras_seam import Functional, flatten_layers
+
 
 def group_count(channels: int, groups: int) -> int:
     """The largest divisor of `channels` that is at most `groups`."""
@@ -82,7 +84,7 @@ def convert_to_group_normalization(model: keras.Model, groups: int = 32) -> kera
     """
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"Expected groups to be a positive int. Received: groups={groups!r}")
-    if not isinstance(model, (keras.Sequential, keras.src.models.Functional)):
+    if not isinstance(model, (keras.Sequential, Functional)):
         raise ValueError(
             "Expected a functional or Sequential model (a subclassed model's layers are "
             "created in its own code: use keras.layers.GroupNormalization there). "
@@ -132,6 +134,6 @@ def nested_models(model: keras.Model) -> list[keras.Model]:
     """The models inside `model`, in the order Keras lists its layers."""
     return [
         layer
-        for layer in model._flatten_layers(include_self=False)
+        for layer in flatten_layers(model, include_self=False)
         if isinstance(layer, keras.Model)
     ]

@@ -9,10 +9,10 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight, unpack_...
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, preflight, tracking

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
 
+from keras_gradtrack._keras_seam import Functional, functional_init_arguments
 from keras_gradtrack.mixin import GradientTrackingMixin
 
 __all__ = ["GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential"]

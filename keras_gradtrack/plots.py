@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keras_gradtrack import analysis
+from keras_gradtrack.analysis.scores import self_influence
 from keras_gradtrack.analysis.tables import (
     grouped_rows,
     import_optional,
+    layer_summary,
     per_example_column,
     per_layer_statistics,
 )
@@ -97,7 +99,7 @@ def plot_layer_heatmap(
     Args:
         log: the log.
         statistic: a per-layer statistic (`layer_grad_norm`, `layer_cosine`, ...).
-        reduce: how the examples of a step are combined (`analysis.layer_summary`).
+        reduce: how the examples of a step are combined (`GradientLog.layer_summary`).
 
     Example:
 
@@ -106,7 +108,7 @@ def plot_layer_heatmap(
     ```
     """
     colors = import_optional("matplotlib.colors", "keras_gradtrack.plots", "plots")
-    summary = analysis.layer_summary(log, statistic, by="step", reduce=reduce)
+    summary = layer_summary(log, statistic, by="step", reduce=reduce)
     _require_rows(log)
     figure = _figure(figsize=(9, 1.5 + 0.4 * len(summary.layers)))
     axes = figure.subplots()
@@ -191,7 +193,7 @@ def plot_self_influence(
     plot_self_influence(log, k=20, highlight=np.flatnonzero(flipped)).savefig("top.png")
     ```
     """
-    scores = analysis.self_influence(log, learning_rate)
+    scores = self_influence(log, learning_rate)
     marked = np.isin(
         scores.example_id, np.fromiter(() if highlight is None else highlight, dtype=np.int64)
     )

@@ -15,8 +15,7 @@ The same `StepSummaryWriter` serves `TensorBoardGradientLogger` during `fit` and
 A step's values are TensorBoard's own scalar and histogram summaries (its
 `scalar_pb` and `histogram_pb`: the buckets of `tf.summary.histogram`, computed in
 numpy), written as one proto per step through `tf.summary`'s file writer: one op per
-step instead of one per value (about 1 ms instead of 25 ms per step for a 3-layer
-model, `benchmarks/logs_cost.py`). `tensorboard` is an optional extra, imported on
+step instead of one per value (`benchmarks/logs_cost.py`). `tensorboard` is an optional extra, imported on
 first use, with an error naming `pip install "keras-gradtrack[tensorboard]"`.
 """
 
@@ -194,8 +193,8 @@ class StepSummaryWriter:
         if self._writer is None:
             raise ValueError(f"The StepSummaryWriter of '{self.logdir}' is closed.")
         ops = self._ops
-        # One Summary proto of all the step's values, written in one op: per value, a
-        # summary op would cost ~0.1 ms (a histogram's bucketing op ~2 ms) in eager mode.
+        # One Summary proto of all the step's values, written in one op: an op per
+        # value costs more than the values' encoding in eager mode.
         summary = ops.summary()
         for name, value in per_step.items():
             value = np.asarray(value, dtype=np.float64)

@@ -12,6 +12,12 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = sorted(path.stem for path in BENCHMARKS.glob("*.py"))
+# The helpers the scripts share; every other module is a script with a `main`.
+HELPERS = {"zoo", "report", "baselines"}
+
+
+def test_the_helpers_are_there() -> None:
+    assert set(SCRIPTS) >= HELPERS, sorted(HELPERS - set(SCRIPTS))
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -22,4 +28,7 @@ def test_the_benchmark_script_imports(name: str, monkeypatch: pytest.MonkeyPatch
     finally:
         for loaded in SCRIPTS:
             sys.modules.pop(loaded, None)
-    assert hasattr(module, "main") or name in ("zoo", "report", "baselines")
+    if name in HELPERS:
+        assert not hasattr(module, "main"), f"{name} has a main: a script, not a helper"
+    else:
+        assert callable(getattr(module, "main", None)), f"{name} has no main()"

@@ -21,7 +21,7 @@ from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 from keras_gradtrack.engine import backward, chunked
-from keras_gradtrack.rules import LayerCall, Reference, filter_gradients, lookup
+from keras_gradtrack.rules import LayerCall, Reference, chunks, lookup
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
 
 L = keras.layers
@@ -71,8 +71,8 @@ def chunks_of_three(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     """Chunks of 3 examples for every layer whose rule has `dot` (also those whose
     gradient is smaller than their activations); records which layers
     `chunked_gradients` took."""
-    monkeypatch.setattr(filter_gradients, "EXAMPLES_PER_CHUNK", CHUNK)
-    monkeypatch.setattr(filter_gradients, "LARGE_BATCH_CHUNK", CHUNK)
+    monkeypatch.setattr(chunks, "EXAMPLES_PER_CHUNK", CHUNK)
+    monkeypatch.setattr(chunks, "LARGE_BATCH_CHUNK", CHUNK)
     monkeypatch.setattr(chunked, "outweighs_its_activations", lambda tracked, calls: True)
     taken: list[tuple[str, Any]] = []
     original = chunked.chunked_gradients
@@ -164,8 +164,8 @@ def test_chunks_are_taken_where_a_gradient_outweighs_its_activations(
     """The chunks' second pass holds the layer's input and output gradient until the
     batch gradient exists: taken only where that is less than the per-example
     gradients it saves."""
-    monkeypatch.setattr(filter_gradients, "EXAMPLES_PER_CHUNK", CHUNK)
-    monkeypatch.setattr(filter_gradients, "LARGE_BATCH_CHUNK", CHUNK)
+    monkeypatch.setattr(chunks, "EXAMPLES_PER_CHUNK", CHUNK)
+    monkeypatch.setattr(chunks, "LARGE_BATCH_CHUNK", CHUNK)
     taken: list[str] = []
     original = chunked.chunked_gradients
     monkeypatch.setattr(
@@ -214,4 +214,4 @@ def test_dot_equals_the_rules_per_example_gradients_against_any_reference(case: 
 def test_a_batch_up_to_a_chunk_is_one_chunk_and_larger_ones_go_64_at_a_time(
     batch: int, size: int, count: int
 ) -> None:
-    assert [int(t) for t in filter_gradients.chunking(tf.constant(batch))] == [size, count]
+    assert [int(t) for t in chunks.chunking(tf.constant(batch))] == [size, count]

@@ -3,10 +3,9 @@
 from pathlib import Path
 
 import pytest
+from packaging import requirements, version
 
-tomllib = pytest.importorskip("tomllib")
-requirements = pytest.importorskip("packaging.requirements")
-version = pytest.importorskip("packaging.version")
+tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 
 ROOT = Path(__file__).resolve().parent.parent
 

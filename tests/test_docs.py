@@ -76,5 +76,5 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     api = (site / "api" / "index.html").read_text()
-    for name in ("GradientLog.most_influential", "analysis.self_influence", "plots.plot_steps"):
+    for name in ("GradientLog.most_influential", "analysis.step_quantiles", "plots.plot_steps"):
         assert f'id="keras_gradtrack.{name}"' in api

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from layers_without_rule import NoRule
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics
@@ -22,7 +23,7 @@ def model() -> Any:
     inputs = keras.Input((4, 3))
     sequence = keras.layers.Dense(5, activation="relu", name="sequence")(inputs)
     pooled = keras.layers.GlobalAveragePooling1D()(sequence)
-    hidden = keras.layers.PReLU(name="prelu")(pooled)
+    hidden = NoRule(name="no_rule")(pooled)
     outputs = keras.layers.Dense(2, name="head")(hidden)
     built = kgt.GradientTrackingModel(inputs, outputs)
     built.compile(
@@ -43,7 +44,7 @@ def traced_forward(built: Any) -> tuple[tracking.TrackingContext, Any, Any]:
 
 def test_the_plan_is_frozen_and_in_variable_order() -> None:
     tracked = model().gradient_tracking_plan()
-    assert [t.name for t in tracked] == ["sequence", "prelu", "head"]
+    assert [t.name for t in tracked] == ["sequence", "no_rule", "head"]
     assert [t.path for t in tracked] == ["rule:dense", plan.FALLBACK_PATH, "rule:dense"]
     with pytest.raises(AttributeError):
         tracked[0].name = "other"  # type: ignore[misc]

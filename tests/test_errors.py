@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 
@@ -135,7 +136,16 @@ def test_frozen_batch_normalization_is_fine(tmp_path: Path) -> None:
     model.compile(
         optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
-    model.fit(X, Y, verbose=0, callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")])
+    moving_mean = keras.ops.convert_to_numpy(norm.moving_mean)
+    expected = oracle_statistics(model, X, Y)
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
+    model.fit(X, Y, batch_size=len(X), shuffle=False, verbose=0, callbacks=[logger])
+    # Frozen, the layer normalizes with its moving moments and leaves them alone.
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(norm.moving_mean), moving_mean)
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        logged = {name: log.per_example(name) for name in log.per_example_names}
+        logged.update({name: log.per_step(name)[0] for name in log.per_step_names})
+    assert_matches_oracle(logged, expected)
 
 
 def test_model_without_trainable_weights_is_refused(tmp_path: Path) -> None:

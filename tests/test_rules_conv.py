@@ -21,7 +21,7 @@ from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
-from keras_gradtrack.rules import LayerCall, filter_gradients, lookup, rule_for
+from keras_gradtrack.rules import LayerCall, chunks, lookup
 from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs
 from keras_gradtrack.rules.ops import compiled_with_xla
@@ -368,8 +368,8 @@ def test_filter_gradients_in_chunks_of_examples_match_the_oracle(
 ) -> None:
     """Batches larger than a chunk take the loop over chunks of examples, the last
     one short: the per-example gradients are the same, in the examples' order."""
-    monkeypatch.setattr(filter_gradients, "EXAMPLES_PER_CHUNK", 3)
-    monkeypatch.setattr(filter_gradients, "LARGE_BATCH_CHUNK", 3)
+    monkeypatch.setattr(chunks, "EXAMPLES_PER_CHUNK", 3)
+    monkeypatch.setattr(chunks, "LARGE_BATCH_CHUNK", 3)
     assert BATCH > 3 and BATCH % 3
     inputs = keras.Input(input_shape)
     model = classifier(inputs, make()(inputs))
@@ -413,7 +413,7 @@ def test_channels_first_equals_channels_last(make: Callable[[], Any], input_shap
     def reference_first(variable: Any) -> tf.Tensor:
         return reference(twins[id(variable)])
 
-    rule = rule_for(last)
+    rule = lookup(last).rule
     assert rule is not None
     expected = rule.primitives(last, [LayerCall((x,), {}, output_grads=[d])], reference)
     call_first = LayerCall(

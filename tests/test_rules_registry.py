@@ -32,17 +32,13 @@ class Scale(keras.layers.Layer):
 def scale_per_example(layer: Any, calls: Any) -> list[tuple[Any, tf.Tensor]]:
     grads = []
     for call in calls:
-        x, d = call.inputs, call.output_grad
+        x, d = tf.cast(call.inputs, tf.float32), tf.cast(call.output_grad, tf.float32)
         grads.append(tf.reduce_sum(x * d, axis=list(range(1, len(x.shape) - 1))))
     return [(layer.w, tf.add_n(grads))]
 
 
-SCALE_RULE = kgt.rules.Rule(
-    "scale",
-    kgt.rules.primitives_of(scale_per_example),
-    split_activation=False,
-    per_example=scale_per_example,
-)
+# Scale has no `activation`: the default taps its outputs.
+SCALE_RULE = kgt.rules.Rule.from_per_example("scale", scale_per_example)
 
 
 class KeepsCall(keras.layers.Dense):
@@ -143,3 +139,65 @@ def test_dense_with_a_frozen_variable_stays_on_its_rule(frozen: str, rank: int) 
 def test_register_rule_checks_its_arguments(layer_class: Any, rule: Any, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         kgt.register_rule(layer_class, rule)
+
+
+def uncast_per_example(layer: Any, calls: Any) -> list[tuple[Any, tf.Tensor]]:
+    """Computes in the inputs' dtype: float16 gradients under mixed precision."""
+    x = calls[0].inputs
+    return [(layer.w, tf.reduce_sum(x * tf.cast(calls[0].output_grad, x.dtype), axis=1))]
+
+
+def misshaped_per_example(layer: Any, calls: Any) -> list[tuple[Any, tf.Tensor]]:
+    """Keeps the time axis: `(B, T, features)` for a `(features,)` weight."""
+    call = calls[0]
+    return [(layer.w, tf.cast(call.inputs * call.output_grad, tf.float32))]
+
+
+@pytest.mark.parametrize(
+    ("per_example", "policy", "error", "match"),
+    [
+        (uncast_per_example, "mixed_float16", TypeError, "must be float32.*dtype=float16"),
+        (
+            misshaped_per_example,
+            "float32",
+            ValueError,
+            r"laid out.*\(None, 4\).*shape=\(\d+, 5, 4\)",
+        ),
+    ],
+)
+def test_the_engine_names_the_rule_and_variable_that_break_the_contract(
+    registered: list[type], per_example: Any, policy: str, error: type, match: str
+) -> None:
+    kgt.register_rule(Scale, kgt.rules.Rule.from_per_example("bad_scale", per_example))
+    registered.append(Scale)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        model = model_with(Scale(name="scale"))
+        with pytest.raises(
+            error, match=f"Rule 'bad_scale' on layer 'scale', variable 'scale/w'.*{match}"
+        ):
+            model.gradient_statistics(X, Y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_the_documented_rule_holds_under_mixed_precision(registered: list[type]) -> None:
+    kgt.register_rule(Scale, SCALE_RULE)
+    registered.append(Scale)
+    reference = model_with(Scale(name="scale"))
+    expected = oracle_statistics(reference, X, Y)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = model_with(Scale(name="scale"))
+        model.set_weights(reference.get_weights())
+        stats = model.gradient_statistics(X, Y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    np.testing.assert_allclose(stats["grad_norm"], expected["grad_norm"], rtol=5e-3)
+
+
+def test_the_rules_package_exports_the_contract_not_the_engines_lookup() -> None:
+    exported = set(kgt.rules.__all__)
+    assert {"Rule", "LayerCall", "Reference", "register_rule", "PRELU"} <= exported
+    assert not exported & {"lookup", "Lookup", "rule_for"}
+    assert all(hasattr(kgt.rules, name) for name in exported)

@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from layers_without_rule import NoRule
 from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
@@ -95,7 +96,7 @@ def dense_on_4d_with_sequence_targets() -> Case:
 def fallback_layers() -> Case:
     inputs = keras.Input((10, 3))
     hidden = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="relu")(inputs)
-    hidden = keras.layers.PReLU(alpha_initializer="random_uniform")(hidden)  # no rule
+    hidden = NoRule(alpha_initializer="random_uniform")(hidden)
     hidden = keras.layers.Flatten()(hidden)
     outputs = keras.layers.Dense(3)(hidden)
     model = compiled(kgt.GradientTrackingModel(inputs, outputs), sparse_ce())

@@ -11,6 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack._keras_seam import flatten_layers, layer_losses, tf_variable
 from keras_gradtrack.engine.plan import TrackedLayer
 from keras_gradtrack.engine.taps import RecordedCall
 
@@ -35,7 +36,7 @@ def captured_handle(graph: Any, variable: Any) -> Any:
     A function graph captures either the handle itself or, when nested, the
     tensor that stands for it in an enclosing function graph.
     """
-    value = getattr(variable, "_value", variable)  # the tf.Variable under a Keras one
+    value = tf_variable(variable)
     handle = getattr(value, "handle", None)
 
     def inside(graph: Any) -> Any:
@@ -133,10 +134,10 @@ def refuse_activation_losses(model: Any) -> None:
     Such a term is added to the batch loss as one number: it reaches the taps'
     gradients but belongs to no example.
     """
-    for layer in model._flatten_layers(include_self=True):
+    for layer in flatten_layers(model):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ValueError(activity_regularizer_error(layer))
-        if layer._losses:
+        if layer_losses(layer):
             raise ValueError(added_loss_error(layer))
 
 

@@ -2,17 +2,16 @@
 one chunk of examples at a time and kept only as squared norms and a sum.
 
 A materialized layer's per-example gradients, `(B, n)`, are the largest tensors
-of a tracked step at large batches (ResNet-8's 64-channel convolutions at batch
-512: 72 MiB each, held as the loop's pieces and again as their concatenation).
+of a tracked step at large batches (held as the loop's pieces and again as their
+concatenation).
 When the layer's rule has `Rule.dot` (its linear map applied to the reference)
 and nothing else in the step reads the per-example gradients (no Gram matrix,
 targets or sketches), a batch not known to fit one chunk takes them
-`EXAMPLES_PER_CHUNK` at a time in a sequential loop: each chunk's squared norms
+`chunks.EXAMPLES_PER_CHUNK` at a time in a sequential loop (`chunks.chunk_loop`): each chunk's squared norms
 are kept and its gradients added to the batch gradient, then dropped;
 `<g_i, R>` comes from `Rule.dot` once R exists, again a chunk at a time. A batch
-known only at run time runs the loops once when it fits one chunk: a `tf.cond`
-between them and the whole batch would trace the layer's gradients twice, and
-measured no faster at batch 128 (`benchmarks/overhead.py`'s zoo).
+known only at run time runs the loops once when it fits one chunk (see
+`chunks.chunk_loop`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine.plan import TrackedLayer
-from keras_gradtrack.rules import LayerCall, Reference, filter_gradients
+from keras_gradtrack.rules import LayerCall, Reference, chunks
+from keras_gradtrack.rules.contract import checked_per_example
 from keras_gradtrack.rules.ops import compiling_with_xla, flat_per_example, sum_of_squares
 
 Calls = tuple[LayerCall, ...]
@@ -55,18 +55,14 @@ def takes_chunks(tracked: TrackedLayer, calls: Calls, keeps_per_example: bool) -
     """Whether a materialized layer's per-example gradients go chunk by chunk in this
     step: its rule has `dot`, nothing else reads them (`keeps_per_example` false),
     not under XLA (which plans the whole step's memory itself), the batch may
-    exceed one chunk, and an example's gradient is larger than its input and output.
-
-    Measured at batch 512 (peak RSS growth of a 5-step `fit`, fresh processes):
-    ResNet-8 872-910 MiB with its per-example gradients whole, 756-763 in chunks;
-    taking every layer's chunks, the early wide-output layers too, cost
-    MobileNetV2 80-110 MiB more than whole.
+    exceed one chunk, and an example's gradient is larger than its input and output
+    (chunking layers with wide outputs costs more memory than it saves:
+    docs/performance.md).
     """
     rule = tracked.rule
     if rule is None or rule.dot is None or keeps_per_example or compiling_with_xla():
         return False
-    batch = calls[0].tapped[0].shape[0]
-    if batch is not None and batch <= filter_gradients.EXAMPLES_PER_CHUNK:
+    if chunks.fits_one_chunk(calls[0].tapped[0].shape[0]):
         return False
     return outweighs_its_activations(tracked, calls)
 
@@ -94,50 +90,33 @@ def chunked_gradients(
         per_example: `(tracked, calls) -> [(b, n) per variable]`, the rule's
             per-example gradients of those calls, flat, in the variables' order.
     """
-    batch = tf.shape(calls[0].output_grad)[0]
-    chunk, count = filter_gradients.chunking(batch)
 
-    def body(
-        index: tf.Tensor, norms: tf.TensorArray, sums: list[tf.Tensor]
-    ) -> tuple[tf.Tensor, tf.TensorArray, list[tf.Tensor]]:
-        start = index * chunk
-        part = sliced(calls, start, tf.minimum(start + chunk, batch))
-        with filter_gradients.one_chunk_of_examples():
-            grads = per_example(tracked, part)
-        norms = norms.write(index, tf.add_n([sum_of_squares(g, axis=1) for g in grads]))
-        return index + 1, norms, [s + tf.reduce_sum(g, axis=0) for s, g in zip(sums, grads)]
+    def per_chunk(start: tf.Tensor, end: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        grads = per_example(tracked, sliced(calls, start, end))
+        norms = tf.add_n([sum_of_squares(g, axis=1) for g in grads])
+        return norms, [tf.reduce_sum(g, axis=0) for g in grads]
 
-    initial = (
-        tf.constant(0),
-        tf.TensorArray(tf.float32, size=count, infer_shape=False),
-        [tf.zeros([math.prod(v.shape)]) for v in tracked.variables],
-    )
-    _, norms, sums = tf.while_loop(
-        lambda index, *_: index < count, body, initial, parallel_iterations=1
-    )
-    return Chunked(norms.concat(), {id(v): s for v, s in zip(tracked.variables, sums)})
+    initial = [tf.zeros([math.prod(v.shape)]) for v in tracked.variables]
+    norms, sums = chunks.chunk_loop(batch_size(calls), per_chunk, sums=initial)
+    return Chunked(norms, {id(v): s for v, s in zip(tracked.variables, sums)})
 
 
 def over_chunks(calls: Calls, per_chunk: Callable[[Calls], tf.Tensor]) -> tf.Tensor:
-    """`(B,)` `per_chunk` of the calls' examples, a chunk at a time (`chunking`), in order."""
-    batch = tf.shape(calls[0].output_grad)[0]
-    chunk, count = filter_gradients.chunking(batch)
+    """`(B,)` `per_chunk` of the calls' examples, a chunk at a time, in order."""
+    rows, _ = chunks.chunk_loop(
+        batch_size(calls), lambda start, end: (per_chunk(sliced(calls, start, end)), [])
+    )
+    return rows
 
-    def body(index: tf.Tensor, parts: tf.TensorArray) -> tuple[tf.Tensor, tf.TensorArray]:
-        start = index * chunk
-        return index + 1, parts.write(
-            index, per_chunk(sliced(calls, start, tf.minimum(start + chunk, batch)))
-        )
 
-    initial = (tf.constant(0), tf.TensorArray(tf.float32, size=count, infer_shape=False))
-    _, parts = tf.while_loop(lambda index, _: index < count, body, initial, parallel_iterations=1)
-    return parts.concat()
+def batch_size(calls: Calls) -> tf.Tensor:
+    return tf.shape(calls[0].output_grad)[0]
 
 
 def sliced(calls: Sequence[LayerCall], start: tf.Tensor, end: tf.Tensor) -> Calls:
-    """The calls restricted to examples `start:end`: every tensor they hold of rank 1
-    or more is sliced along its first axis (`Rule.dot`'s condition: a rule with
-    `dot` reads only tensors whose first axis is the batch)."""
+    """The calls restricted to examples `start:end`, marked `one_chunk`: every tensor
+    they hold of rank 1 or more is sliced along its first axis (`Rule.dot`'s
+    condition: a rule with `dot` reads only tensors whose first axis is the batch)."""
 
     def cut(value: Any) -> Any:
         if isinstance(value, tf.Tensor) and value.shape.rank:
@@ -155,6 +134,7 @@ def sliced(calls: Sequence[LayerCall], start: tf.Tensor, end: tf.Tensor) -> Call
             tapped=cut_all(call.tapped),
             saved=cut_all(dict(call.saved)),
             output_grads=cut_all(call.output_grads),
+            one_chunk=True,
         )
         for call in calls
     )
@@ -164,14 +144,17 @@ def flat_gradients(tracked: TrackedLayer, calls: Calls) -> list[tf.Tensor]:
     """The rule's per-example gradients of the calls, `(B, n)` per variable in order.
 
     Raises:
-        ValueError: If the rule returns gradients of other variables than the layer's.
+        ValueError: If the rule returns gradients of other variables than the layer's,
+            or laid out otherwise than `(B, *variable.shape)`.
+        TypeError: If a gradient is not float32.
     """
-    assert tracked.rule is not None and tracked.rule.per_example is not None
-    pairs = tracked.rule.per_example(tracked.layer, calls)
+    rule = tracked.rule
+    assert rule is not None and rule.per_example is not None
+    pairs = checked_per_example(rule.name, tracked.layer, rule.per_example(tracked.layer, calls))
     grads = {id(variable): flat_per_example(grad) for variable, grad in pairs}
     if set(grads) != {id(v) for v in tracked.variables}:
         raise ValueError(
-            f"Rule {tracked.rule.name!r} returned per-example gradients for "
+            f"Rule {rule.name!r} returned per-example gradients for "
             f"{[v.path for v, _ in pairs]} on layer {tracked.layer.name!r}, whose "
             f"trainable variables are {[v.path for v in tracked.variables]}."
         )

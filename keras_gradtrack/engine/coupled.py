@@ -36,6 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack._keras_seam import flatten_layers
 from keras_gradtrack.engine.checks import captured_handle
 from keras_gradtrack.engine.plan import EXAMPLE_MIXING_LAYERS, TrackedLayer
 from keras_gradtrack.rules.batch_normalization import uses_batch_statistics
@@ -75,7 +76,7 @@ def mixing_layers(model: Any) -> list[Any]:
     """The model's layers that mix examples when called in training mode."""
     return [
         layer
-        for layer in model._flatten_layers(include_self=False)
+        for layer in flatten_layers(model, include_self=False)
         if isinstance(layer, EXAMPLE_MIXING_LAYERS) and layer.trainable
     ]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 EXAMPLE_ID_KEY = "example_id"
 
@@ -74,7 +74,7 @@ def split_example_ids(x: Any, validate: bool = True) -> tuple[Any, Any]:
 
 def unpack_batch(data: Any, validate: bool = True) -> tuple[Any, Any, Any, Any]:
     """`(x, y, sample_weight, example_ids)` of one batch as `fit` yields it."""
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x, ids = split_example_ids(x, validate)
     return x, y, sample_weight, ids
 
@@ -84,7 +84,7 @@ def strip_example_ids(data: Any, validate: bool = True) -> Any:
     x, y, sample_weight, ids = unpack_batch(data, validate)
     if ids is None:
         return data
-    return data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
+    return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
 
 def batch_size_of(x: Any) -> tf.Tensor:

@@ -11,7 +11,8 @@ from typing import Any
 
 import tensorflow as tf
 from keras import tree
-from keras.src.backend.tensorflow.trainer import _collective_all_reduce_multi_worker
+
+from keras_gradtrack._keras_seam import collective_all_reduce_multi_worker
 
 
 def num_replicas() -> int:
@@ -76,7 +77,7 @@ def unprotect(outputs: Any, strategy: tf.distribute.Strategy) -> Any:
     """
     if strategy.num_replicas_in_sync == 1:
         return outputs
-    if not _collective_all_reduce_multi_worker(strategy):
+    if not collective_all_reduce_multi_worker(strategy):
         outputs = tree.map_structure(lambda value: value[0], outputs)
     return _joined_int64(outputs)
 

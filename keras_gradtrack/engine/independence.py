@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from keras_gradtrack._keras_seam import flatten_layers
 from keras_gradtrack.engine.losses import recording_losses
 
 # Relative and absolute (to the largest value) tolerance of the comparison, by the
@@ -173,7 +174,7 @@ def mixing_error(model: Any, mixing: Mixing) -> ValueError:
 def state_variables(model: Any) -> list[Any]:
     """The variables a forward pass and a loss may change (states, statistics, metrics)."""
     variables = list(model.non_trainable_variables) + list(model.metrics_variables)
-    for layer in model._flatten_layers():
+    for layer in flatten_layers(model):
         # A stateful recurrent layer keeps its states as variables Keras does not track.
         states = getattr(layer, "states", None) if getattr(layer, "stateful", False) else None
         variables.extend(s for s in tree.flatten(states or []) if isinstance(s, keras.Variable))

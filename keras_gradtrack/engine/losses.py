@@ -1,7 +1,7 @@
 """Per-example losses from the batch loss: the reduction table.
 
 Every Keras loss reduces its weighted per-element values `v` (the loss times
-the sample and mask weights, shape `(B, ...)`) with `keras.src.losses.loss.
+the sample and mask weights, shape `(B, ...)`) with Keras' `loss_module.
 reduce_values`. While a tracked step is traced, that function is wrapped so
 that each reduction's `v` (a fresh copy, whose gradient the backward pass also
 takes) and its factor are recorded. The batch loss is linear in every `v`, so
@@ -29,8 +29,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
-from keras.src.losses import loss as keras_loss
 
+from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack.engine import distribute
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -70,7 +70,7 @@ def recording_losses() -> Iterator[LossRecorder]:
     Only a traced step runs inside (once per trace); the wrapper is removed on exit.
     """
     recorder = LossRecorder()
-    original = keras_loss.reduce_values
+    original = loss_module.reduce_values
 
     def recording_reduce_values(values: Any, sample_weight: Any = None, reduction: Any = None):
         shape = tuple(getattr(values, "shape", ()))
@@ -90,11 +90,11 @@ def recording_losses() -> Iterator[LossRecorder]:
         recorder.records.append(LossRecord(copy, reduction, factor))
         return original(copy, sample_weight, reduction)
 
-    keras_loss.reduce_values = recording_reduce_values
+    loss_module.reduce_values = recording_reduce_values
     try:
         yield recorder
     finally:
-        keras_loss.reduce_values = original
+        loss_module.reduce_values = original
 
 
 def loss_factor(records: Sequence[LossRecord], batch_size: tf.Tensor) -> tf.Tensor:

@@ -8,6 +8,7 @@ from typing import Any
 
 import keras
 
+from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
 from keras_gradtrack.rules import Rule, lookup
 
 FALLBACK_PATH = "fallback (per-layer vectorized Jacobian)"
@@ -73,7 +74,7 @@ def example_mixing_refusal(layer: Any, opted_in: bool = False) -> str:
 def refuse_example_mixing_layers(model: keras.Model) -> None:
     """Raises when a layer mixes examples in training and the model did not opt in to that."""
     opted_in = getattr(model, "track_batch_normalization", False)
-    for layer in model._flatten_layers(include_self=False):
+    for layer in flatten_layers(model, include_self=False):
         refusal = example_mixing_refusal(layer, opted_in)
         if refusal:
             raise ValueError(refusal)
@@ -106,7 +107,7 @@ def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]
     their variables too; the outermost such layer, when they nest.
     """
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    layers = list(model._flatten_layers(include_self=False))  # outer layers first
+    layers = list(flatten_layers(model, include_self=False))  # outer layers first
     covering = [layer for layer in layers if lookup(layer).covers_sublayers]
     owner: dict[int, Any] = {}
     for layer in covering:
@@ -114,7 +115,9 @@ def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]
             owner.setdefault(id(v), layer)
     groups = []
     for layer in layers:
-        variables = layer.trainable_variables if layer in covering else layer._trainable_variables
+        variables = (
+            layer.trainable_variables if layer in covering else own_trainable_variables(layer)
+        )
         own = [v for v in variables if id(v) in position and owner.get(id(v), layer) is layer]
         if own:
             groups.append((layer, sorted(own, key=lambda v: position[id(v)])))
@@ -151,7 +154,7 @@ def tracked_layers(model: keras.Model) -> Plan:
             "track. Received: model.trainable_variables=[]"
         )
     trainable_ids = {id(v) for v in trainable}
-    owned_by_model = [v for v in model._trainable_variables if id(v) in trainable_ids]
+    owned_by_model = [v for v in own_trainable_variables(model) if id(v) in trainable_ids]
     if owned_by_model:
         raise ValueError(
             "Variables created directly on the model cannot be tracked per layer; create "

@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack import statistics
+from keras_gradtrack._keras_seam import build_shapes, functional_inputs
 from keras_gradtrack.engine import checks
 from keras_gradtrack.engine.batchless import rows_mixing_errors
 from keras_gradtrack.engine.coupled import coupled_layer_names
@@ -314,12 +315,11 @@ def input_specs(model: Any, x: Any = None) -> Any:
     if x is not None:
         x, _ = split_example_ids(x, validate=False)
         return tree.map_structure(spec_of, x)
-    functional = getattr(model, "_functional", None) or model  # Sequential keeps one
-    inputs = getattr(functional, "_inputs_struct", None)
+    inputs = functional_inputs(model)
     if inputs is not None:
         return tree.map_structure(spec_of, inputs)
     # A subclassed model called once on one tensor remembers its shape (not its dtype).
-    shapes = list((getattr(model, "_build_shapes_dict", None) or {}).values())
+    shapes = build_shapes(model)
     if len(shapes) == 1 and is_shape(shapes[0]):
         return tf.TensorSpec([None, *shapes[0][1:]], tf.float32)
     return None
@@ -341,10 +341,7 @@ def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, st
 
     def forward(inputs: Any) -> None:
         with TrackingContext(model, plan, (), None, batch=inputs) as context:
-            if model._call_has_training_arg:
-                model(inputs, training=True)
-            else:
-                model(inputs)
+            model(inputs, training=True)  # Keras drops it where `call` has none
             context.stop_recording()
         graph, forward_ops = context.forward.graph, context.forward.range
         # Layers before a BatchNormalization in training (model.track_batch_normalization).

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from keras.src.saving import saving_lib
 
+from keras_gradtrack._keras_seam import saving_lib
 from keras_gradtrack.engine.backward import Calls
 from keras_gradtrack.engine.plan import DIRECT, MATERIALIZED, Plan, TrackedLayer, build_plan
 from keras_gradtrack.engine.targets import (

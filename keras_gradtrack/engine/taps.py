@@ -18,8 +18,8 @@ from typing import Any
 
 import tensorflow as tf
 from keras import tree
-from keras.src.backend.common.tensor_attributes import get_tensor_attr, set_tensor_attr
 
+from keras_gradtrack._keras_seam import KERAS_MASK, get_tensor_attr, set_tensor_attr
 from keras_gradtrack.engine.batchless import BatchDependence, broadcast_arguments
 from keras_gradtrack.rules.contract import LayerCall, Rule, Tapped
 
@@ -119,7 +119,7 @@ class LayerTap:
         if self.rule is not None and self.rule.tap is not None:
             tapped = self.rule.tap(self.layer, original, args, kwargs)
             return tapped.outputs, tapped
-        if self.rule is None or not self.rule.split_activation:
+        if self.rule is None or not self.rule.splits_activation(self.layer):
             # Fresh copies, one per output position: the gradient at a copy is what
             # reaches it from outside the call. At the call's own tensors it would also
             # include paths inside the call (an LSTM cell returns `h, [h, c]` with `h`
@@ -182,8 +182,8 @@ def installed(taps: Sequence[LayerTap]) -> Iterator[Sequence[LayerTap]]:
             tap.uninstall()
 
 
-# Attributes Keras attaches to tensors (`keras.src.backend.common.tensor_attributes`).
-KERAS_TENSOR_ATTRIBUTES = ("_keras_mask",)
+# Attributes Keras attaches to tensors.
+KERAS_TENSOR_ATTRIBUTES = (KERAS_MASK,)
 
 
 def carry_metadata(source: Any, target: Any) -> None:

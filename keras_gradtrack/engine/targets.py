@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from keras_gradtrack._keras_seam import compiled_loss
 from keras_gradtrack.engine import distribute, losses
 from keras_gradtrack.engine.backward import Backward, Calls
 from keras_gradtrack.engine.data import EXAMPLE_ID_KEY, check_example_ids, split_example_ids
@@ -168,7 +169,7 @@ def target_pass(
     Raises:
         ValueError: if the model has no compiled loss.
     """
-    if getattr(model, "_compile_loss", None) is None:
+    if compiled_loss(model) is None:
         raise ValueError(
             f"Targets' gradients need the loss of `compile(loss=...)`; model {model.name!r} "
             "was compiled without one."
@@ -180,11 +181,8 @@ def target_pass(
         silenced_loss_metrics(model),
         tf.GradientTape() as tape,
     ):
-        if model._call_has_training_arg:
-            prediction = model(x, training=False)
-        else:
-            prediction = model(x)
-        loss = model._compile_loss(y, prediction)
+        prediction = model(x, training=False)  # Keras drops it where `call` has none
+        loss = compiled_loss(model)(y, prediction)
         if loss_scale is not None:
             loss = loss * tf.cast(loss_scale, loss.dtype)
     losses.refuse_unknown_reductions(recorder)
@@ -277,7 +275,7 @@ def silenced_loss_metrics(model: Any) -> Iterator[None]:
     With several outputs, Keras' compiled loss updates a `<loss>_loss` metric per
     output whenever it runs; the targets' loss must not.
     """
-    metrics = list(getattr(model._compile_loss, "metrics", []))
+    metrics = list(getattr(compiled_loss(model), "metrics", []))
     shadowed = [metric.__dict__.get("update_state") for metric in metrics]
     for metric in metrics:
         metric.update_state = _ignored

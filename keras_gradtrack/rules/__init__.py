@@ -27,14 +27,12 @@ class Scale(keras.layers.Layer):  # y = x * w, one weight per feature
 
 def scale_per_example(layer, calls):
     grads = []
-    for call in calls:
-        x, d = call.inputs, call.output_grad  # both (B, ..., features)
+    for call in calls:  # both (B, ..., features), cast: float16 under mixed precision
+        x, d = tf.cast(call.inputs, tf.float32), tf.cast(call.output_grad, tf.float32)
         grads.append(tf.reduce_sum(x * d, axis=list(range(1, len(x.shape) - 1))))
-    return [(layer.w, tf.add_n(grads))]
+    return [(layer.w, tf.add_n(grads))]  # (B, *layer.w.shape), float32
 
-kgt.register_rule(Scale, kgt.rules.Rule(
-    "scale", kgt.rules.primitives_of(scale_per_example),
-    split_activation=False, per_example=scale_per_example))
+kgt.register_rule(Scale, kgt.rules.Rule.from_per_example("scale", scale_per_example))
 ```
 """
 
@@ -44,8 +42,8 @@ import dataclasses
 from typing import Any
 
 import keras
-from keras.src.applications.convnext import LayerScale
 
+from keras_gradtrack._keras_seam import LayerScale
 from keras_gradtrack.rules.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.rules.contract import (
     CrossFn,
@@ -71,6 +69,7 @@ from keras_gradtrack.rules.normalization import (
     RMS_NORMALIZATION,
 )
 from keras_gradtrack.rules.ops import materialized, primitives_of
+from keras_gradtrack.rules.prelu import PRELU
 from keras_gradtrack.rules.recurrent import RECURRENT
 from keras_gradtrack.rules.separable_conv import SEPARABLE_CONV
 
@@ -92,6 +91,7 @@ _REGISTRY: dict[type, Rule] = {
     keras.layers.RMSNormalization: RMS_NORMALIZATION,
     keras.layers.EinsumDense: EINSUM_DENSE,
     keras.layers.BatchNormalization: BATCH_NORMALIZATION,
+    keras.layers.PReLU: PRELU,
     LayerScale: LAYER_SCALE,
     keras.layers.RNN: RECURRENT,
     keras.layers.SimpleRNN: RECURRENT,
@@ -154,7 +154,10 @@ class Lookup:
 
 
 def lookup(layer: Any) -> Lookup:
-    """The rule for `layer`, along its class's MRO (see the module docstring)."""
+    """The rule for `layer`, along its class's MRO (see the module docstring).
+
+    The engine's, not public API (not in `__all__`): the plan and
+    `gradient_tracking_summary()` show which rule each layer takes."""
     mro = type(layer).__mro__
     for position, cls in enumerate(mro):
         rule = _REGISTRY.get(cls)
@@ -176,11 +179,6 @@ def lookup(layer: Any) -> Lookup:
     return Lookup(None, f"no rule registered for {type(layer).__name__}")
 
 
-def rule_for(layer: Any) -> Rule | None:
-    """The rule that computes `layer`'s primitives, or None for the fallback."""
-    return lookup(layer).rule
-
-
 __all__ = [
     "BATCH_NORMALIZATION",
     "CONV",
@@ -192,13 +190,13 @@ __all__ = [
     "GROUP_NORMALIZATION",
     "LAYER_NORMALIZATION",
     "LAYER_SCALE",
+    "PRELU",
     "RECURRENT",
     "RMS_NORMALIZATION",
     "SEPARABLE_CONV",
     "CrossFn",
     "LayerCall",
     "LayerPrimitives",
-    "Lookup",
     "PerExampleFn",
     "Projection",
     "Reference",
@@ -206,9 +204,7 @@ __all__ = [
     "RuleFn",
     "SketchFn",
     "Tapped",
-    "lookup",
     "materialized",
     "primitives_of",
     "register_rule",
-    "rule_for",
 ]

@@ -21,8 +21,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack._keras_seam import batch_moments
 from keras_gradtrack.rules.contract import LayerCall, Rule
-from keras_gradtrack.rules.ops import primitives_of, standardized_affine_per_example
+from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example
 
 
 def batch_normalization_applies(layer: Any) -> bool:
@@ -43,7 +44,7 @@ def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tenso
     if uses_batch_statistics(layer, call.args, call.kwargs):
         mask = call.args[2] if len(call.args) > 2 else call.kwargs.get("mask")
         # Keras' own moments: the same reduction, and masked calls weigh positions alike.
-        mean, variance = layer._moments(x, mask)
+        mean, variance = batch_moments(layer, x, mask)
     else:
         mean, variance = layer.moving_mean, layer.moving_variance
     shape = [1] * x.shape.rank
@@ -54,10 +55,8 @@ def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tenso
     return mean, tf.math.rsqrt(variance + layer.epsilon)
 
 
-def batch_normalization_per_example(
-    layer: Any, calls: Sequence[LayerCall]
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of BatchNormalization's gamma and beta.
+def batch_normalization_statistics(layer: Any) -> StatisticsFn:
+    """BatchNormalization's moments, as each call used them.
 
     Example:
 
@@ -65,19 +64,11 @@ def batch_normalization_per_example(
     # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} d_ihw * xhat_ihw,  g_i(beta) = sum_{h,w} d_ihw
     ```
     """
-    return standardized_affine_per_example(
-        calls,
-        lambda x, call: moments_of_call(layer, x, call),
-        lambda rank: [layer.axis % rank],
-        scale=getattr(layer, "gamma", None),
-        offset=getattr(layer, "beta", None),
-    )
+    return lambda x, call: moments_of_call(layer, x, call)
 
 
-BATCH_NORMALIZATION = Rule(
+BATCH_NORMALIZATION = Rule.from_per_example(
     "batch_normalization",
-    primitives_of(batch_normalization_per_example),
-    batch_normalization_applies,
-    split_activation=False,
-    per_example=batch_normalization_per_example,
+    normalization_per_example(batch_normalization_statistics, "gamma", "beta", True),
+    applies=batch_normalization_applies,
 )

@@ -10,6 +10,7 @@ the engine; the engine builds `LayerCall`s, and looks rules up in the registry
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -31,6 +32,9 @@ class LayerCall:
             structure), times one positive scalar the engine divides out of the
             rule's results; None in the shape tests, which run before the
             backward pass.
+        one_chunk: The engine's own loop over chunks of examples cut this call to
+            at most `EXAMPLES_PER_CHUNK` examples (`keras_gradtrack.rules.chunks`):
+            a rule adds no loop over chunks of its own.
     """
 
     args: tuple[Any, ...]
@@ -38,6 +42,7 @@ class LayerCall:
     tapped: tuple[tf.Tensor, ...] = ()
     saved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     output_grads: tuple[tf.Tensor, ...] | None = None
+    one_chunk: bool = False
 
     @property
     def inputs(self) -> Any:
@@ -150,8 +155,11 @@ SketchFn = Callable[[Any, Sequence[LayerCall], Projection], list[tuple[Any, tf.T
 # exceeds a chunk (`Rule.dot`).
 DotFn = Callable[[Any, Sequence[LayerCall], Reference], tf.Tensor]
 
-# Optional: (layer, calls) -> [(variable, (B, ...) per-example gradient)], one
-# pair per trainable variable of the layer, each `d l_i / d variable`.
+# Optional: (layer, calls) -> [(variable, per-example gradient)], one pair per
+# trainable variable of the layer, each `d l_i / d variable`, float32, laid out
+# `(B, *variable.shape)` (or the same values in another shape, such as `(B, n)`).
+# Under mixed precision the layer's inputs are float16 (and the output gradients
+# may be): cast both. The engine checks both (`checked_per_example`).
 PerExampleFn = Callable[[Any, Sequence[LayerCall]], list[tuple[Any, tf.Tensor]]]
 
 # (layer, calls) -> whether `per_example` is the cheaper form for the calls'
@@ -180,6 +188,56 @@ class Tapped(NamedTuple):
 TapFn = Callable[[Any, Callable[..., Any], tuple[Any, ...], Mapping[str, Any]], Tapped]
 
 
+def checked_per_example(
+    rule: str, layer: Any, pairs: list[tuple[Any, tf.Tensor]]
+) -> list[tuple[Any, tf.Tensor]]:
+    """`pairs` as a rule's `per_example` returned them, checked against the contract:
+    each gradient float32 and laid out `(B, *variable.shape)`, or another shape of
+    the same n values per example (flat, `(B, n)`).
+
+    Raises:
+        TypeError: If a gradient is not float32.
+        ValueError: If a gradient's static shape holds other than n values per example.
+    """
+    for variable, grad in pairs:
+        where = f"Rule {rule!r} on layer {layer.name!r}, variable {variable.path!r}"
+        if grad.dtype != tf.float32:
+            raise TypeError(
+                f"{where}: per-example gradients must be float32 (cast the layer's inputs "
+                f"and output gradients first). Received: dtype={grad.dtype.name}"
+            )
+        size = math.prod(variable.shape)
+        if grad.shape.rank is None:  # known only at run time (a chunk loop's result)
+            continue
+        per_example = grad.shape[1:]
+        if grad.shape.rank == 0 or (
+            per_example.is_fully_defined() and math.prod(per_example) != size
+        ):
+            raise ValueError(
+                f"{where}: per-example gradients must be laid out (batch, *variable.shape) "
+                f"= {(None, *variable.shape)}, or hold its {size} values per example in "
+                f"another shape. Received: shape={tuple(grad.shape)}"
+            )
+    return pairs
+
+
+def primitives_from(rule: str, per_example: PerExampleFn) -> RuleFn:
+    """The rule function computing a layer's primitives from its per-example
+    gradients (checked by `checked_per_example`)."""
+
+    def primitives(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> LayerPrimitives:
+        pairs = checked_per_example(rule, layer, per_example(layer, calls))
+        if not pairs:
+            raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
+        flat = [(tf.reshape(g, [tf.shape(g)[0], -1]), variable) for variable, g in pairs]
+        return LayerPrimitives(
+            sq_norm=tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g, _ in flat]),
+            dot=tf.add_n([tf.linalg.matvec(g, tf.reshape(reference(v), [-1])) for g, v in flat]),
+        )
+
+    return primitives
+
+
 def always(layer: Any, calls: Sequence[LayerCall]) -> bool:
     return True
 
@@ -199,7 +257,9 @@ class Rule:
             when LoRA or quantization replaced the kernel).
         split_activation: Whether the tap records the pre-activation output
             (the rule then receives `d l_i / d z_i` before the activation); the
-            layer must apply `self.activation` to its linear output in `call`.
+            layer must then apply `self.activation` once to its linear output in
+            `call`. None (the default): split where the layer has an
+            `activation`, otherwise tap the call's outputs.
         tap: Optional tap of the rule's own, run in place of the layer's call
             (see `TapFn`); `split_activation` is then ignored.
         gram: Optional Gram-matrix function (for `pairwise_cosine`).
@@ -221,7 +281,7 @@ class Rule:
             on targets), see `CrossFn`.
         sketch: Optional gradient sketches from the factors, see `SketchFn`.
         dot: Optional `<g_i, R>` through the layer's linear map (see `DotFn`).
-            With it, a batch of more than `EXAMPLES_PER_CHUNK` examples has its
+            With it, a batch of more than `chunks.EXAMPLES_PER_CHUNK` examples has its
             per-example gradients built one chunk at a time (the engine slices
             every tensor of rank 1 or more the calls hold along its first axis,
             so the layer's calls must hold only tensors whose first axis is the
@@ -235,20 +295,21 @@ class Rule:
     ```python
     def scale_per_example(layer, calls):
         # y = x * w (w broadcast over the batch): g_i = sum over positions of x_i * d_i
-        grads = [tf.reduce_sum(call.inputs * call.output_grad, axis=range(1, rank - 1))
-                 for call in calls]  # rank = len(call.inputs.shape)
+        grads = []
+        for call in calls:
+            x = tf.cast(call.inputs, tf.float32)
+            d = tf.cast(call.output_grad, tf.float32)
+            grads.append(tf.reduce_sum(x * d, axis=list(range(1, len(x.shape) - 1))))
         return [(layer.w, tf.add_n(grads))]
 
-    kgt.register_rule(Scale, kgt.rules.Rule(
-        "scale", kgt.rules.primitives_of(scale_per_example), split_activation=False,
-        per_example=scale_per_example))
+    kgt.register_rule(Scale, kgt.rules.Rule.from_per_example("scale", scale_per_example))
     ```
     """
 
     name: str
     primitives: RuleFn
     applies: Callable[[Any], bool] = covers_every_instance
-    split_activation: bool = True
+    split_activation: bool | None = None
     tap: TapFn | None = None
     gram: GramFn | None = None
     per_example: PerExampleFn | None = None
@@ -258,6 +319,34 @@ class Rule:
     sketch: SketchFn | None = None
     dot: DotFn | None = None
     kernels: Callable[[Any], str] | None = None
+
+    @classmethod
+    def from_per_example(cls, name: str, per_example: PerExampleFn, **options: Any) -> Rule:
+        """The rule of a layer whose per-example gradients are cheap to build: its
+        primitives, Gram matrix and batch gradient all come from `per_example`.
+
+        Args:
+            name: Short name shown in `gradient_tracking_summary()`.
+            per_example: `(layer, calls) -> [(variable, (B, *variable.shape) float32)]`,
+                one pair per trainable variable of the layer (see `PerExampleFn`).
+            **options: Other `Rule` fields (`applies`, `split_activation`, ...).
+
+        Returns:
+            The `Rule`.
+
+        Example:
+
+        ```python
+        kgt.register_rule(Scale, kgt.rules.Rule.from_per_example("scale", scale_per_example))
+        ```
+        """
+        return cls(name, primitives_from(name, per_example), per_example=per_example, **options)
+
+    def splits_activation(self, layer: Any) -> bool:
+        """Whether the tap records `layer`'s pre-activation output (see `split_activation`)."""
+        if self.split_activation is None:
+            return callable(getattr(layer, "activation", None))
+        return self.split_activation
 
     def derives_gradients(self, layer: Any, calls: Sequence[LayerCall]) -> bool:
         """Whether this step takes the layer's gradients from `per_example`."""

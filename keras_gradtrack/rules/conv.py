@@ -14,6 +14,7 @@ from typing import Any
 import tensorflow as tf
 from keras import ops
 
+from keras_gradtrack._keras_seam import causal_padding
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
@@ -22,30 +23,12 @@ from keras_gradtrack.rules.filter_gradients import (
 )
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
 from keras_gradtrack.rules.windows import (
-    Pairs,
     Window,
-    channels_last,
+    channels_last_pairs,
+    convolution_options,
     forward_dot,
-    grouped_kernel_primitives,
-    stacked_windows,
-    with_bias,
+    kernel_and_bias_primitives,
 )
-
-
-def input_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
-    """Per call, the layer input and the output gradient, channels last."""
-    return [
-        (
-            channels_last(call.inputs, layer.data_format),
-            channels_last(call.output_grad, layer.data_format),
-        )
-        for call in calls
-    ]
-
-
-def input_windows(layer: Any, calls: Sequence[LayerCall]) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Windows of the layer inputs at the output positions, and the output gradients."""
-    return stacked_windows(input_pairs(layer, calls), Window.of(layer))
 
 
 def kernel_materializes(
@@ -73,14 +56,14 @@ def conv_primitives(
     # g_i[k] = S_ik^T D_i,  ||g_i||^2 = sum_k ||S_ik^T D_i||^2 or <sum_k S_ik S_ik^T, D_i D_i^T>
     ```
     """
-    terms = []
-    if layer.kernel.trainable:
-        slices, targets = input_windows(layer, calls)
-        kernel_reference = tf.reshape(
-            reference(layer.kernel), [len(slices), -1, layer.kernel.shape[-1]]
-        )
-        terms.append(grouped_kernel_primitives(slices, targets, layer.groups, kernel_reference))
-    return with_bias(layer, calls, reference, terms)
+    return kernel_and_bias_primitives(
+        layer,
+        calls,
+        reference,
+        channels_last_pairs(layer, calls),
+        layer.groups,
+        [-1, layer.kernel.shape[-1]],
+    )
 
 
 def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
@@ -95,17 +78,10 @@ def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf
     """
 
     def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
-        padding = layer.padding
-        if padding == "causal":  # as Conv1D's own call
-            inputs, padding = ops.pad(inputs, layer._compute_causal_padding()), "valid"
-        return ops.conv(
-            inputs,
-            kernel,
-            strides=list(layer.strides),
-            padding=padding,
-            dilation_rate=layer.dilation_rate,
-            data_format=layer.data_format,
-        )
+        if layer.padding == "causal":  # as Conv1D's own call
+            inputs = ops.pad(inputs, causal_padding(layer))
+            return ops.conv(inputs, kernel, **convolution_options(layer, padding="valid"))
+        return ops.conv(inputs, kernel, **convolution_options(layer))
 
     return forward_dot(layer, calls, reference, convolved)
 
@@ -119,7 +95,9 @@ def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
 
 def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a Conv1D/2D/3D layer's kernel and bias."""
-    return kernel_and_bias_per_example(layer, calls, input_pairs(layer, calls), layer.groups)
+    return kernel_and_bias_per_example(
+        layer, calls, channels_last_pairs(layer, calls), layer.groups
+    )
 
 
 def depthwise_primitives(
@@ -136,27 +114,16 @@ def depthwise_primitives(
     # g_i[k, c, m] = sum_p S_ik[p, c] D_i[p, c * M + m]
     ```
     """
-    terms = []
-    if layer.kernel.trainable:
-        slices, targets = input_windows(layer, calls)
-        kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), 1, -1])
-        channels = layer.kernel.shape[-2]
-        terms.append(grouped_kernel_primitives(slices, targets, channels, kernel_reference))
-    return with_bias(layer, calls, reference, terms)
+    return kernel_and_bias_primitives(
+        layer, calls, reference, channels_last_pairs(layer, calls), layer.kernel.shape[-2], [1, -1]
+    )
 
 
 def depthwise_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
     """`(B,)` `<g_i, R>` without per-example gradients (see `conv_dot`)."""
 
     def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
-        return ops.depthwise_conv(
-            inputs,
-            kernel,
-            strides=layer.strides,
-            padding=layer.padding,
-            dilation_rate=layer.dilation_rate,
-            data_format=layer.data_format,
-        )
+        return ops.depthwise_conv(inputs, kernel, **convolution_options(layer))
 
     return forward_dot(layer, calls, reference, convolved)
 
@@ -170,7 +137,7 @@ def depthwise_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
 def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a DepthwiseConv1D/2D layer's kernel and bias."""
     channels = layer.kernel.shape[-2]
-    return kernel_and_bias_per_example(layer, calls, input_pairs(layer, calls), channels)
+    return kernel_and_bias_per_example(layer, calls, channels_last_pairs(layer, calls), channels)
 
 
 CONV = Rule(

@@ -17,6 +17,7 @@ from typing import Any
 import tensorflow as tf
 from keras import ops
 
+from keras_gradtrack.rules import windows
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
@@ -24,39 +25,12 @@ from keras_gradtrack.rules.filter_gradients import (
     kernel_and_bias_per_example,
 )
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
-from keras_gradtrack.rules.windows import (
-    Pairs,
-    Window,
-    channels_last,
-    forward_dot,
-    grouped_kernel_primitives,
-    stacked_windows,
-    with_bias,
-)
 
 
 def conv_transpose_applies(layer: Any) -> bool:
     """As for convolutions, but not dilated: TensorFlow runs those on CPU only under
     XLA, so the rule has no oracle check for them (the fallback is exact)."""
     return has_plain_weights(layer) and all(rate == 1 for rate in layer.dilation_rate)
-
-
-def output_grad_pairs(layer: Any, calls: Sequence[LayerCall]) -> Pairs:
-    """Per call, the output gradient (which the kernel's windows slide over) and the input."""
-    return [
-        (
-            channels_last(call.output_grad, layer.data_format),
-            channels_last(call.inputs, layer.data_format),
-        )
-        for call in calls
-    ]
-
-
-def output_grad_windows(
-    layer: Any, calls: Sequence[LayerCall]
-) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Windows of the output gradients at the input positions, and the inputs."""
-    return stacked_windows(output_grad_pairs(layer, calls), Window.of(layer))
 
 
 def conv_transpose_primitives(
@@ -71,14 +45,10 @@ def conv_transpose_primitives(
     # g_i[k] = S_ik^T x_i,  ||g_i||^2 = sum_k ||S_ik^T x_i||^2 or <sum_k S_ik S_ik^T, x_i x_i^T>
     ```
     """
-    terms = []
-    if layer.kernel.trainable:
-        slices, targets = output_grad_windows(layer, calls)
-        kernel_reference = tf.reshape(
-            reference(layer.kernel), [len(slices), *layer.kernel.shape[-2:]]
-        )
-        terms.append(grouped_kernel_primitives(slices, targets, 1, kernel_reference))
-    return with_bias(layer, calls, reference, terms)
+    pairs = windows.channels_last_pairs(layer, calls, swapped=True)
+    return windows.kernel_and_bias_primitives(
+        layer, calls, reference, pairs, 1, layer.kernel.shape[-2:]
+    )
 
 
 def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
@@ -87,17 +57,10 @@ def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Refere
     plus the bias term."""
 
     def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
-        return ops.conv_transpose(
-            inputs,
-            kernel,
-            strides=list(layer.strides),
-            padding=layer.padding,
-            output_padding=layer.output_padding,
-            dilation_rate=layer.dilation_rate,
-            data_format=layer.data_format,
-        )
+        options = windows.convolution_options(layer, output_padding=layer.output_padding)
+        return ops.conv_transpose(inputs, kernel, **options)
 
-    return forward_dot(layer, calls, reference, convolved)
+    return windows.forward_dot(layer, calls, reference, convolved)
 
 
 def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
@@ -115,7 +78,9 @@ def conv_transpose_per_example(
     layer: Any, calls: Sequence[LayerCall]
 ) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of a transposed convolution's kernel and bias."""
-    return kernel_and_bias_per_example(layer, calls, output_grad_pairs(layer, calls), 1)
+    return kernel_and_bias_per_example(
+        layer, calls, windows.channels_last_pairs(layer, calls, swapped=True), 1
+    )
 
 
 CONV_TRANSPOSE = Rule(
@@ -126,5 +91,7 @@ CONV_TRANSPOSE = Rule(
     materializes=conv_transpose_materializes,
     dot=conv_transpose_dot,
     # The windows slide over the output gradient (the kernel's `filters` axis).
-    kernels=lambda layer: filter_gradient_kernel(1, layer.kernel.shape[-2], Window.of(layer)),
+    kernels=lambda layer: filter_gradient_kernel(
+        1, layer.kernel.shape[-2], windows.Window.of(layer)
+    ),
 )

@@ -23,8 +23,8 @@ def gram_is_cheaper(positions: int | None, width_in: int, width_out: int) -> Any
 MATERIALIZE_MAX_VALUES = 2**16
 
 # One pass over a tensor, in multiply-adds of a matrix product of the same
-# time on this class of CPU (measured: ~1 ns per element against ~0.06 ns per
-# multiply-add), times the passes a materialized gradient takes (sum, norm, dot).
+# time (a CPU calibration, docs/performance.md), times the passes a materialized
+# gradient takes (sum, norm, dot).
 MATERIALIZED_PASS_COST = 16
 
 

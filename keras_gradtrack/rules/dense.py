@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.cost import gram_is_cheaper, materializing_is_cheaper
 from keras_gradtrack.rules.ops import (
+    along_time,
     cross_of,
     flat_per_example,
     gram_of,
@@ -26,6 +27,7 @@ from keras_gradtrack.rules.ops import (
     sequence_kernel_sq_norm,
     sum_of_squares,
     summed,
+    summed_bias_gradient,
     zero_primitives,
 )
 
@@ -49,24 +51,27 @@ def as_sequences(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tens
     `layer`'s kernel gives `d_in` and `d_out` where the static shape lost them (a
     Flatten after a dilated convolution, with the batch size unknown).
     """
-    inputs, grads = [], []
-    for call in calls:
+
+    def sequences(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
         a = tf.cast(call.inputs, tf.float32)
         d = tf.cast(call.output_grad, tf.float32)
         if layer is not None and (a.shape[-1] is None or d.shape[-1] is None):
             a = tf.ensure_shape(a, [*a.shape[:-1], layer.kernel.shape[0]])
             d = tf.ensure_shape(d, [*d.shape[:-1], layer.kernel.shape[1]])
-        inputs.append(reshape_per_example(a, [-1, a.shape[-1]]))
-        grads.append(reshape_per_example(d, [-1, d.shape[-1]]))
-    if len(calls) == 1:
-        return inputs[0], grads[0]
-    return tf.concat(inputs, axis=1), tf.concat(grads, axis=1)
+        return reshape_per_example(a, [-1, a.shape[-1]]), reshape_per_example(d, [-1, d.shape[-1]])
+
+    a, d = along_time(calls, sequences)
+    return a, d
 
 
 def dense_primitives(
     layer: Any, calls: Sequence[LayerCall], reference: Reference
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for a Dense layer.
+
+    On 2-D inputs (one step per example) by `dense_2d_primitives`; on sequences, the
+    kernel's squared norm by `sequence_kernel_sq_norm` (Gram matrices or the
+    materialized product, whichever costs less) and the bias's from its sum over time.
 
     Example:
 
@@ -89,7 +94,7 @@ def dense_primitives(
             )
         )
     if bias is not None:
-        terms.append(materialized([tf.reduce_sum(d, axis=1)], [reference(bias)]))
+        terms.append(materialized([summed_bias_gradient(calls, bias.shape)], [reference(bias)]))
     if not terms:
         return zero_primitives(d)
     return summed(terms)
@@ -182,7 +187,7 @@ def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any,
     if kernel is not None:
         pairs.append((kernel, tf.einsum("btd,bte->bde", a, d)))
     if bias is not None:
-        pairs.append((bias, tf.reduce_sum(d, axis=1)))
+        pairs.append((bias, summed_bias_gradient(calls, bias.shape)))
     return pairs
 
 

@@ -29,7 +29,13 @@ import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.cost import gram_is_cheaper, materializing_is_cheaper
-from keras_gradtrack.rules.ops import has_plain_weights, reshape_per_example, sum_of_squares
+from keras_gradtrack.rules.ops import (
+    has_plain_weights,
+    reshape_per_example,
+    stacked_along_time,
+    sum_of_squares,
+    summed_bias_gradient,
+)
 
 EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
@@ -138,29 +144,7 @@ def canonical_operands(
         inputs.append(reshape_per_example(x, [shared, -1, contracted]))
         grads.append(reshape_per_example(d, [shared, -1, produced]))
     assert roles is not None
-    if len(calls) == 1:
-        return roles, inputs[0], grads[0]
-    return roles, tf.concat(inputs, axis=2), tf.concat(grads, axis=2)
-
-
-def bias_gradient(d: tf.Tensor, bias_shape: Sequence[int]) -> tf.Tensor:
-    """Per-example gradient of a bias added with broadcasting to `d`, flattened to `(B, -1)`."""
-    offset = d.shape.rank - len(bias_shape)
-    if offset < 1:
-        raise ValueError(
-            f"The bias spans the batch axis. Received: bias shape={tuple(bias_shape)}, "
-            f"output shape={d.shape}"
-        )
-    broadcast = [offset + j for j, size in enumerate(bias_shape) if size == 1]
-    summed = tf.reduce_sum(d, axis=list(range(1, offset)) + broadcast)
-    return tf.reshape(summed, [tf.shape(d)[0], -1])
-
-
-def bias_sum(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
-    """`(B, bias size)`: the bias gradient of every call, summed."""
-    return tf.add_n(
-        [bias_gradient(tf.cast(c.output_grad, tf.float32), layer.bias.shape) for c in calls]
-    )
+    return roles, stacked_along_time(inputs, axis=2), stacked_along_time(grads, axis=2)
 
 
 def einsum_dense_primitives(
@@ -195,7 +179,7 @@ def einsum_dense_primitives(
             sq_norm += sum_of_squares(per_example_kernel, axis=[1, 2, 3])
             dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
     if layer.bias is not None and layer.bias.trainable:
-        bias_grad = bias_sum(layer, calls)
+        bias_grad = summed_bias_gradient(calls, layer.bias.shape)
         sq_norm += sum_of_squares(bias_grad, axis=1)
         dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
@@ -238,7 +222,7 @@ def einsum_dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tup
         )
         pairs.append((layer.kernel, per_example))
     if layer.bias is not None and layer.bias.trainable:
-        pairs.append((layer.bias, bias_sum(layer, calls)))
+        pairs.append((layer.bias, summed_bias_gradient(calls, layer.bias.shape)))
     return pairs
 
 

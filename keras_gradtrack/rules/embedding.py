@@ -16,12 +16,16 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
-from keras_gradtrack.rules.ops import has_plain_weights, reshape_per_example, sum_of_squares
+from keras_gradtrack.rules.ops import (
+    along_time,
+    has_plain_weights,
+    reshape_per_example,
+    sum_of_squares,
+)
 
 # Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
 # matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
-# it the Gram form loses quickly (measured on CPU, B=128, dim 16 to 512: at T=128
-# it is 1.2x to 6x slower, at T=512 6x to 35x).
+# it the Gram form, quadratic in T, loses quickly (docs/performance.md).
 GRAM_MAX_TOKENS = 32
 
 
@@ -48,15 +52,14 @@ def token_ids(layer: Any, call: LayerCall) -> tf.Tensor:
 
 def as_token_sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
     """Stacks every call's ids and output gradients as `(B, T)` int64 and `(B, T, dim)`."""
-    ids, grads = [], []
-    for call in calls:
-        call_ids = tf.cast(token_ids(layer, call), tf.int64)
+
+    def sequences(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+        ids = tf.cast(token_ids(layer, call), tf.int64)
         d = tf.cast(call.output_grad, tf.float32)
-        ids.append(reshape_per_example(call_ids, [-1]))
-        grads.append(reshape_per_example(d, [-1, d.shape[-1]]))
-    if len(calls) == 1:
-        return ids[0], grads[0]
-    return tf.concat(ids, axis=1), tf.concat(grads, axis=1)
+        return reshape_per_example(ids, [-1]), reshape_per_example(d, [-1, d.shape[-1]])
+
+    ids, d = along_time(calls, sequences)
+    return ids, d
 
 
 def masked_gram_sq_norm(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:

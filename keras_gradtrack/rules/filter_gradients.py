@@ -11,16 +11,15 @@ and the windows' products (`keras_gradtrack.rules.windows`) everywhere else.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.util import _pywrap_util_port
 
+from keras_gradtrack._keras_seam import is_onednn_enabled
+from keras_gradtrack.rules import chunks
 from keras_gradtrack.rules.contract import LayerCall
 from keras_gradtrack.rules.ops import compiling_with_xla
 from keras_gradtrack.rules.windows import (
@@ -38,41 +37,13 @@ DEPTHWISE = "DepthwiseConv2dNativeBackpropFilter, examples as channels"
 GROUPED = "Conv2DBackpropFilter (oneDNN), examples as groups"
 WINDOWS = "window products"
 
-# The per-example kernel gradients are computed for this many examples at a
-# time, one chunk after the other: the filter gradients' examples-as-channels
-# copies of the input and output gradient (and oneDNN's reorders of them), or
-# the windows' copies, are then a chunk's, not the batch's. At batch 512 the
-# CNN's second convolution held 78 MiB of such copies at once, ResNet-8's first
-# 54 MiB of windows; in chunks of 128, a quarter.
-EXAMPLES_PER_CHUNK = 128
-
-# A batch of more than EXAMPLES_PER_CHUNK examples goes this many at a time: the
-# chunk's temporaries of two layers' loops coexist at the step's peak (CNN at batch
-# 512: peak RSS growth 267 MiB in chunks of 128, 242-245 in chunks of 64;
-# autoencoder 419 and 375-386; MobileNetV2 the same). A batch up to
-# EXAMPLES_PER_CHUNK stays one chunk, so the steps at batch 128 do not change.
-LARGE_BATCH_CHUNK = 64
-
-_ONE_CHUNK = contextvars.ContextVar("one_chunk_of_examples", default=False)
-
-
-@contextlib.contextmanager
-def one_chunk_of_examples() -> Iterator[None]:
-    """Rules traced inside run on at most `EXAMPLES_PER_CHUNK` examples (the engine's
-    own loop over chunks): `in_chunks` adds no loop of its own."""
-    token = _ONE_CHUNK.set(True)
-    try:
-        yield
-    finally:
-        _ONE_CHUNK.reset(token)
-
 
 def filter_gradient_form(groups: int, channels: int | None, window: Window) -> str:
     """Which kernel computes the per-example kernel gradients for these shapes here.
 
     Up to `FEW_CHANNELS` ungrouped channels (an image input), the windows' one
-    product over all offsets (for one channel 2-3x faster than the depthwise
-    filter gradient, and without its copy of the output gradient); a 1x1 kernel,
+    product over all offsets (faster than the depthwise filter gradient there,
+    and without its copy of the output gradient); a 1x1 kernel,
     the one product of its one window (the input itself, at stride 1); depthwise
     kernels (one channel per group) the depthwise filter gradient
     (`depthwise_native`); other ungrouped 1-D and 2-D kernels the grouped
@@ -88,14 +59,16 @@ def filter_gradient_form(groups: int, channels: int | None, window: Window) -> s
     return WINDOWS
 
 
-def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> tf.Tensor:
+def per_example_filter_gradients(
+    pairs: Pairs, window: Window, groups: int, one_chunk: bool = False
+) -> tf.Tensor:
     """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)`
-    pairs, by the kernel `filter_gradient_form` picks."""
+    pairs, by the kernel `filter_gradient_form` picks (`in_chunks`: `one_chunk` says
+    the examples are at most one chunk)."""
     form = filter_gradient_form(groups, pairs[0][0].shape[-1], window)
-    if form == DEPTHWISE:
-        return tf.add_n([in_chunks(depthwise_filter_gradients, s, t, window) for s, t in pairs])
-    if form == GROUPED:
-        return tf.add_n([in_chunks(grouped_filter_gradients, s, t, window) for s, t in pairs])
+    kernel = {DEPTHWISE: depthwise_filter_gradients, GROUPED: grouped_filter_gradients}.get(form)
+    if kernel is not None:
+        return tf.add_n([in_chunks(kernel, s, t, window, one_chunk) for s, t in pairs])
     if compiling_with_xla():
         # XLA plans the memory of the whole step itself.
         slices, targets = stacked_windows(pairs, window)
@@ -105,7 +78,7 @@ def per_example_filter_gradients(pairs: Pairs, window: Window, groups: int) -> t
         slices, targets = stacked_windows([(source, target)], window)
         return per_example_kernel_gradients(slices, targets, groups)
 
-    return tf.add_n([in_chunks(products, s, t, window) for s, t in pairs])
+    return tf.add_n([in_chunks(products, s, t, window, one_chunk) for s, t in pairs])
 
 
 def filter_gradient_kernel(groups: int, channels: int, window: Window) -> str:
@@ -143,44 +116,24 @@ def grouped_filter_gradient_runs() -> bool:
 @functools.lru_cache(maxsize=1)
 def onednn_cpu_only() -> bool:
     """oneDNN on and no GPU (fixed for the life of the process)."""
-    return bool(_pywrap_util_port.IsMklEnabled()) and not tf.config.list_logical_devices("GPU")
+    return is_onednn_enabled() and not tf.config.list_logical_devices("GPU")
 
 
-def chunking(batch: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """`(examples per chunk, number of chunks)` for a batch of `batch` examples."""
-    size = tf.where(batch <= EXAMPLES_PER_CHUNK, EXAMPLES_PER_CHUNK, LARGE_BATCH_CHUNK)
-    return size, (batch + size - 1) // size
-
-
-def in_chunks(gradients: Any, source: tf.Tensor, target: tf.Tensor, window: Window) -> tf.Tensor:
+def in_chunks(
+    gradients: Any, source: tf.Tensor, target: tf.Tensor, window: Window, one_chunk: bool
+) -> tf.Tensor:
     """`gradients(source, target, window)`, `(B, n)`, computed a chunk of examples at a
-    time (`chunking`) in a loop of one iteration at a time.
-
-    The loop orders the chunks: as separate ops, the executor would run them
-    side by side and hold every chunk's copies at once. Only a batch known
-    to fit one chunk when the step is traced skips the loop; a batch known only
-    at run time takes it (once, when it fits one chunk). A `tf.cond` between the
-    loop and the whole batch would trace the gradients twice, which cost
-    MobileNetV2's tracked `fit` 130 MiB of peak memory in tracing alone and
-    measured no faster at batch 128.
-    """
-    batch_size = source.shape[0]
-    if _ONE_CHUNK.get() or (batch_size is not None and batch_size <= EXAMPLES_PER_CHUNK):
+    time (`chunks.chunk_loop`): each chunk's copies of the input and output gradient
+    exist one chunk at a time. Without a loop where the examples are `one_chunk`
+    (the engine's own loop cut them) or the traced batch fits one chunk."""
+    if one_chunk or chunks.fits_one_chunk(source.shape[0]):
         return gradients(source, target, window)
-    batch = tf.shape(source)[0]
-    chunk, count = chunking(batch)
-    parts = tf.TensorArray(source.dtype, size=count, infer_shape=False)
 
-    def body(index: tf.Tensor, parts: tf.TensorArray) -> tuple[tf.Tensor, tf.TensorArray]:
-        start = index * chunk
-        end = tf.minimum(start + chunk, batch)
-        part = gradients(source[start:end], target[start:end], window)
-        return index + 1, parts.write(index, part)
+    def per_chunk(start: tf.Tensor, end: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        return gradients(source[start:end], target[start:end], window), []
 
-    _, chunks = tf.while_loop(
-        lambda index, _: index < count, body, (tf.constant(0), parts), parallel_iterations=1
-    )
-    return chunks.concat()
+    rows, _ = chunks.chunk_loop(tf.shape(source)[0], per_chunk, source.dtype)
+    return rows
 
 
 def as_two_dimensional(
@@ -199,8 +152,8 @@ def as_two_dimensional(
 def examples_as_channels(tensor: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
     """`(B, H, W, C)` as one example of `B C` channels, `(1, H, W, B C)`.
 
-    The axes move by einsum rather than tf.transpose: with oneDNN on, the
-    latter took 1.5x as long for such shapes (CNN step at batch 128).
+    The axes move by einsum rather than tf.transpose, which oneDNN runs slower
+    for such shapes (docs/performance.md).
     """
     shape = tf.shape(tensor)
     moved = tf.einsum("bhwc->hwbc", tensor)
@@ -213,9 +166,8 @@ def grouped_filter_gradients(source: tf.Tensor, target: tf.Tensor, window: Windo
     The examples become the groups of one grouped convolution, `B C` channels
     in and `B F` out, so its filter gradient holds every example's kernel
     gradient in the kernel's layout, with no window copies. On CPU with oneDNN
-    it runs as fast as the windows' products or faster (CNN 1.30x against
-    1.29x, ResNet-8 1.50x against 1.53x, `benchmarks/conv_kernels.py`) and holds
-    much less memory (no `(B, P, C)` copy per kernel offset).
+    it runs as fast as the windows' products and holds much less memory (no
+    `(B, P, C)` copy per kernel offset; `benchmarks/conv_kernels.py`).
 
     Args:
         source: `(B, *spatial, C)`, the tensor the kernel slides over.
@@ -275,13 +227,14 @@ def kernel_and_bias_per_example(
         layer: The layer (its kernel, bias, geometry).
         calls: Its calls in this step.
         windowed: Per call, `(source, target)`: the kernel's windows slide over
-            the source at the target's positions (`input_pairs`, or the swapped
+            the source at the target's positions (`channels_last_pairs`, or the swapped
             roles of a transposed convolution).
         groups: Number of channel groups.
     """
     pairs = []
     if layer.kernel.trainable:
-        kernel_grad = per_example_filter_gradients(windowed, Window.of(layer), groups)
+        window, one_chunk = Window.of(layer), calls[0].one_chunk
+        kernel_grad = per_example_filter_gradients(windowed, window, groups, one_chunk)
         pairs.append((layer.kernel, kernel_grad))
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:

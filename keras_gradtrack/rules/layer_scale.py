@@ -13,7 +13,6 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.rules.contract import LayerCall, Rule
-from keras_gradtrack.rules.ops import primitives_of
 
 
 def layer_scale_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
@@ -33,9 +32,4 @@ def layer_scale_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tupl
     return [(layer.gamma, tf.add_n(grads))]
 
 
-LAYER_SCALE = Rule(
-    "layer_scale",
-    primitives_of(layer_scale_per_example),
-    split_activation=False,
-    per_example=layer_scale_per_example,
-)
+LAYER_SCALE = Rule.from_per_example("layer_scale", layer_scale_per_example)

@@ -21,12 +21,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_gradtrack.rules.contract import LayerCall, PerExampleFn, Rule
-from keras_gradtrack.rules.ops import (
-    affine_per_example,
-    primitives_of,
-    standardized_affine_per_example,
-)
+from keras_gradtrack._keras_seam import reshape_into_groups
+from keras_gradtrack.rules.contract import LayerCall, Rule
+from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example, normalized_axes
 
 
 def built_input_rank(layer: Any) -> int | None:
@@ -35,19 +32,6 @@ def built_input_rank(layer: Any) -> int | None:
     if shape is None or not isinstance(shape, (list, tuple)):
         return None
     return len(shape)
-
-
-def normalized_axes(layer: Any, axis: int | Sequence[int], rank: int) -> list[int]:
-    """`axis` as sorted non-negative ints; raises if it includes the batch axis."""
-    axes = sorted(a % rank for a in ([axis] if isinstance(axis, int) else axis))
-    if 0 in axes:
-        raise ValueError(
-            f"Layer {layer.name!r} ({type(layer).__name__}) normalizes over the batch "
-            "axis, so an example's output depends on the other examples and "
-            f"per-example gradients are not defined. Received: axis={axis} for an input "
-            f"of rank {rank}"
-        )
-    return axes
 
 
 def excludes_batch_axis(layer: Any, axis: int | Sequence[int]) -> bool:
@@ -68,10 +52,8 @@ def layer_normalization_applies(layer: Any) -> bool:
     return excludes_batch_axis(layer, layer.axis)
 
 
-def layer_normalization_per_example(
-    layer: Any, calls: Sequence[LayerCall]
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of LayerNormalization (also with `rms_scaling=True`).
+def layer_normalization_statistics(layer: Any) -> StatisticsFn:
+    """LayerNormalization's moments per example (also with `rms_scaling=True`).
 
     Example:
 
@@ -81,23 +63,16 @@ def layer_normalization_per_example(
     """
     epsilon = epsilon_of(layer)
 
-    def normalize(x: tf.Tensor, call: LayerCall) -> tf.Tensor:
+    def statistics(x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor | None, tf.Tensor]:
         axes = normalized_axes(layer, layer.axis, x.shape.rank)
         if layer.rms_scaling:
             # The layer's (deprecated) rms_scaling divides by the standard deviation.
             variance = tf.math.reduce_variance(x, axis=axes, keepdims=True)
-            return x * tf.math.rsqrt(variance + epsilon)
+            return None, tf.math.rsqrt(variance + epsilon)
         mean, variance = tf.nn.moments(x, axes, keepdims=True)
-        inverse = tf.math.rsqrt(variance + epsilon)
-        return x * inverse - mean * inverse
+        return mean, tf.math.rsqrt(variance + epsilon)
 
-    return affine_per_example(
-        calls,
-        normalize,
-        lambda rank: normalized_axes(layer, layer.axis, rank),
-        scale=layer.gamma,
-        offset=layer.beta,
-    )
+    return statistics
 
 
 def group_normalization_applies(layer: Any) -> bool:
@@ -105,10 +80,8 @@ def group_normalization_applies(layer: Any) -> bool:
     return excludes_batch_axis(layer, layer.axis)
 
 
-def group_normalization_per_example(
-    layer: Any, calls: Sequence[LayerCall]
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of GroupNormalization.
+def group_normalization_statistics(layer: Any) -> StatisticsFn:
+    """GroupNormalization's moments per example, one value per channel.
 
     The input is normalized over every non-batch axis within each group of
     channels; gamma and beta span the channel axis.
@@ -124,7 +97,7 @@ def group_normalization_per_example(
     def statistics(x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
         # The layer's own reshape and moments, so the step's graph can share them with
         # the layer's forward pass: (B, ..., groups, channels // groups, ...).
-        grouped = layer._reshape_into_groups(x)
+        grouped = reshape_into_groups(layer, x)
         axis = layer.axis % x.shape.rank
         reduction = [a for a in range(1, grouped.shape.rank) if a != axis]
         mean, variance = keras.ops.moments(grouped, axes=reduction, keepdims=True)
@@ -141,13 +114,7 @@ def group_normalization_per_example(
 
         return to_channels(mean), to_channels(inverse)
 
-    return standardized_affine_per_example(
-        calls,
-        statistics,
-        lambda rank: normalized_axes(layer, layer.axis, rank),
-        scale=layer.gamma,
-        offset=layer.beta,
-    )
+    return statistics
 
 
 def rms_normalization_applies(layer: Any) -> bool:
@@ -166,10 +133,8 @@ def rms_normalization_applies(layer: Any) -> bool:
     return 0 not in resolved and resolved == list(range(rank - len(resolved), rank))
 
 
-def rms_normalization_per_example(
-    layer: Any, calls: Sequence[LayerCall]
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of RMSNormalization.
+def rms_normalization_statistics(layer: Any) -> StatisticsFn:
+    """RMSNormalization's inverse root mean square per example (no mean).
 
     Example:
 
@@ -179,37 +144,27 @@ def rms_normalization_per_example(
     """
     epsilon = epsilon_of(layer)
 
-    def normalize(x: tf.Tensor, call: LayerCall) -> tf.Tensor:
+    def statistics(x: tf.Tensor, call: LayerCall) -> tuple[None, tf.Tensor]:
         axes = normalized_axes(layer, layer.axis, x.shape.rank)
         mean_square = tf.reduce_mean(tf.square(x), axis=axes, keepdims=True)
-        return x * tf.math.rsqrt(mean_square + epsilon)
+        return None, tf.math.rsqrt(mean_square + epsilon)
 
-    return affine_per_example(
-        calls,
-        normalize,
-        lambda rank: normalized_axes(layer, layer.axis, rank),
-        scale=layer.scale,
-        offset=None,
-    )
+    return statistics
 
 
-def normalization_rule(name: str, per_example: PerExampleFn, applies: Any) -> Rule:
-    """Normalization parameters are as small per example as in total: always materialized."""
-    return Rule(
-        name,
-        primitives_of(per_example),
-        applies,
-        split_activation=False,
-        per_example=per_example,
-    )
-
-
-LAYER_NORMALIZATION = normalization_rule(
-    "layer_normalization", layer_normalization_per_example, layer_normalization_applies
+# Normalization parameters are as small per example as in total: always materialized.
+LAYER_NORMALIZATION = Rule.from_per_example(
+    "layer_normalization",
+    normalization_per_example(layer_normalization_statistics, "gamma", "beta"),
+    applies=layer_normalization_applies,
 )
-GROUP_NORMALIZATION = normalization_rule(
-    "group_normalization", group_normalization_per_example, group_normalization_applies
+GROUP_NORMALIZATION = Rule.from_per_example(
+    "group_normalization",
+    normalization_per_example(group_normalization_statistics, "gamma", "beta", True),
+    applies=group_normalization_applies,
 )
-RMS_NORMALIZATION = normalization_rule(
-    "rms_normalization", rms_normalization_per_example, rms_normalization_applies
+RMS_NORMALIZATION = Rule.from_per_example(
+    "rms_normalization",
+    normalization_per_example(rms_normalization_statistics, "scale", None),
+    applies=rms_normalization_applies,
 )

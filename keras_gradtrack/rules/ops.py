@@ -15,8 +15,8 @@ from keras_gradtrack.rules.contract import (
     LayerPrimitives,
     PerExampleFn,
     Projection,
-    Reference,
     RuleFn,
+    primitives_from,
 )
 from keras_gradtrack.rules.cost import gram_is_cheaper
 
@@ -68,7 +68,8 @@ def materialized(
 
 
 def primitives_of(per_example: PerExampleFn) -> RuleFn:
-    """The rule function computing a layer's primitives from its per-example gradients.
+    """The rule function computing a layer's primitives from its per-example gradients
+    (`Rule.from_per_example` builds the whole rule).
 
     Example:
 
@@ -76,17 +77,7 @@ def primitives_of(per_example: PerExampleFn) -> RuleFn:
     rule = Rule("scale", primitives_of(scale_per_example), per_example=scale_per_example)
     ```
     """
-
-    def primitives(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> LayerPrimitives:
-        pairs = per_example(layer, calls)
-        if not pairs:
-            raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
-        return materialized(
-            [flat_per_example(grad) for _, grad in pairs],
-            [reference(variable) for variable, _ in pairs],
-        )
-
-    return primitives
+    return primitives_from(getattr(per_example, "__name__", "per_example"), per_example)
 
 
 def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -142,6 +133,46 @@ def reshape_per_example(tensor: tf.Tensor, dims: Sequence[int]) -> tf.Tensor:
     return tf.reshape(tensor, [tf.shape(tensor)[0], *dims])
 
 
+def along_time(
+    calls: Sequence[LayerCall],
+    per_call: Callable[[LayerCall], tuple[tf.Tensor, ...]],
+    axis: int = 1,
+) -> tuple[tf.Tensor, ...]:
+    """`per_call`'s tensors of every call, each stacked along time (`axis`): a shared
+    layer's calls are one longer sequence to its rules."""
+    parts = [per_call(call) for call in calls]
+    return tuple(stacked_along_time(list(tensors), axis) for tensors in zip(*parts))
+
+
+def stacked_along_time(parts: Sequence[tf.Tensor], axis: int = 1) -> tf.Tensor:
+    """The calls' tensors side by side along `axis`; one call's as it is."""
+    return parts[0] if len(parts) == 1 else tf.concat(list(parts), axis=axis)
+
+
+def summed_bias_gradient(
+    calls: Sequence[LayerCall], bias_shape: Sequence[int], channels_first: bool = False
+) -> tf.Tensor:
+    """`(B, bias size)`: every call's output gradient summed over the axes a bias is
+    broadcast along (added to the trailing axes, or along axis 1 with `channels_first`),
+    summed over the calls."""
+
+    def one_call(call: LayerCall) -> tf.Tensor:
+        d = tf.cast(call.output_grad, tf.float32)
+        if channels_first:
+            return tf.reduce_sum(d, axis=list(range(2, d.shape.rank)))
+        offset = d.shape.rank - len(bias_shape)
+        if offset < 1:
+            raise ValueError(
+                f"The bias spans the batch axis. Received: bias shape={tuple(bias_shape)}, "
+                f"output shape={d.shape}"
+            )
+        broadcast = [offset + j for j, size in enumerate(bias_shape) if size == 1]
+        summed = tf.reduce_sum(d, axis=list(range(1, offset)) + broadcast)
+        return tf.reshape(summed, [tf.shape(d)[0], -1])
+
+    return tf.add_n([one_call(call) for call in calls])
+
+
 def positions_per_example(tensors: Sequence[Any], channels_first: bool = False) -> int | None:
     """Positions per example (every axis but the batch and channel axes), summed over
     the tensors; None if a size is not static."""
@@ -167,107 +198,99 @@ def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
     return sum_of_squares(per_example_kernel, axis=[1, 2])
 
 
-# Maps a normalization layer's input (float32) and its call to `n(x)`, the factor
-# that multiplies gamma.
-NormalizeFn = Callable[[tf.Tensor, LayerCall], tf.Tensor]
-
 # Maps a normalization layer's input (float32) and its call to the `(mean, inverse)`
-# it normalizes with, `n(x) = (x - mean) * inverse`: each of the input's rank,
-# broadcastable to it, and constant over the axes the parameters do not span.
-StatisticsFn = Callable[[tf.Tensor, LayerCall], tuple[tf.Tensor, tf.Tensor]]
-
-# Maps a call's float32 output gradient, the call and the summed axes to the
-# per-example gradient of the variable multiplying `n(x)`.
-ScaleGradientFn = Callable[[tf.Tensor, LayerCall, list[int]], tf.Tensor]
+# it normalizes with, `n(x) = (x - mean) * inverse` (mean None: `x * inverse`), each
+# of the input's rank and broadcastable to it.
+StatisticsFn = Callable[[tf.Tensor, LayerCall], tuple[tf.Tensor | None, tf.Tensor]]
 
 
-def affine_per_example(
-    calls: Sequence[LayerCall],
-    normalize: NormalizeFn,
-    param_axes: Callable[[int], list[int]],
-    scale: Any,
-    offset: Any,
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of `y = normalize(x) * scale + offset`, both optional.
+def normalized_axes(layer: Any, axis: int | Sequence[int], rank: int) -> list[int]:
+    """`axis` as sorted non-negative ints; raises if it includes the batch axis."""
+    axes = sorted(a % rank for a in ([axis] if isinstance(axis, int) else axis))
+    if 0 in axes:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) normalizes over the batch "
+            "axis, so an example's output depends on the other examples and "
+            f"per-example gradients are not defined. Received: axis={axis} for an input "
+            f"of rank {rank}"
+        )
+    return axes
+
+
+def normalization_per_example(
+    statistics_of: Callable[[Any], StatisticsFn],
+    scale: str,
+    offset: str | None,
+    constant_over_positions: bool = False,
+) -> PerExampleFn:
+    """The per-example gradients of a normalization layer, `y = n(x) * scale + offset`
+    with `n(x) = (x - mean) * inverse` (both parameters optional, spanning the input
+    axes of `layer.axis`): `sum_pos d_i n(x_i)` and `sum_pos d_i` over the other axes.
 
     Args:
-        calls: The layer's calls in this step.
-        normalize: Computes `n(x)` from the float32 input and its call (whose
-            arguments may say which moments the layer used).
-        param_axes: Maps the input rank to the sorted input axes that the
-            parameters span (the others are summed over, per example).
-        scale: The variable multiplying `n(x)`, or None.
-        offset: The variable added, or None.
+        statistics_of: Maps the layer to its `StatisticsFn`: the moments as the layer
+            computes them (float32, same epsilon and axes).
+        scale: The name of the layer's variable multiplying `n(x)`.
+        offset: The name of the variable added, or None.
+        constant_over_positions: The mean and inverse are constant over the positions
+            summed per example (GroupNormalization, BatchNormalization):
+            `sum_pos d_i (x_i - mean) inverse = inverse (sum_pos d_i x_i - mean sum_pos d_i)`,
+            two sums per channel and no `n(x)` as large as the input (Keras' own
+            gradient of gamma takes the same order).
     """
 
-    def scale_gradient(d: tf.Tensor, call: LayerCall, summed: list[int]) -> tf.Tensor:
-        # `n(x)` is as large as the input and needs only the input: without this
-        # dependency the executor computes it early in the backward pass and
-        # holds it until `d` arrives (ResNet-8 at batch 512: 32 MiB per
-        # GroupNormalization, several at once at the allocator's peak).
-        with tf.control_dependencies([d]):
-            x = tf.identity(tf.cast(call.inputs, tf.float32))
-        return tf.reduce_sum(d * normalize(x, call), axis=summed)
+    def per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+        statistics = statistics_of(layer)
+        scale_variable = getattr(layer, scale, None)
+        offset_variable = getattr(layer, offset, None) if offset else None
+        scale_variable = (
+            scale_variable if scale_variable is not None and scale_variable.trainable else None
+        )
+        offset_variable = (
+            offset_variable if offset_variable is not None and offset_variable.trainable else None
+        )
+        scale_grads, offset_grads = [], []
+        for call in calls:
+            d = tf.cast(call.output_grad, tf.float32)
+            rank = call.output_grad.shape.rank
+            kept = normalized_axes(layer, layer.axis, rank)
+            summed = [a for a in range(1, rank) if a not in kept]
+            if scale_variable is not None:
+                gradient = scale_gradient(d, call, statistics, summed, constant_over_positions)
+                scale_grads.append(gradient)
+            if offset_variable is not None:
+                offset_grads.append(tf.reduce_sum(d, axis=summed))
+        pairs = [(scale_variable, tf.add_n(scale_grads))] if scale_variable is not None else []
+        if offset_variable is not None:
+            pairs.append((offset_variable, tf.add_n(offset_grads)))
+        return pairs
 
-    return affine_pairs(calls, scale_gradient, param_axes, scale, offset)
+    return per_example
 
 
-def standardized_affine_per_example(
-    calls: Sequence[LayerCall],
+def scale_gradient(
+    d: tf.Tensor,
+    call: LayerCall,
     statistics: StatisticsFn,
-    param_axes: Callable[[int], list[int]],
-    scale: Any,
-    offset: Any,
-) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of `y = (x - mean) * inverse * scale + offset` whose
-    `mean` and `inverse` are constant over the positions summed per example
-    (GroupNormalization, BatchNormalization): `sum_pos d_i (x_i - mean) inverse =
-    inverse (sum_pos d_i x_i - mean sum_pos d_i)`, two sums per channel and no `n(x)`
-    as large as the input. Keras' own gradient of gamma takes the same order.
-
-    Args:
-        calls: The layer's calls in this step.
-        statistics: Computes `(mean, inverse)` from the float32 input and its call,
-            as the layer does (the step's graph may then share them with the layer's).
-        param_axes: As for `affine_per_example`.
-        scale: The variable multiplying `(x - mean) * inverse`, or None.
-        offset: The variable added, or None.
-    """
-
-    def scale_gradient(d: tf.Tensor, call: LayerCall, summed: list[int]) -> tf.Tensor:
+    summed: list[int],
+    constant_over_positions: bool,
+) -> tf.Tensor:
+    """One call's per-example gradient of the variable multiplying `n(x)`, `sum_pos d n(x)`
+    over the `summed` axes (see `normalization_per_example`)."""
+    if constant_over_positions:
         x = tf.cast(call.inputs, tf.float32)
         mean, inverse = statistics(x, call)
         sum_dx = tf.reduce_sum(d * x, axis=summed, keepdims=True)
-        sum_d = tf.reduce_sum(d, axis=summed, keepdims=True)
-        gradient = inverse * (sum_dx - mean * sum_d)
+        if mean is not None:
+            sum_dx -= mean * tf.reduce_sum(d, axis=summed, keepdims=True)
+        gradient = inverse * sum_dx
         # (`tf.squeeze` of no axes would squeeze every axis of size one.)
         return tf.squeeze(gradient, axis=summed) if summed else gradient
-
-    return affine_pairs(calls, scale_gradient, param_axes, scale, offset)
-
-
-def affine_pairs(
-    calls: Sequence[LayerCall],
-    scale_gradient: ScaleGradientFn,
-    param_axes: Callable[[int], list[int]],
-    scale: Any,
-    offset: Any,
-) -> list[tuple[Any, tf.Tensor]]:
-    """`(variable, per-example gradient)` of the trainable ones of `scale` and `offset`,
-    summed over the calls; `scale_gradient` gives one call's gradient of `scale`."""
-    scale = scale if scale is not None and scale.trainable else None
-    offset = offset if offset is not None and offset.trainable else None
-    scale_grads, offset_grads = [], []
-    for call in calls:
-        d = tf.cast(call.output_grad, tf.float32)
-        rank = call.output_grad.shape.rank
-        kept = param_axes(rank)
-        summed = [a for a in range(1, rank) if a not in kept]
-        if scale is not None:
-            scale_grads.append(scale_gradient(d, call, summed))
-        if offset is not None:
-            offset_grads.append(tf.reduce_sum(d, axis=summed))
-    pairs = [(scale, tf.add_n(scale_grads))] if scale is not None else []
-    if offset is not None:
-        pairs.append((offset, tf.add_n(offset_grads)))
-    return pairs
+    # `n(x)` is as large as the input and needs only the input: without this
+    # dependency the executor computes it early in the backward pass and holds it
+    # until `d` arrives (several normalization layers' at once at the allocator's peak).
+    with tf.control_dependencies([d]):
+        x = tf.identity(tf.cast(call.inputs, tf.float32))
+    mean, inverse = statistics(x, call)
+    normalized = x * inverse if mean is None else x * inverse - mean * inverse
+    return tf.reduce_sum(d * normalized, axis=summed)

@@ -24,11 +24,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras import tree
-from keras.src import backend as keras_backend
 
+from keras_gradtrack._keras_seam import keras_backend
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
 from keras_gradtrack.rules.cost import materializing_is_cheaper
-from keras_gradtrack.rules.ops import positions_per_example, sequence_kernel_sq_norm, sum_of_squares
+from keras_gradtrack.rules.ops import (
+    positions_per_example,
+    sequence_kernel_sq_norm,
+    stacked_along_time,
+    sum_of_squares,
+)
 from keras_gradtrack.rules.recurrent_cells import CellLoop, Term, loop_of
 
 
@@ -179,13 +184,13 @@ def call_terms(call: LayerCall) -> list[Term]:
 def layer_terms(calls: Sequence[LayerCall]) -> list[Term]:
     """The terms of every call, each call's steps side by side along time."""
     per_call = [call_terms(call) for call in calls]
-    if len(per_call) == 1:
-        return per_call[0]
     return [
         dataclasses.replace(
             parts[0],
-            inputs=None if parts[0].inputs is None else tf.concat([p.inputs for p in parts], 1),
-            grads=tf.concat([p.grads for p in parts], axis=1),
+            inputs=None
+            if parts[0].inputs is None
+            else stacked_along_time([p.inputs for p in parts]),
+            grads=stacked_along_time([p.grads for p in parts]),
         )
         for parts in zip(*per_call)
     ]

@@ -25,6 +25,7 @@ from keras_gradtrack.rules.filter_gradients import (
     per_example_filter_gradients,
 )
 from keras_gradtrack.rules.ops import (
+    along_time,
     has_plain_weights,
     positions_per_example,
     reshape_per_example,
@@ -33,6 +34,7 @@ from keras_gradtrack.rules.ops import (
 from keras_gradtrack.rules.windows import (
     Window,
     channels_last,
+    convolution_options,
     grouped_kernel_primitives,
     paired,
     per_example_bias_gradient,
@@ -73,19 +75,14 @@ def separable_tap(
 
 def sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
     """`U` `(B, P, C * M)` and `D` `(B, P, filters)`, every call's positions stacked."""
-    parts = [
-        [
-            reshape_per_example(tensor, [-1, tensor.shape[-1]])
-            for tensor in (
-                tf.cast(call.tapped[1], tf.float32),
-                channels_last(call.output_grads[0], layer.data_format),  # type: ignore[index]
-            )
-        ]
-        for call in calls
-    ]
-    if len(parts) == 1:
-        return parts[0][0], parts[0][1]
-    return tf.concat([u for u, _ in parts], axis=1), tf.concat([d for _, d in parts], axis=1)
+
+    def positions(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+        u = tf.cast(call.tapped[1], tf.float32)
+        d = channels_last(call.output_grad, layer.data_format)
+        return reshape_per_example(u, [-1, u.shape[-1]]), reshape_per_example(d, [-1, d.shape[-1]])
+
+    u, d = along_time(calls, positions)
+    return u, d
 
 
 def depthwise_pairs(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[tf.Tensor, tf.Tensor]]:
@@ -151,14 +148,8 @@ def separable_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) 
     if depthwise.trainable:
         kernel = reference(depthwise)
         for source, target in depthwise_pairs(layer, calls):
-            outputs = ops.depthwise_conv(
-                tf.cast(source, tf.float32),
-                kernel,
-                strides=layer.strides,
-                padding=layer.padding,
-                dilation_rate=layer.dilation_rate,
-                data_format="channels_last",
-            )
+            options = convolution_options(layer, data_format="channels_last")
+            outputs = ops.depthwise_conv(tf.cast(source, tf.float32), kernel, **options)
             terms.append(paired(outputs, target))
     return with_bias_dot(layer, calls, reference, terms)
 

@@ -34,12 +34,13 @@ from keras_gradtrack.rules.ops import (
     materialized,
     reshape_per_example,
     summed,
+    summed_bias_gradient,
     zero_primitives,
 )
 
 # Up to this many input channels, the per-example kernel gradient is one matrix
-# product over all offsets' windows at once (measured faster for 1 and 3
-# channels, slower for 32).
+# product over all offsets' windows at once: fewer, larger products win while the
+# inner size is tiny (docs/performance.md).
 FEW_CHANNELS = 4
 
 # A static size, or a scalar tensor when the size is only known at run time.
@@ -228,8 +229,8 @@ def per_example_kernel_gradients(
     if groups == 1 and channels <= FEW_CHANNELS:
         # Few channels (an image input): one product over all offsets' windows
         # beats one product per offset with a tiny inner size. Stacked as
-        # (B, K, P, C), each offset's windows are one contiguous copy (for one
-        # channel, 2x faster than interleaving them as (B, P, K * C)).
+        # (B, K, P, C), each offset's windows are one contiguous copy (faster than
+        # interleaving them as (B, P, K * C)).
         windows = tf.stack(list(slices), axis=1)
         if windows.shape[-1] != 1:
             windows = tf.transpose(windows, [0, 1, 3, 2])
@@ -239,7 +240,7 @@ def per_example_kernel_gradients(
         per_offset = [tf.matmul(s, targets, transpose_a=True) for s in slices]
     elif group_channels == 1:
         # Depthwise: a product per position and channel, summed over positions
-        # (an einsum here becomes one tiny matrix product per channel: 10x slower).
+        # (an einsum here becomes one tiny matrix product per channel, much slower).
         multiplier = targets.shape[-1] // groups
         if multiplier == 1:
             per_offset = [tf.reduce_sum(s * targets, axis=1) for s in slices]
@@ -285,18 +286,45 @@ def grouped_kernel_primitives(
     )
 
 
+def kernel_and_bias_primitives(
+    layer: Any,
+    calls: Sequence[LayerCall],
+    reference: Reference,
+    pairs: Pairs,
+    groups: int,
+    layout: Any,
+) -> LayerPrimitives:
+    """`||g_i||^2` and `<g_i, R>` of a convolution's kernel and bias: the kernel's
+    windows slide over each pair's source at its target's positions
+    (`grouped_kernel_primitives`), R reshaped to `(K, *layout)` (`layout`: the kernel's
+    `(C / groups, O)` per offset)."""
+    terms = []
+    if layer.kernel.trainable:
+        slices, targets = stacked_windows(pairs, Window.of(layer))
+        kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), *layout])
+        terms.append(grouped_kernel_primitives(slices, targets, groups, kernel_reference))
+    return with_bias(layer, calls, reference, terms)
+
+
+def channels_last_pairs(layer: Any, calls: Sequence[LayerCall], swapped: bool = False) -> Pairs:
+    """Per call, `(input, output gradient)` channels last: the kernel's windows slide
+    over the input at the output's positions; `swapped`, `(output gradient, input)`, as
+    for a transposed convolution's kernel."""
+    pairs = []
+    for call in calls:
+        pair = (
+            channels_last(call.inputs, layer.data_format),
+            channels_last(call.output_grad, layer.data_format),
+        )
+        pairs.append(pair[::-1] if swapped else pair)
+    return pairs
+
+
 def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor | None:
     """`(B, filters)`, the output gradient summed over positions and calls; None without a trainable bias."""
     if layer.bias is None or not layer.bias.trainable:
         return None
-    channel_axis = 1 if layer.data_format == "channels_first" else -1
-    per_call = []
-    for call in calls:
-        grads = tf.cast(call.output_grad, tf.float32)
-        rank = len(grads.shape)
-        positions = [axis for axis in range(1, rank) if axis != channel_axis % rank]
-        per_call.append(tf.reduce_sum(grads, axis=positions))
-    return tf.add_n(per_call)
+    return summed_bias_gradient(calls, layer.bias.shape, layer.data_format == "channels_first")
 
 
 def with_bias(
@@ -318,6 +346,18 @@ def paired(outputs: tf.Tensor, output_grad: tf.Tensor) -> tf.Tensor:
     """`(B,)` `<z_i, d_i>` over all axes but the batch (same layout)."""
     products = tf.cast(outputs, tf.float32) * tf.cast(output_grad, tf.float32)
     return tf.reduce_sum(tf.reshape(products, [tf.shape(products)[0], -1]), axis=1)
+
+
+def convolution_options(layer: Any, **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments of `keras.ops.conv` and its siblings that repeat `layer`'s
+    geometry, with `overrides`."""
+    options = {
+        "strides": layer.strides,
+        "padding": layer.padding,
+        "dilation_rate": layer.dilation_rate,
+        "data_format": layer.data_format,
+    }
+    return {**options, **overrides}
 
 
 def forward_dot(

@@ -1,0 +1,177 @@
+"""Every private Keras and TensorFlow name keras_gradtrack relies on, in one place.
+
+Keras moves or renames private names between releases without notice. Each one the
+package uses is reached through this module (the rest of the package imports
+nothing from `keras.src` or `tensorflow.python`, and reads no `_`-prefixed
+attribute of a Keras object), and `PRIVATE_NAMES` lists them all:
+`tests/test_keras_seam.py` resolves each and fails naming the name and the Keras
+version when one has moved. Where Keras has a public equivalent, the package uses
+that instead (`keras.utils.pack_x_y_sample_weight`, calling a model with
+`training=` whatever its `call` declares).
+
+`GradientTrackingMixin.train_step` is Keras' own `TensorFlowTrainer.train_step`
+with `tape.gradient` replaced; the private attributes that copy reads are listed
+in `TRAINER_ATTRIBUTES`, and a test compares the copy with the installed source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+from keras.src import backend as keras_backend
+from keras.src.applications.convnext import LayerScale
+from keras.src.backend.common.tensor_attributes import get_tensor_attr, set_tensor_attr
+from keras.src.backend.tensorflow.trainer import (
+    _collective_all_reduce_multi_worker as collective_all_reduce_multi_worker,
+)
+from keras.src.losses import loss as loss_module
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+from keras.src.saving import saving_lib
+from tensorflow.python.util import _pywrap_util_port
+
+# The attribute Keras attaches a tensor's mask under (`tensor_attributes`).
+KERAS_MASK = "_keras_mask"
+
+
+def flatten_layers(model: Any, include_self: bool = True) -> list[Any]:
+    """Every layer of `model`, outer layers first (`Layer._flatten_layers`)."""
+    return list(model._flatten_layers(include_self=include_self))
+
+
+def own_trainable_variables(layer: Any) -> list[Any]:
+    """The trainable variables `layer` created itself, not its sublayers'."""
+    return list(layer._trainable_variables)
+
+
+def layer_losses(layer: Any) -> list[Any]:
+    """The losses `layer` added in its last call (`add_loss`, activity regularizers)."""
+    return list(layer._losses)
+
+
+def compiled_loss(model: Any) -> Any:
+    """The `CompileLoss` of a compiled model, or None."""
+    return getattr(model, "_compile_loss", None)
+
+
+def batch_moments(layer: Any, x: Any, mask: Any) -> tuple[Any, Any]:
+    """BatchNormalization's `(mean, variance)` of `x` as its call computes them."""
+    return layer._moments(x, mask)
+
+
+def causal_padding(layer: Any) -> Any:
+    """A causal Conv1D's padding of its input, as its call pads."""
+    return layer._compute_causal_padding()
+
+
+def reshape_into_groups(layer: Any, x: Any) -> Any:
+    """GroupNormalization's `(B, ..., groups, channels // groups)` view of `x`."""
+    return layer._reshape_into_groups(x)
+
+
+def is_onednn_enabled() -> bool:
+    """Whether TensorFlow runs oneDNN's CPU kernels in this process."""
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def tf_variable(variable: Any) -> Any:
+    """The `tf.Variable` under a Keras variable (the variable itself otherwise)."""
+    return getattr(variable, "_value", variable)
+
+
+def functional_inputs(model: Any) -> Any:
+    """The input structure of a functional (or Sequential's inner functional) model,
+    or None."""
+    functional = getattr(model, "_functional", None) or model
+    return getattr(functional, "_inputs_struct", None)
+
+
+def build_shapes(model: Any) -> list[Any]:
+    """The input shapes a built subclassed model recorded, or `[]`."""
+    return list((getattr(model, "_build_shapes_dict", None) or {}).values())
+
+
+# Private attributes of `keras.Model` that `GradientTrackingMixin` reads in its copy
+# of Keras' train step and in the hooks it overrides.
+TRAINER_ATTRIBUTES = (
+    "_call_has_training_arg",
+    "_compute_loss",
+    "_loss_tracker",
+    "_distribute_strategy",
+    "_maybe_symbolic_build",
+    "_symbolic_build",
+    "_flatten_layers",
+    "_make_function",
+)
+
+
+def _probe_model() -> Any:
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(loss="mse")
+    return model
+
+
+def _attributes(make: Callable[[], Any], *names: str) -> Callable[[], Any]:
+    def probe() -> Any:
+        instance = make()
+        return [getattr(instance, name) for name in names]
+
+    return probe
+
+
+def _probe_attribute(name: str) -> Callable[[], Any]:
+    return _attributes(_probe_model, name)
+
+
+def _masked_tensor_attribute() -> Any:
+    masked = keras.layers.Masking()(keras.ops.ones((1, 2, 2)))
+    mask = get_tensor_attr(masked, KERAS_MASK)
+    if mask is None:
+        raise AttributeError(f"Masking's output carries no {KERAS_MASK!r}")
+    return mask
+
+
+# Every private name above, with a probe that resolves it (what the seam's test runs).
+PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
+    "keras.src.backend.rnn": lambda: keras_backend.rnn,
+    "keras.src.backend.cudnn_ok": lambda: keras_backend.cudnn_ok,
+    "keras.src.applications.convnext.LayerScale": lambda: LayerScale,
+    "keras.src.backend.common.tensor_attributes.get_tensor_attr": lambda: get_tensor_attr,
+    "keras.src.backend.common.tensor_attributes.set_tensor_attr": lambda: set_tensor_attr,
+    "keras.src.backend.tensorflow.trainer._collective_all_reduce_multi_worker": (
+        lambda: collective_all_reduce_multi_worker
+    ),
+    "keras.src.losses.loss.reduce_values": lambda: loss_module.reduce_values,
+    "keras.src.losses.loss.unscale_loss_for_distribution": (
+        lambda: loss_module.unscale_loss_for_distribution
+    ),
+    "keras.src.models.functional.Functional": lambda: Functional,
+    "keras.src.models.model.functional_init_arguments": lambda: functional_init_arguments,
+    "keras.src.saving.saving_lib.save_weights_only": lambda: saving_lib.save_weights_only,
+    "keras.src.saving.saving_lib.load_weights_only": lambda: saving_lib.load_weights_only,
+    "tensorflow.python.util._pywrap_util_port.IsMklEnabled": (
+        lambda: _pywrap_util_port.IsMklEnabled
+    ),
+    "Layer._flatten_layers": _probe_attribute("_flatten_layers"),
+    "Layer._trainable_variables": _probe_attribute("_trainable_variables"),
+    "Layer._losses": _probe_attribute("_losses"),
+    "Model._compile_loss": _probe_attribute("_compile_loss"),
+    "Functional._inputs_struct": _probe_attribute("_inputs_struct"),
+    "Sequential._functional": _attributes(
+        lambda: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), "_functional"
+    ),
+    "Model._build_shapes_dict": _attributes(lambda: keras.Model(), "_build_shapes_dict"),
+    "Variable._value": _attributes(lambda: keras.Variable(1.0), "_value"),
+    "BatchNormalization._moments": _attributes(keras.layers.BatchNormalization, "_moments"),
+    "Conv1D._compute_causal_padding": _attributes(
+        lambda: keras.layers.Conv1D(1, 2, padding="causal"), "_compute_causal_padding"
+    ),
+    "GroupNormalization._reshape_into_groups": _attributes(
+        lambda: keras.layers.GroupNormalization(1), "_reshape_into_groups"
+    ),
+    "tensor attribute _keras_mask": lambda: _masked_tensor_attribute(),
+    **{f"Model.{name}": _probe_attribute(name) for name in TRAINER_ATTRIBUTES},
+}

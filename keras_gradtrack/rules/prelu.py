@@ -1,0 +1,26 @@
+"""The rule for PReLU: `y = max(x, 0) + alpha * min(x, 0)`, `alpha` per input value
+(of size one along the `shared_axes`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.rules.contract import LayerCall, Rule
+
+
+def prelu_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+    """Per-example gradients of `alpha`: `d_i * min(x_i, 0)`, summed along the shared axes."""
+    shared = sorted(layer.shared_axes or [])
+    grads = []
+    for call in calls:
+        x = tf.cast(call.inputs, tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
+        grad = d * tf.minimum(x, 0.0)
+        grads.append(tf.reduce_sum(grad, axis=shared, keepdims=True) if shared else grad)
+    return [(layer.alpha, tf.add_n(grads))]
+
+
+PRELU = Rule.from_per_example("prelu", prelu_per_example)
