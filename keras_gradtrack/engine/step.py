@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine import checks, distribute
+from keras_gradtrack.engine import checks, clipping, distribute
 from keras_gradtrack.engine.backward import (
     Backward,
     Calls,
@@ -84,6 +84,10 @@ def tracked_gradient(
             for v in sources
         ]
         gradients = merged_broadcast_rows(plan, recorded, columns, sources, gradients)
+        # A private model's optimizer receives the clipped, noisy sum instead (DP-SGD).
+        private = clipping.private_step(
+            context, plan, backward, forms, materialized, penalties, sources
+        )
         primitives = step_primitives(
             context,
             plan,
@@ -108,6 +112,9 @@ def tracked_gradient(
     # Read before the update: the rate this step uses (schedules move with it).
     learning_rate = optimizer.learning_rate if optimizer is not None else float("nan")
     payload["learning_rate"] = tf.cast(learning_rate, tf.float32)
+    if private is not None:
+        payload.update(private.rows)
+        gradients = private.gradients
     context.result = StepResult(payload, {t.name: f for t, f in zip(plan, forms)})
     return gradients
 
