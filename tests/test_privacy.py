@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import oracle
 import pytest
+import tensorflow as tf
 from keras import layers
 
 import keras_gradtrack as kgt
@@ -411,3 +412,76 @@ def test_penalties_are_added_unclipped() -> None:
     model.make_private(l2_norm_clip=clip, noise_multiplier=0.0)
     update = private_update(model, x, y)
     np.testing.assert_allclose(update, expected, rtol=RTOL, atol=RTOL * np.abs(expected).max())
+
+
+def test_recurrent_direct_form_update_is_the_clipped_mean() -> None:
+    """Short sequences, wide kernels: the recurrent rule's direct form, whose clipped sum
+    comes from its per-example gradients of the reweighted output gradients."""
+    model = compiled(
+        kgt.GradientTrackingSequential([keras.Input((2, 24)), layers.GRU(24), layers.Dense(2)])
+    )
+    x = np.random.default_rng(14).normal(size=(6, 2, 24)).astype("float32")
+    assert_clipped_update(model, x, np.arange(6) % 2)
+    assert model.gradient_tracking.forms["gru"] == "direct"
+
+
+def test_chunked_form_update_is_the_clipped_mean() -> None:
+    """More examples than a chunk: the convolution's per-example gradients are never held
+    whole, and its clipped sum is the local vector-Jacobian product."""
+    model = compiled(
+        kgt.GradientTrackingSequential(
+            [keras.Input((8, 8, 16)), layers.Conv2D(16, 3), layers.Flatten(), layers.Dense(2)]
+        )
+    )
+    x = np.random.default_rng(15).normal(size=(130, 8, 8, 16)).astype("float32")
+    assert_clipped_update(model, x, np.arange(130) % 2)
+    assert model.gradient_tracking.forms["conv2d"] == "materialized"
+
+
+class OwnStep(kgt.GradientTrackingModel):
+    """A train_step of the user's own: `tracked_gradient` in place of `tape.gradient`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = self.tracked_gradient(tape, loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_custom_train_step_is_private_through_tracked_gradient() -> None:
+    inputs = keras.Input((5,))
+    outputs = layers.Dense(3)(layers.Dense(4, activation="relu")(inputs))
+    model = compiled(OwnStep(inputs, outputs))
+    x = np.random.default_rng(16).normal(size=(8, 5)).astype("float32")
+    assert_clipped_update(model, x, np.arange(8) % 3)
+
+
+def test_mixed_precision_clips_the_unscaled_gradients_in_float32() -> None:
+    """Under mixed_float16 (loss scaling), the update is the float32 oracle's clipped
+    mean to float16's precision (11 significant bits)."""
+    x = np.random.default_rng(17).normal(size=(8, 5)).astype("float32")
+    y = np.arange(8) % 3
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = compiled(
+            kgt.GradientTrackingSequential(
+                [
+                    keras.Input((5,)),
+                    layers.Dense(6, activation="tanh"),
+                    layers.Dense(3, dtype="float32"),
+                ]
+            )
+        )
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    model(x[:1])
+    _, norms = expected_update(model, x, y, 1.0)
+    clip = float(np.median(norms))
+    expected, _ = expected_update(model, x, y, clip)
+    model.make_private(l2_norm_clip=clip, noise_multiplier=0.0)
+    update = private_update(model, x, y)
+    np.testing.assert_allclose(update, expected, rtol=5e-3, atol=5e-3 * np.abs(expected).max())
