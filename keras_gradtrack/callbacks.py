@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.engine.clipping import privacy_attrs, privacy_statistics
 from keras_gradtrack.engine.preflight import steps_per_execution_refusal
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
@@ -201,6 +202,10 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             requests.append(self.targets)
         if self.sketch is not None:
             requests.append(self.sketch)
+        # A private model's log also holds the pre-clip norms and the fraction clipped.
+        private = privacy_statistics(self.model)
+        names = {statistic.name for statistic in private}
+        self.statistics = [s for s in self.statistics if s.name not in names] + private
         self._first_step = self.model.gradient_tracking.step
         self.model.gradient_tracking.subscribe(
             id(self),
@@ -301,6 +306,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 "keras_version": keras.__version__,
                 "tensorflow_version": tf.__version__,
                 "model_name": self.model.name,
+                **privacy_attrs(self.model),
             },
             overwrite=self.overwrite,
             append=self.append,

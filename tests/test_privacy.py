@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import h5py
 import keras
 import numpy as np
 import oracle
@@ -485,3 +486,42 @@ def test_mixed_precision_clips_the_unscaled_gradients_in_float32() -> None:
     model.make_private(l2_norm_clip=clip, noise_multiplier=0.0)
     update = private_update(model, x, y)
     np.testing.assert_allclose(update, expected, rtol=5e-3, atol=5e-3 * np.abs(expected).max())
+
+
+def test_the_log_holds_the_pre_clip_norms_and_the_fraction_clipped(tmp_path: Any) -> None:
+    x = np.random.default_rng(18).normal(size=(16, 5)).astype("float32")
+    y = np.arange(16) % 3
+    model = compiled(kgt.GradientTrackingSequential([keras.Input((5,)), layers.Dense(3)]))
+    model(x[:1])
+    _, norms = expected_update(model, x[:8], y[:8], 1.0)
+    clip = float(np.median(norms))
+    model.make_private(l2_norm_clip=clip, noise_multiplier=0.0)
+    path = tmp_path / "run.h5"
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(path, statistics=["grad_norm"])],
+    )
+    with kgt.GradientLog(path) as log:
+        logged = log.per_example("dp_grad_norm")
+        np.testing.assert_allclose(logged[:8], norms, rtol=1e-5)
+        np.testing.assert_array_equal(logged, log.per_example("grad_norm"))
+        fractions = log.per_step("dp_fraction_clipped")
+        assert fractions[0] == np.mean(norms > clip)
+    # fit's logs hold each step's fraction (an epoch's entry: its last step's).
+    np.testing.assert_allclose(history.history["dp_fraction_clipped"], fractions[-1:])
+    with h5py.File(path, "r") as file:
+        assert file.attrs["dp_l2_norm_clip"] == pytest.approx(clip)
+        assert file.attrs["dp_noise_multiplier"] == 0.0
+
+
+def test_steps_per_execution_is_refused() -> None:
+    model = compiled(
+        kgt.GradientTrackingSequential([keras.Input((5,)), layers.Dense(3)]), steps_per_execution=2
+    )
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)

@@ -33,6 +33,7 @@ global sum once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ from keras_gradtrack.engine.per_layer import layer_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer, build_plan
 from keras_gradtrack.engine.tracking import TrackingContext
 from keras_gradtrack.rules import Reference
+from keras_gradtrack.statistics import Statistic, StepPrimitives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,7 @@ class PrivacySettings:
 
 @dataclasses.dataclass(frozen=True)
 class PrivateStep:
-    """The private gradients (aligned with the sources) and the rows to log."""
+    """The private gradients (aligned with the sources) and the values for fit's logs."""
 
     gradients: list[Any]
     rows: dict[str, tf.Tensor]
@@ -165,14 +167,9 @@ def private_step(
         if id(v) in penalties:
             gradient += tf.reshape(penalties[id(v)], v.shape)
         gradients.append(tf.cast(gradient, v.dtype))
-    rows = distribute.all_gather_rows(
-        {"dp_grad_norm": norms, "dp_clipped": tf.cast(clipped, tf.float32)}
-    )
-    payload = {
-        "dp_grad_norm": rows["dp_grad_norm"],
-        "dp_fraction_clipped": tf.reduce_mean(rows["dp_clipped"]),
-    }
-    return PrivateStep(gradients, payload)
+    # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
+    (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
+    return PrivateStep(gradients, {"dp_fraction_clipped": clipped_count / global_batch})
 
 
 def clipped_sum(
@@ -321,6 +318,12 @@ def validated_settings(
             f"Model {model.name!r} is not compiled: call `compile(optimizer=..., loss=...)` "
             "before `make_private`."
         )
+    if getattr(model, "steps_per_execution", 1) > 1:
+        raise ValueError(
+            "Private training counts its steps for the accountant one by one, so it needs "
+            "`steps_per_execution=1` in `compile()`. "
+            f"Received: steps_per_execution={model.steps_per_execution}"
+        )
     if getattr(model, "track_batch_normalization", False) or any(
         isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
         for layer in model._flatten_layers(include_self=False)
@@ -335,3 +338,58 @@ def validated_settings(
             )
     seed = int(keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator()))
     return PrivacySettings(bounds, sigma, expected, seed)
+
+
+class DPGradNorm(Statistic):
+    """`(B,)` each example's gradient norm before clipping, `||g_i||` (as `grad_norm`)."""
+
+    name = "dp_grad_norm"
+    per_example = True
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return primitives.grad_norm
+
+
+class DPFractionClipped(Statistic):
+    """Per step: the fraction of examples whose gradient was clipped (`||g_i|| > C`,
+    or, with per-layer bounds, `||g_i^(k)|| > C_k` for some layer k)."""
+
+    name = "dp_fraction_clipped"
+    per_example = False
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        settings = settings_of(self.model)
+        assert settings is not None
+        if isinstance(settings.l2_norm_clip, Mapping):
+            names = [tracked.name for tracked in build_plan(self.model)]
+            bounds = tf.constant([settings.l2_norm_clip[name] for name in names], tf.float32)
+            clipped = tf.reduce_any(tf.sqrt(primitives.sq_norm) > bounds, axis=1)
+        else:
+            clipped = primitives.grad_norm > float(settings.l2_norm_clip)
+        return tf.reduce_mean(tf.cast(clipped, tf.float32))
+
+
+def privacy_statistics(model: Any) -> list[Statistic]:
+    """What a gradient logger adds for a private model (none for another model)."""
+    if settings_of(model) is None:
+        return []
+    return [DPGradNorm(), DPFractionClipped(model)]
+
+
+def privacy_attrs(model: Any) -> dict[str, Any]:
+    """The log's root attributes describing a private model's settings (none otherwise)."""
+    settings = settings_of(model)
+    if settings is None:
+        return {}
+    bound = settings.l2_norm_clip
+    return {
+        "dp_l2_norm_clip": settings.sensitivity,
+        "dp_per_layer_clip": json.dumps(dict(bound)) if isinstance(bound, Mapping) else "",
+        "dp_noise_multiplier": settings.noise_multiplier,
+        "dp_expected_batch_size": (
+            float("nan") if settings.expected_batch_size is None else settings.expected_batch_size
+        ),
+    }
