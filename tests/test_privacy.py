@@ -497,14 +497,10 @@ def test_the_log_holds_the_pre_clip_norms_and_the_fraction_clipped(tmp_path: Any
     clip = float(np.median(norms))
     model.make_private(l2_norm_clip=clip, noise_multiplier=0.0)
     path = tmp_path / "run.h5"
+    logger = kgt.HDF5GradientLogger(path, statistics=["grad_norm"])
+    accountant = kgt.privacy.PrivacyAccountant(delta=1e-5, logger=logger)
     history = model.fit(
-        x,
-        y,
-        batch_size=8,
-        epochs=1,
-        shuffle=False,
-        verbose=0,
-        callbacks=[kgt.HDF5GradientLogger(path, statistics=["grad_norm"])],
+        x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[accountant, logger]
     )
     with kgt.GradientLog(path) as log:
         logged = log.per_example("dp_grad_norm")
@@ -517,6 +513,23 @@ def test_the_log_holds_the_pre_clip_norms_and_the_fraction_clipped(tmp_path: Any
     with h5py.File(path, "r") as file:
         assert file.attrs["dp_l2_norm_clip"] == pytest.approx(clip)
         assert file.attrs["dp_noise_multiplier"] == 0.0
+        assert file.attrs["dp_epsilon"] == np.inf  # no noise: no privacy
+        assert file.attrs["dp_steps"] == 2 and file.attrs["dp_sampling_rate"] == 0.5
+    with kgt.GradientLog(path) as log:
+        text = log.summary()
+    assert "DP-SGD" in text and "epsilon inf at delta 1e-05 after 2 steps" in text
+    assert "dp_grad_norm" in text and "dp_fraction_clipped" in text
+
+
+def test_epsilon_reaches_the_log_attributes_with_noise(tmp_path: Any) -> None:
+    x = np.random.default_rng(19).normal(size=(16, 5)).astype("float32")
+    model = compiled(kgt.GradientTrackingSequential([keras.Input((5,)), layers.Dense(3)]))
+    model.make_private(l2_norm_clip=1.0, noise_multiplier=1.1)
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", statistics=["loss"])
+    accountant = kgt.privacy.PrivacyAccountant(delta=1e-5, sampling_rate=0.25, logger=logger)
+    model.fit(x, np.arange(16) % 3, batch_size=4, verbose=0, callbacks=[logger, accountant])
+    with h5py.File(tmp_path / "run.h5", "r") as file:
+        assert file.attrs["dp_epsilon"] == kgt.privacy.compute_epsilon(1.1, 0.25, 4, 1e-5)
 
 
 def test_steps_per_execution_is_refused() -> None:
