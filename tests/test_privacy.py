@@ -538,3 +538,26 @@ def test_steps_per_execution_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="steps_per_execution=1"):
         model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
+
+
+def test_an_xla_compiled_step_is_the_clipped_mean() -> None:
+    x = np.random.default_rng(20).normal(size=(8, 5)).astype("float32")
+    model = compiled(
+        kgt.GradientTrackingSequential(
+            [keras.Input((5,)), layers.Dense(7, activation="tanh"), layers.Dense(3)]
+        ),
+        jit_compile=True,
+    )
+    assert_clipped_update(model, x, np.arange(8) % 3)
+
+
+def test_an_eager_step_is_refused_before_any_weight_changes() -> None:
+    model = compiled(
+        kgt.GradientTrackingSequential([keras.Input((5,)), layers.Dense(3)]), run_eagerly=True
+    )
+    model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(ValueError, match="run_eagerly=False"):
+        model.fit(np.ones((4, 5), "float32"), np.zeros(4), batch_size=4, verbose=0)
+    for variable, value in zip(model.variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value)

@@ -124,6 +124,12 @@ def private_step(
         sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
     norms = tf.sqrt(tf.add_n(sq_norms))
     if isinstance(settings.l2_norm_clip, Mapping):
+        missing = [t.name for t in plan if t.name not in settings.l2_norm_clip]
+        if missing:
+            raise ValueError(
+                "Expected l2_norm_clip to give one bound per tracked layer "
+                f"(model.tracked_layer_names). Received no bound for: {missing}"
+            )
         bounds = [float(settings.l2_norm_clip[t.name]) for t in plan]
         weights = [tf.minimum(1.0, c / tf.sqrt(sq)) for c, sq in zip(bounds, sq_norms)]
         clipped = tf.reduce_any(
