@@ -4,7 +4,7 @@ Two small tasks that run on a laptop CPU in a minute or two:
 
 * `digits`: scikit-learn's 8x8 digits (1797 images, 10 classes), 1500 to train, the
   rest to test; an MLP (Dense 64 relu, Dense 10).
-* `keywords`: a synthetic text task (sequences of 20 token ids of 200 holding three
+* `keywords`: a synthetic text task (sequences of 20 token ids of 200 holding two
   keywords of the label's set and one of the other's), 4000 to train, 1000 to test;
   Embedding(200, 16), mean over positions, Dense(2).
 
