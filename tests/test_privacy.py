@@ -8,6 +8,7 @@ example, float64).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import h5py
@@ -561,3 +562,9 @@ def test_an_eager_step_is_refused_before_any_weight_changes() -> None:
         model.fit(np.ones((4, 5), "float32"), np.zeros(4), batch_size=4, verbose=0)
     for variable, value in zip(model.variables, before):
         np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def test_a_missing_dp_accounting_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import fails
+    with pytest.raises(ImportError, match=r"keras-gradtrack\[privacy\]"):
+        kgt.privacy.compute_epsilon(1.0, 0.01, 10, 1e-5)
