@@ -10,6 +10,7 @@ growth of a short `fit` of each, each in a fresh process. Prints a markdown tabl
 python benchmarks/privacy.py                                 # mlp, cnn, text, transformer at B=128
 python benchmarks/privacy.py --models mlp --rounds 3 --quick # smoke test
 python benchmarks/privacy.py --memory                        # + peak RSS growth per variant
+python benchmarks/privacy.py --memory --no-timing            # memory alone
 ```
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -95,8 +95,19 @@ def time_model(name: str, batch_size: int, rounds: int, steps: int) -> dict[str,
     return {variant: statistics.median(found) for variant, found in times.items()}
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (`VmRSS`: now, `VmHWM`: the peak), in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Sets the peak (VmHWM) to the current RSS (Linux: `clear_refs` 5)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
 
 
 def memory_child(name: str, variant: str, batch_size: int) -> None:
@@ -104,9 +115,10 @@ def memory_child(name: str, variant: str, batch_size: int) -> None:
     keras.utils.set_random_seed(0)
     model = build(name, variant)
     dataset = dataset_of(name, batch_size)
-    before = peak_rss_mib()
+    reset_peak_rss()  # TensorFlow's start-up peak is not the fit's
+    before = status_mib("VmRSS")
     model.fit(dataset, steps_per_epoch=6, epochs=1, verbose=0, shuffle=False)
-    print(json.dumps({"growth_mib": peak_rss_mib() - before}))
+    print(json.dumps({"growth_mib": status_mib("VmHWM") - before}))
 
 
 def memory_growth(name: str, variant: str, batch_size: int) -> float:
@@ -123,6 +135,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps")
     parser.add_argument("--memory", action="store_true", help="peak RSS growth per variant")
+    parser.add_argument("--no-timing", action="store_true", help="with --memory: memory alone")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -143,7 +156,10 @@ def main() -> None:
     for name in args.models.split(","):
         if name not in ZOO:
             raise SystemExit(f"Expected models among {sorted(ZOO)}. Received: {name!r}")
-        medians = time_model(name, args.batch_size, rounds, steps)
+        if args.no_timing:
+            medians = dict.fromkeys(VARIANTS, float("nan"))
+        else:
+            medians = time_model(name, args.batch_size, rounds, steps)
         row = (
             f"| {name} | {medians['plain'] * 1e3:.1f} | {medians['private'] * 1e3:.1f} | "
             f"{medians['private'] / medians['plain']:.2f}x | "
