@@ -568,3 +568,35 @@ def test_a_missing_dp_accounting_names_the_extra(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import fails
     with pytest.raises(ImportError, match=r"keras-gradtrack\[privacy\]"):
         kgt.privacy.compute_epsilon(1.0, 0.01, 10, 1e-5)
+
+
+def test_a_layer_called_twice_in_a_row_is_the_clipped_mean() -> None:
+    """The second call's input depends on the layer's own weights through the first: the
+    local products stop at each call's inputs, whose gradient the backward pass holds."""
+    shared = layers.Dense(5, activation="tanh")
+    inputs = keras.Input((5,))
+    outputs = layers.Dense(3)(shared(shared(inputs)))
+    model = compiled(kgt.GradientTrackingModel(inputs, outputs))
+    x = np.random.default_rng(21).normal(size=(8, 5)).astype("float32")
+    assert_clipped_update(model, x, np.arange(8) % 3)
+
+
+class Gate(layers.Layer):
+    """A layer without a rule (the exact fallback): `x * sigmoid(w)`."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[-1:], initializer="random_normal")
+
+    def call(self, x):
+        return x * keras.ops.sigmoid(self.w)
+
+
+def test_a_layer_without_a_rule_called_twice_in_a_row_is_the_clipped_mean() -> None:
+    gate = Gate()
+    inputs = keras.Input((5,))
+    hidden = layers.Dense(5, activation="tanh")(inputs)
+    outputs = layers.Dense(3)(gate(keras.ops.tanh(gate(hidden))))
+    model = compiled(kgt.GradientTrackingModel(inputs, outputs))
+    x = np.random.default_rng(22).normal(size=(8, 5)).astype("float32")
+    assert_clipped_update(model, x, np.arange(8) % 3)
+    assert model.gradient_tracking.forms[gate.name] == "jacobian"

@@ -13,13 +13,16 @@ backward pass the step already ran, as Book-Keeping does:
 * the weights `w_i = min(1, C / ||g_i||)`, in float32;
 * each layer's clipped sum, by its form:
   - materialized (the rule built `(B, ...)` per-example gradients): `sum_i w_i g_i`;
-  - a rule with a tap of its own (a recurrent loop, a separable convolution): the
-    rule's per-example gradients of the reweighted output gradients `w_i d_i`, summed
-    (every rule is linear in the output gradients);
-  - otherwise (a rule's direct form, a chunked layer, the fallback): the local
-    vector-Jacobian product from the layer's tapped tensors to its own variables
-    with output gradients `w_i d_i` (`tf.gradients` on the step's graph: only the
-    layer's own operations lie between them). The backward pass's weight gradients
+  - a rule with a tap of its own (a recurrent loop, a separable convolution), or a
+    layer with a rule called more than once: the rule's per-example gradients of
+    the reweighted output gradients `w_i d_i`, summed (every rule is linear in the
+    output gradients);
+  - a layer without a rule called more than once: the layer run again on its
+    recorded inputs, under a tape of its own, for the same product;
+  - otherwise (one call: a rule's direct form, a chunked layer, the fallback): the
+    local vector-Jacobian product from the layer's tapped tensors to its own
+    variables with output gradients `w_i d_i` (`tf.gradients` on the step's graph:
+    only the layer's own operations lie between them). The backward pass's weight gradients
     of these layers are then unused, and TensorFlow prunes them from the step.
 
 With a per-layer bound (`C_k` per tracked layer), `w_ik = min(1, C_k / ||g_i^(k)||)`
@@ -43,6 +46,7 @@ import tensorflow as tf
 
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Backward, Materialized
+from keras_gradtrack.engine.fallback import per_example_output_products
 from keras_gradtrack.engine.per_layer import layer_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer, build_plan
 from keras_gradtrack.engine.tracking import TrackingContext
@@ -202,10 +206,12 @@ def clipped_sum(
         for call in calls
     ]
     rule = tracked.rule
-    if rule is not None and rule.tap is not None:
+    several = len(calls) > 1
+    if rule is not None and (rule.tap is not None or (several and rule.per_example)):
         # A tap of the rule's own may record tensors of which one feeds another (the
-        # steps of a loop): the rule's per-example gradients, linear in the output
-        # gradients, give the weighted sum exactly.
+        # steps of a loop), and a call's input may depend on the layer's own weights
+        # through an earlier call (a layer called twice in a row): the rule's
+        # per-example gradients, linear in the output gradients, give the sum exactly.
         if rule.per_example is None:
             raise ValueError(
                 f"Layer {tracked.layer.name!r} has rule {rule.name!r}, whose tap is its own "
@@ -216,6 +222,11 @@ def clipped_sum(
             id(v): tf.reshape(tf.reduce_sum(tf.cast(g, tf.float32), axis=0), v.shape)
             for v, g in rule.per_example(tracked.layer, reweighted)
         }
+    if rule is None and several:
+        return rerun_product(tracked, reweighted)
+    # One call (or calls on integer inputs): the local vector-Jacobian product on the
+    # step's graph; only the layer's own operations lie between its tapped tensors and
+    # its variables.
     tapped = [t for call in calls for t in call.tapped]
     grad_ys = [
         tf.cast(g, t.dtype) for call in reweighted for t, g in zip(call.tapped, call.output_grads)
@@ -229,6 +240,22 @@ def clipped_sum(
     return {
         id(v): tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), v.shape)
         for v, g in zip(variables, gradients)
+    }
+
+
+def rerun_product(tracked: TrackedLayer, calls: Sequence[Any]) -> dict[int, tf.Tensor]:
+    """`sum_c <y_c, w d_c>`'s gradient at the layer's variables, the layer run again on
+    each call's recorded inputs under a tape of its own (which holds the inputs fixed):
+    for a layer without a rule called more than once."""
+    with tf.GradientTape() as tape:
+        total = per_example_output_products(tracked.layer, calls)
+        total = tf.reduce_sum(total)
+    gradients = tape.gradient(
+        total, list(tracked.variables), unconnected_gradients=tf.UnconnectedGradients.ZERO
+    )
+    return {
+        id(v): tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), v.shape)
+        for v, g in zip(tracked.variables, gradients)
     }
 
 
