@@ -12,8 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.engine.clipping import privacy_attrs, privacy_statistics
 from keras_gradtrack.engine.preflight import steps_per_execution_refusal
+from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
 from keras_gradtrack.engine.targets import AttributionRequest, TargetSet

@@ -36,7 +36,6 @@ global sum once.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,7 +50,6 @@ from keras_gradtrack.engine.per_layer import layer_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer, build_plan
 from keras_gradtrack.engine.tracking import TrackingContext
 from keras_gradtrack.rules import Reference
-from keras_gradtrack.statistics import Statistic, StepPrimitives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,58 +369,3 @@ def validated_settings(
             )
     seed = int(keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator()))
     return PrivacySettings(bounds, sigma, expected, seed)
-
-
-class DPGradNorm(Statistic):
-    """`(B,)` each example's gradient norm before clipping, `||g_i||` (as `grad_norm`)."""
-
-    name = "dp_grad_norm"
-    per_example = True
-
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return primitives.grad_norm
-
-
-class DPFractionClipped(Statistic):
-    """Per step: the fraction of examples whose gradient was clipped (`||g_i|| > C`,
-    or, with per-layer bounds, `||g_i^(k)|| > C_k` for some layer k)."""
-
-    name = "dp_fraction_clipped"
-    per_example = False
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        settings = settings_of(self.model)
-        assert settings is not None
-        if isinstance(settings.l2_norm_clip, Mapping):
-            names = [tracked.name for tracked in build_plan(self.model)]
-            bounds = tf.constant([settings.l2_norm_clip[name] for name in names], tf.float32)
-            clipped = tf.reduce_any(tf.sqrt(primitives.sq_norm) > bounds, axis=1)
-        else:
-            clipped = primitives.grad_norm > float(settings.l2_norm_clip)
-        return tf.reduce_mean(tf.cast(clipped, tf.float32))
-
-
-def privacy_statistics(model: Any) -> list[Statistic]:
-    """What a gradient logger adds for a private model (none for another model)."""
-    if settings_of(model) is None:
-        return []
-    return [DPGradNorm(), DPFractionClipped(model)]
-
-
-def privacy_attrs(model: Any) -> dict[str, Any]:
-    """The log's root attributes describing a private model's settings (none otherwise)."""
-    settings = settings_of(model)
-    if settings is None:
-        return {}
-    bound = settings.l2_norm_clip
-    return {
-        "dp_l2_norm_clip": settings.sensitivity,
-        "dp_per_layer_clip": json.dumps(dict(bound)) if isinstance(bound, Mapping) else "",
-        "dp_noise_multiplier": settings.noise_multiplier,
-        "dp_expected_batch_size": (
-            float("nan") if settings.expected_batch_size is None else settings.expected_batch_size
-        ),
-    }
