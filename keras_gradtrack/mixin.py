@@ -46,6 +46,9 @@ class GradientTrackingMixin(BatchNormalizationTracking):
     rule builds per-example gradients, the batch gradient is their sum: equal
     up to float32 rounding.
 
+    After `make_private(...)`, every step is a DP-SGD step (clipped per-example
+    gradients plus noise, from the same backward pass; `docs/privacy.md`).
+
     When `x` is a dict holding `"example_id"`, the ids are removed before the
     model is called (if exactly one other entry remains, its value is the
     model's input) and are logged with every row.
