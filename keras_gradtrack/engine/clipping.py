@@ -85,10 +85,12 @@ class PrivacySettings:
 
 @dataclasses.dataclass(frozen=True)
 class PrivateStep:
-    """The private gradients (aligned with the sources) and the values for fit's logs."""
+    """The private gradients (aligned with the sources), the values for fit's logs, and
+    the step's (global) batch size."""
 
     gradients: list[Any]
     rows: dict[str, tf.Tensor]
+    batch_size: tf.Tensor
 
 
 def settings_of(model: Any) -> PrivacySettings | None:
@@ -177,7 +179,9 @@ def private_step(
         gradients.append(tf.cast(gradient, v.dtype))
     # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
     (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
-    return PrivateStep(gradients, {"dp_fraction_clipped": clipped_count / global_batch})
+    return PrivateStep(
+        gradients, {"dp_fraction_clipped": clipped_count / global_batch}, global_batch
+    )
 
 
 def clipped_sum(

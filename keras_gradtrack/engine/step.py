@@ -88,22 +88,32 @@ def tracked_gradient(
         private = clipping.private_step(
             context, plan, backward, forms, materialized, penalties, sources
         )
-        primitives = step_primitives(
-            context,
-            plan,
-            backward,
-            forms,
-            zip(sources, gradients),
-            per_example,
-            penalties,
-            coupled,
-            materialized.chunks,
+        # A private step without statistics skips them (and their all-reduces).
+        primitives = (
+            None
+            if private is not None and not context.statistics
+            else step_primitives(
+                context,
+                plan,
+                backward,
+                forms,
+                zip(sources, gradients),
+                per_example,
+                penalties,
+                coupled,
+                materialized.chunks,
+            )
         )
         attribution = attribution_rows(context, plan, backward, forms, per_example)
-    payload = {s.name: s.compute(primitives) for s in context.statistics}
-    payload = widened(payload, context.statistics, columns, len(context.plan))
+    payload = {}
+    if primitives is not None:
+        payload = {s.name: s.compute(primitives) for s in context.statistics}
+        payload = widened(payload, context.statistics, columns, len(context.plan))
     payload.update(attribution)
-    payload["batch_size"] = tf.cast(primitives.batch_size, tf.int32)
+    if primitives is not None:
+        payload["batch_size"] = tf.cast(primitives.batch_size, tf.int32)
+    elif private is not None:
+        payload["batch_size"] = tf.cast(private.batch_size, tf.int32)
     if context.example_ids is not None:
         payload["example_id"] = distribute.all_gather_rows(
             {"ids": tf.cast(tf.reshape(context.example_ids, [-1]), tf.int64)}
