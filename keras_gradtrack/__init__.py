@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from keras_gradtrack.version import __version__
 
 if TYPE_CHECKING:
-    from keras_gradtrack import attribution, autodiff, rules, statistics
+    from keras_gradtrack import attribution, autodiff, privacy, rules, statistics
     from keras_gradtrack.analysis import GradientLog
     from keras_gradtrack.callbacks import HDF5GradientLogger
     from keras_gradtrack.convert import convert_to_group_normalization
@@ -49,6 +49,7 @@ _LAZY = {
     "convert_to_group_normalization": "keras_gradtrack.convert",
     "check": "keras_gradtrack.engine.preflight",
     "register_rule": "keras_gradtrack.rules",
+    "privacy": None,
     "rules": None,
     "statistics": None,
     "write_tensorboard": "keras_gradtrack.tensorboard_events",
@@ -68,6 +69,7 @@ __all__ = [
     "autodiff",
     "convert_to_group_normalization",
     "check",
+    "privacy",
     "register_rule",
     "rules",
     "statistics",

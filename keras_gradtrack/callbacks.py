@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
 from keras_gradtrack.engine.preflight import steps_per_execution_refusal
+from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
 from keras_gradtrack.engine.targets import AttributionRequest, TargetSet
@@ -202,6 +203,10 @@ class HDF5GradientLogger(keras.callbacks.Callback):
             requests.append(self.targets)
         if self.sketch is not None:
             requests.append(self.sketch)
+        # A private model's log also holds the pre-clip norms and the fraction clipped.
+        private = privacy_statistics(self.model)
+        names = {statistic.name for statistic in private}
+        self.statistics = [s for s in self.statistics if s.name not in names] + private
         self._first_step = self.model.gradient_tracking.step
         self.model.gradient_tracking.subscribe(
             id(self),
@@ -302,6 +307,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 "keras_version": keras.__version__,
                 "tensorflow_version": tf.__version__,
                 "model_name": self.model.name,
+                **privacy_attrs(self.model),
             },
             overwrite=self.overwrite,
             append=self.append,

@@ -14,8 +14,8 @@ from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight,
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack.batch_normalization_tracking import BatchNormalizationTracking
+from keras_gradtrack.engine import clipping, distribute, preflight, tracking
 from keras_gradtrack.engine import data as batch_data
-from keras_gradtrack.engine import distribute, preflight, tracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.independence import (
     IndependenceGuard,
@@ -45,6 +45,9 @@ class GradientTrackingMixin(BatchNormalizationTracking):
     does not, the step raises before any weight changes). For layers whose
     rule builds per-example gradients, the batch gradient is their sum: equal
     up to float32 rounding.
+
+    After `make_private(...)`, every step is a DP-SGD step (clipped per-example
+    gradients plus noise, from the same backward pass; `docs/privacy.md`).
 
     When `x` is a dict holding `"example_id"`, the ids are removed before the
     model is called (if exactly one other entry remains, its value is the
@@ -101,6 +104,61 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 f"Expected check_example_independence to be a bool. Received: {value!r}"
             )
         self.__dict__["_check_example_independence"] = value
+
+    def make_private(
+        self,
+        l2_norm_clip: float | dict[str, float],
+        noise_multiplier: float,
+        expected_batch_size: float | None = None,
+    ) -> None:
+        """Makes every following training step a DP-SGD step, on the compiled optimizer.
+
+        Each step's optimizer receives `(sum_i min(1, C / ||g_i||) g_i + N(0, sigma^2
+        C^2 I)) / B_expected` (plus the gradient of weight regularizers, which does
+        not depend on the data) and applies its own update (SGD, Adam, ...). The
+        clipped sum comes from the step's one backward pass (see
+        `docs/privacy.md`). Every step of `fit` is then private, with or without a
+        gradient logger; the example-independence guard runs before the first one.
+        Account for the privacy spent with `keras_gradtrack.privacy`.
+
+        Args:
+            l2_norm_clip: `C`, the bound on each example's gradient norm over all
+                tracked layers; or `{layer name: C_k}` (names of
+                `tracked_layer_names`), one bound per layer (the noise then has
+                standard deviation `sigma sqrt(sum_k C_k^2)`).
+            noise_multiplier: `sigma`, the noise's standard deviation over the
+                bound (0: clipping without noise, which is not private).
+            expected_batch_size: `B_expected`, the divisor of the noisy sum; with
+                Poisson sampling (`keras_gradtrack.privacy.poisson_batches`) pass
+                `sampling_rate * dataset_size`. None: each step's own batch size.
+
+        Raises:
+            ValueError: On invalid arguments, an uncompiled model, or a model that
+                cannot train privately (BatchNormalization in training mode).
+
+        Example:
+
+        ```python
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.1)
+        model.fit(x, y, batch_size=256, epochs=60)
+        ```
+        """
+        self.__dict__["_privacy_settings"] = clipping.validated_settings(
+            self, l2_norm_clip, noise_multiplier, expected_batch_size
+        )
+        self.__dict__["_private_steps"] = 0
+        self.train_function = None  # traced anew: every step takes the private path
+
+    @property
+    def privacy_settings(self) -> clipping.PrivacySettings | None:
+        """The settings of `make_private`, or None when the model trains without privacy."""
+        return clipping.settings_of(self)
+
+    @property
+    def private_steps(self) -> int:
+        """Private steps this model has taken since `make_private` (for the accountant)."""
+        return int(self.__dict__.get("_private_steps", 0))
 
     def gradient_tracking_plan(self) -> Plan:
         """The tracked layers, in the column order of the per-layer statistics.
@@ -316,7 +374,8 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         batch_data.check_example_ids(args[0] if args else kwargs.get("x"))
         callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
         guard = self.__dict__["_independence_guard"] = IndependenceGuard(
-            self.check_example_independence and subscribes_to_gradients(callbacks)
+            self.check_example_independence
+            and (subscribes_to_gradients(callbacks) or self.privacy_settings is not None)
         )
         try:
             return super().fit(*args, **kwargs)  # type: ignore[misc]
@@ -330,7 +389,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         # Checked once per model here (a loop of train_on_batch calls), once per fit in fit.
         self.__dict__["_independence_guard"] = IndependenceGuard(
             self.check_example_independence
-            and self.gradient_tracking.subscribed()
+            and (self.gradient_tracking.subscribed() or self.privacy_settings is not None)
             and not self.__dict__.get("_examples_independent")
         )
         return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]
@@ -460,7 +519,10 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 "see GradientTrackingMixin.tracked_gradient."
             )
         self.gradient_tracking.forms = dict(context.result.forms)
-        return {**logs, PAYLOAD_KEY: context.result.payload}
+        payload = context.result.payload
+        if "dp_fraction_clipped" in payload:
+            logs = {**logs, "dp_fraction_clipped": payload["dp_fraction_clipped"]}
+        return {**logs, PAYLOAD_KEY: payload}
 
     def make_train_function(self, force: bool = False) -> Any:
         if self.train_function is not None and not force:  # type: ignore[has-type]
@@ -485,7 +547,8 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 self._build_before_tracing(iterator)
                 prepared = True
             due = state.due()
-            if not due:
+            private = self.privacy_settings is not None
+            if not due and not private:
                 outputs = distribute.unprotect(dict(untracked(iterator)), strategy)
                 payload = outputs.pop(PAYLOAD_KEY)
                 state.report(int(payload["batch_size"]), None, due)
@@ -502,7 +565,9 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 )
             outputs = distribute.unprotect(dict(tracked_by_statistics[key](iterator)), strategy)
             payload = outputs.pop(PAYLOAD_KEY)
-            state.report(int(payload["batch_size"]), payload, due)
+            state.report(int(payload["batch_size"]), payload if due else None, due)
+            if private:
+                self.__dict__["_private_steps"] = self.private_steps + 1
             return outputs
 
         self.train_function = train_function

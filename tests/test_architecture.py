@@ -158,3 +158,14 @@ def test_the_seam_imports_nothing_of_the_package() -> None:
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("keras_gradtrack.io")))
 def test_io_does_not_import_analysis(module: str) -> None:
     assert not {m for m in GRAPH[module] if m.startswith("keras_gradtrack.analysis")}
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m in GRAPH if m.startswith("keras_gradtrack.privacy"))
+)
+def test_privacy_imports_nothing_of_the_package_but_itself(module: str) -> None:
+    assert not {
+        m
+        for m in GRAPH[module]
+        if m.startswith("keras_gradtrack") and not m.startswith("keras_gradtrack.privacy")
+    }

@@ -32,6 +32,7 @@ SMALL_SIZES = {
     "autodiff_4_grad_like_torch.ipynb": (
         "BATCH_SIZE = 4\nINPUT_DIM = 16\nHIDDEN_UNITS = 8\nREPEATS = 1"
     ),
+    "private_training.ipynb": "EPOCHS = 1\nEPSILONS = [8.0]",
 }
 # What the last cells print, proving the notebook got to the end and computed something.
 EXPECTED_OUTPUT = {
@@ -43,6 +44,7 @@ EXPECTED_OUTPUT = {
     "autodiff_2_per_example_vs_batch.ipynb": "agree: True",
     "autodiff_3_input_vjp_jvp.ipynb": "agree: True",
     "autodiff_4_grad_like_torch.ipynb": "agree: True",
+    "private_training.ipynb": "text: DP-SGD at epsilon",
 }
 CELL_TIMEOUT_SECONDS = 180
 

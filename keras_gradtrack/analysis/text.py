@@ -50,6 +50,8 @@ def summary(log: LogReader) -> str:
         ("examples", f"{len(ids)} rows, {len(np.unique(ids))} distinct ids"),
         ("layers", f"{len(log.layers)}: {', '.join(log.layers)}"),
     ]
+    if "dp_noise_multiplier" in attrs:
+        header.append(("privacy", _privacy(attrs)))
     sections = [text_table(header)]
     rows = []
     per_layer = per_layer_statistics(log)
@@ -82,6 +84,18 @@ def summary(log: LogReader) -> str:
             f"per layer, epoch {last_epoch}:\n" + text_table(layer_rows, header=("layer", *titles))
         )
     return "\n\n".join(sections)
+
+
+def _privacy(attrs: dict) -> str:
+    """The private training's settings and, when the accountant wrote it, epsilon."""
+    text = f"DP-SGD, C={attrs['dp_l2_norm_clip']:.4g}, sigma={attrs['dp_noise_multiplier']:.4g}"
+    if "dp_epsilon" in attrs:
+        text += (
+            f"; epsilon {attrs['dp_epsilon']:.4g} at delta {attrs['dp_delta']:.3g} after "
+            f"{attrs['dp_steps']} steps, q={attrs['dp_sampling_rate']:.4g} "
+            f"({attrs['dp_accountant']}, Poisson sampling assumed)"
+        )
+    return text
 
 
 def text_table(rows: Sequence[Sequence[object]], header: Sequence[str] | None = None) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine import checks, distribute
+from keras_gradtrack.engine import checks, clipping, distribute
 from keras_gradtrack.engine.backward import (
     Backward,
     Calls,
@@ -84,22 +84,36 @@ def tracked_gradient(
             for v in sources
         ]
         gradients = merged_broadcast_rows(plan, recorded, columns, sources, gradients)
-        primitives = step_primitives(
-            context,
-            plan,
-            backward,
-            forms,
-            zip(sources, gradients),
-            per_example,
-            penalties,
-            coupled,
-            materialized.chunks,
+        # A private model's optimizer receives the clipped, noisy sum instead (DP-SGD).
+        private = clipping.private_step(
+            context, plan, backward, forms, materialized, penalties, sources
+        )
+        # A private step without statistics skips them (and their all-reduces).
+        primitives = (
+            None
+            if private is not None and not context.statistics
+            else step_primitives(
+                context,
+                plan,
+                backward,
+                forms,
+                zip(sources, gradients),
+                per_example,
+                penalties,
+                coupled,
+                materialized.chunks,
+            )
         )
         attribution = attribution_rows(context, plan, backward, forms, per_example)
-    payload = {s.name: s.compute(primitives) for s in context.statistics}
-    payload = widened(payload, context.statistics, columns, len(context.plan))
+    payload = {}
+    if primitives is not None:
+        payload = {s.name: s.compute(primitives) for s in context.statistics}
+        payload = widened(payload, context.statistics, columns, len(context.plan))
     payload.update(attribution)
-    payload["batch_size"] = tf.cast(primitives.batch_size, tf.int32)
+    if primitives is not None:
+        payload["batch_size"] = tf.cast(primitives.batch_size, tf.int32)
+    elif private is not None:
+        payload["batch_size"] = tf.cast(private.batch_size, tf.int32)
     if context.example_ids is not None:
         payload["example_id"] = distribute.all_gather_rows(
             {"ids": tf.cast(tf.reshape(context.example_ids, [-1]), tf.int64)}
@@ -108,6 +122,9 @@ def tracked_gradient(
     # Read before the update: the rate this step uses (schedules move with it).
     learning_rate = optimizer.learning_rate if optimizer is not None else float("nan")
     payload["learning_rate"] = tf.cast(learning_rate, tf.float32)
+    if private is not None:
+        payload.update(private.rows)
+        gradients = private.gradients
     context.result = StepResult(payload, {t.name: f for t, f in zip(plan, forms)})
     return gradients
 

@@ -1,0 +1,176 @@
+"""What a private (DP-SGD) step costs beside a plain Keras step, on models of the zoo.
+
+For each model: the median wall-clock time per step of plain `keras.Model.fit` and of
+`GradientTrackingModel.fit` after `make_private` (no logger: every step private), timed
+in interleaved rounds in one process, and the ratio, and the same for a private step without noise (`noise_multiplier=0`:
+the clipping alone); with `--memory`, the peak-memory
+growth of a short `fit` of each, each in a fresh process. Prints a markdown table.
+
+```
+python benchmarks/privacy.py                                 # mlp, cnn, text, transformer at B=128
+python benchmarks/privacy.py --models mlp --rounds 3 --quick # smoke test
+python benchmarks/privacy.py --memory                        # + peak RSS growth per variant
+python benchmarks/privacy.py --memory --no-timing            # memory alone
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is imported
+
+import keras
+import tensorflow as tf
+from zoo import ZOO, build_compiled, synthetic_batches
+
+import keras_gradtrack as kgt
+
+DEFAULT_MODELS = ("mlp", "cnn", "text", "transformer")
+# "clip_only": a private step with noise_multiplier=0, to tell the noise's draw apart.
+VARIANTS = ("plain", "private", "clip_only")
+WARMUP_STEPS = 2  # dropped at the start of every timed `fit`
+
+
+def build(name: str, variant: str) -> Any:
+    model = build_compiled(name, keras.Model if variant == "plain" else kgt.GradientTrackingModel)
+    if variant != "plain":
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0 if variant == "private" else 0.0)
+    return model
+
+
+class StepTimes(keras.callbacks.Callback):
+    """Wall-clock time of each step of a `fit`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def dataset_of(name: str, batch_size: int) -> Any:
+    data = synthetic_batches(name, batch_size)
+    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat().prefetch(2)
+
+
+def timed_fit(model: Any, dataset: Any, steps: int) -> list[float]:
+    timer = StepTimes()
+    model.fit(
+        dataset,
+        steps_per_epoch=steps + WARMUP_STEPS,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+        callbacks=[timer],
+    )
+    return timer.times[WARMUP_STEPS:]
+
+
+def time_model(name: str, batch_size: int, rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each variant, from interleaved rounds."""
+    keras.utils.set_random_seed(0)
+    models = {variant: build(name, variant) for variant in VARIANTS}
+    for variant in VARIANTS[1:]:
+        models[variant].set_weights(models["plain"].get_weights())
+    dataset = dataset_of(name, batch_size)
+    for model in models.values():  # traced before the rounds
+        timed_fit(model, dataset, 1)
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    for _ in range(rounds):
+        for variant in VARIANTS:
+            times[variant] += timed_fit(models[variant], dataset, steps)
+    return {variant: statistics.median(found) for variant, found in times.items()}
+
+
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (`VmRSS`: now, `VmHWM`: the peak), in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Sets the peak (VmHWM) to the current RSS (Linux: `clear_refs` 5)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def memory_child(name: str, variant: str, batch_size: int) -> None:
+    """Prints the peak-RSS growth of a short `fit` (after the model and data exist)."""
+    keras.utils.set_random_seed(0)
+    model = build(name, variant)
+    dataset = dataset_of(name, batch_size)
+    reset_peak_rss()  # TensorFlow's start-up peak is not the fit's
+    before = status_mib("VmRSS")
+    model.fit(dataset, steps_per_epoch=6, epochs=1, verbose=0, shuffle=False)
+    print(json.dumps({"growth_mib": status_mib("VmHWM") - before}))
+
+
+def memory_growth(name: str, variant: str, batch_size: int) -> float:
+    command = [sys.executable, __file__, "--child", name, variant, str(batch_size)]
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return float(json.loads(output.strip().splitlines()[-1])["growth_mib"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps")
+    parser.add_argument("--memory", action="store_true", help="peak RSS growth per variant")
+    parser.add_argument("--no-timing", action="store_true", help="with --memory: memory alone")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        name, variant, batch_size = args.child
+        memory_child(name, variant, int(batch_size))
+        return
+    rounds, steps = (2, 3) if args.quick else (args.rounds, args.steps)
+    print(
+        f"# {os.cpu_count()} CPUs, TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+        f"B={args.batch_size}, {rounds} interleaved rounds of {steps} steps, medians"
+    )
+    header = "| model | plain step (ms) | private step (ms) | ratio | clip only (ms) | ratio |"
+    rule = "| --- | --- | --- | --- | --- | --- |"
+    if args.memory:
+        header += " plain peak growth (MiB) | private | clip only |"
+        rule += " --- | --- | --- |"
+    rows = [header, rule]
+    for name in args.models.split(","):
+        if name not in ZOO:
+            raise SystemExit(f"Expected models among {sorted(ZOO)}. Received: {name!r}")
+        if args.no_timing:
+            medians = dict.fromkeys(VARIANTS, float("nan"))
+        else:
+            medians = time_model(name, args.batch_size, rounds, steps)
+        row = (
+            f"| {name} | {medians['plain'] * 1e3:.1f} | {medians['private'] * 1e3:.1f} | "
+            f"{medians['private'] / medians['plain']:.2f}x | "
+            f"{medians['clip_only'] * 1e3:.1f} | {medians['clip_only'] / medians['plain']:.2f}x |"
+        )
+        if args.memory:
+            row += "".join(f" {memory_growth(name, v, args.batch_size):.0f} |" for v in VARIANTS)
+        rows.append(row)
+        print(row, flush=True)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

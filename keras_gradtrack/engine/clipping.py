@@ -1,0 +1,375 @@
+"""The private phase of a tracked step (DP-SGD): clipped per-example gradients, summed, plus noise.
+
+For a model made private (`GradientTrackingMixin.make_private`), `tracked_gradient`
+returns, in place of the batch gradient,
+
+    s (sum_i min(1, C / ||g_i||) g_i + N(0, sigma^2 C^2 I)) / B_expected   (+ penalties)
+
+(`s` the loss scale, which the optimizer divides out). It comes from the one
+backward pass the step already ran, as Book-Keeping does:
+
+* each example's norm `||g_i||` from every layer's squared norms (`sq_norm`, the
+  same primitives the statistics use: rules, materialized gradients or fallback);
+* the weights `w_i = min(1, C / ||g_i||)`, in float32;
+* each layer's clipped sum, by its form:
+  - materialized (the rule built `(B, ...)` per-example gradients): `sum_i w_i g_i`;
+  - a rule with a tap of its own (a recurrent loop, a separable convolution), or a
+    layer with a rule called more than once: the rule's per-example gradients of
+    the reweighted output gradients `w_i d_i`, summed (every rule is linear in the
+    output gradients);
+  - a layer without a rule called more than once: the layer run again on its
+    recorded inputs, under a tape of its own, for the same product;
+  - otherwise (one call: a rule's direct form, a chunked layer, the fallback): the
+    local vector-Jacobian product from the layer's tapped tensors to its own
+    variables with output gradients `w_i d_i` (`tf.gradients` on the step's graph:
+    only the layer's own operations lie between them). The backward pass's weight gradients
+    of these layers are then unused, and TensorFlow prunes them from the step.
+
+With a per-layer bound (`C_k` per tracked layer), `w_ik = min(1, C_k / ||g_i^(k)||)`
+and the sensitivity is `sqrt(sum_k C_k^2)`. Weight-regularization penalties do not
+depend on the data: their gradient is added unclipped and without noise. Under a
+`tf.distribute` strategy each replica clips its examples and the optimizer sums
+the replicas' gradients; the noise is drawn on replica 0 only, so it enters the
+global sum once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_gradtrack.engine import distribute
+from keras_gradtrack.engine.backward import Backward, Materialized
+from keras_gradtrack.engine.fallback import per_example_output_products
+from keras_gradtrack.engine.per_layer import layer_primitives
+from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer, build_plan
+from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.rules import Reference
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacySettings:
+    """What `make_private` fixed: the clipping bound(s), the noise, the batch size.
+
+    Attributes:
+        l2_norm_clip: `C`, the bound on each example's gradient norm (all layers
+            together), or `{layer name: C_k}`, one bound per tracked layer.
+        noise_multiplier: `sigma`: the noise's standard deviation is `sigma C`
+            (`sigma sqrt(sum_k C_k^2)` with per-layer bounds).
+        expected_batch_size: `B_expected`, the divisor of the noisy sum; None: the
+            step's own (global) batch size.
+        seed: The base seed of the noise (drawn from Keras' seed at `make_private`).
+    """
+
+    l2_norm_clip: float | Mapping[str, float]
+    noise_multiplier: float
+    expected_batch_size: float | None
+    seed: int
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.l2_norm_clip, Mapping)
+
+    @property
+    def sensitivity(self) -> float:
+        """The bound on the norm of one example's clipped gradient (all layers)."""
+        if isinstance(self.l2_norm_clip, Mapping):
+            return math.sqrt(sum(c * c for c in self.l2_norm_clip.values()))
+        return float(self.l2_norm_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateStep:
+    """The private gradients (aligned with the sources), the values for fit's logs, and
+    the step's (global) batch size."""
+
+    gradients: list[Any]
+    rows: dict[str, tf.Tensor]
+    batch_size: tf.Tensor
+
+
+def settings_of(model: Any) -> PrivacySettings | None:
+    """The model's privacy settings, or None if it trains without privacy."""
+    return getattr(model, "__dict__", {}).get("_privacy_settings")
+
+
+def private_step(
+    context: TrackingContext,
+    plan: Plan,
+    backward: Backward,
+    forms: Sequence[str],
+    materialized: Materialized,
+    penalties: Mapping[int, Any],
+    sources: Sequence[Any],
+) -> PrivateStep | None:
+    """The step's private gradients, or None when the model is not private."""
+    settings = settings_of(context.model)
+    if settings is None:
+        return None
+    refuse_unprivate(context, plan, forms)
+    unscale = 1.0 / backward.factor
+    zeros = Reference({id(v): tf.zeros(v.shape) for t in plan for v in t.variables})
+    # Per layer, `(B,)` ||g_i^(k)||^2 in the true scale.
+    sq_norms = []
+    for tracked, calls, form in zip(plan, backward.calls, forms):
+        sq_norm, _ = layer_primitives(
+            tracked,
+            calls,
+            form,
+            zeros,
+            materialized.per_example,
+            materialized.chunks.get(tracked.name),
+        )
+        sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
+    norms = tf.sqrt(tf.add_n(sq_norms))
+    if isinstance(settings.l2_norm_clip, Mapping):
+        missing = [t.name for t in plan if t.name not in settings.l2_norm_clip]
+        if missing:
+            raise ValueError(
+                "Expected l2_norm_clip to give one bound per tracked layer "
+                f"(model.tracked_layer_names). Received no bound for: {missing}"
+            )
+        bounds = [float(settings.l2_norm_clip[t.name]) for t in plan]
+        weights = [tf.minimum(1.0, c / tf.sqrt(sq)) for c, sq in zip(bounds, sq_norms)]
+        clipped = tf.reduce_any(
+            tf.stack([tf.sqrt(sq) > c for c, sq in zip(bounds, sq_norms)], axis=1), axis=1
+        )
+    else:
+        bound = float(settings.l2_norm_clip)
+        weights = [tf.minimum(1.0, bound / norms)] * len(plan)
+        clipped = norms > bound
+
+    # Each layer's clipped sum, in the rules' scale (`c s sum_i w_i g_i`).
+    sums: dict[int, tf.Tensor] = {}
+    for tracked, calls, form, weight in zip(plan, backward.calls, forms, weights):
+        sums.update(clipped_sum(tracked, calls, form, weight, materialized))
+
+    local_batch = tf.cast(tf.shape(norms)[0], tf.float32)
+    (global_batch,) = distribute.all_reduce_sum([local_batch])
+    divisor = (
+        tf.constant(float(settings.expected_batch_size))
+        if settings.expected_batch_size is not None
+        else global_batch
+    )
+    scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
+    noise_on = noise_switch()
+    seed = step_seed(context.model, settings.seed)
+    std = settings.noise_multiplier * settings.sensitivity
+    gradients = []
+    for position, v in enumerate(sources):
+        if id(v) not in sums:
+            raise ValueError(
+                "A private step needs every source to be a trainable variable of a tracked "
+                f"layer. Received: {getattr(v, 'path', v)!r}"
+            )
+        total = sums[id(v)] * unscale
+        if std > 0.0:
+            noise = tf.random.stateless_normal(
+                v.shape, tf.random.experimental.stateless_fold_in(seed, position)
+            )
+            total += noise * (std * noise_on)
+        gradient = total * (scale / divisor)
+        if id(v) in penalties:
+            gradient += tf.reshape(penalties[id(v)], v.shape)
+        gradients.append(tf.cast(gradient, v.dtype))
+    # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
+    (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
+    return PrivateStep(
+        gradients, {"dp_fraction_clipped": clipped_count / global_batch}, global_batch
+    )
+
+
+def clipped_sum(
+    tracked: TrackedLayer,
+    calls: Sequence[Any],
+    form: str,
+    weight: tf.Tensor,
+    materialized: Materialized,
+) -> dict[int, tf.Tensor]:
+    """`{id(variable): sum_i w_i g_i}` of one layer (rules' scale), by its form."""
+    variables = tracked.variables
+    if form == MATERIALIZED and all(id(v) in materialized.per_example for v in variables):
+        return {
+            id(v): tf.reshape(
+                tf.linalg.matvec(materialized.per_example[id(v)], weight, transpose_a=True),
+                v.shape,
+            )
+            for v in variables
+        }
+    reweighted = [
+        dataclasses.replace(
+            call, output_grads=tuple(reweight(grad, weight) for grad in call.output_grads)
+        )
+        for call in calls
+    ]
+    rule = tracked.rule
+    several = len(calls) > 1
+    if rule is not None and (rule.tap is not None or (several and rule.per_example)):
+        # A tap of the rule's own may record tensors of which one feeds another (the
+        # steps of a loop), and a call's input may depend on the layer's own weights
+        # through an earlier call (a layer called twice in a row): the rule's
+        # per-example gradients, linear in the output gradients, give the sum exactly.
+        if rule.per_example is None:
+            raise ValueError(
+                f"Layer {tracked.layer.name!r} has rule {rule.name!r}, whose tap is its own "
+                "and which builds no per-example gradients, so its clipped sum is not "
+                "defined for private training."
+            )
+        return {
+            id(v): tf.reshape(tf.reduce_sum(tf.cast(g, tf.float32), axis=0), v.shape)
+            for v, g in rule.per_example(tracked.layer, reweighted)
+        }
+    if rule is None and several:
+        return rerun_product(tracked, reweighted)
+    # One call (or calls on integer inputs): the local vector-Jacobian product on the
+    # step's graph; only the layer's own operations lie between its tapped tensors and
+    # its variables.
+    tapped = [t for call in calls for t in call.tapped]
+    grad_ys = [
+        tf.cast(g, t.dtype) for call in reweighted for t, g in zip(call.tapped, call.output_grads)
+    ]
+    gradients = tf.gradients(
+        tapped,
+        list(variables),
+        grad_ys=grad_ys,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+    return {
+        id(v): tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), v.shape)
+        for v, g in zip(variables, gradients)
+    }
+
+
+def rerun_product(tracked: TrackedLayer, calls: Sequence[Any]) -> dict[int, tf.Tensor]:
+    """`sum_c <y_c, w d_c>`'s gradient at the layer's variables, the layer run again on
+    each call's recorded inputs under a tape of its own (which holds the inputs fixed):
+    for a layer without a rule called more than once."""
+    with tf.GradientTape() as tape:
+        total = per_example_output_products(tracked.layer, calls)
+        total = tf.reduce_sum(total)
+    gradients = tape.gradient(
+        total, list(tracked.variables), unconnected_gradients=tf.UnconnectedGradients.ZERO
+    )
+    return {
+        id(v): tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), v.shape)
+        for v, g in zip(tracked.variables, gradients)
+    }
+
+
+def reweight(gradient: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+    """`w_i d_i`: each example's output gradient times its clipping weight."""
+    rank = gradient.shape.rank
+    return gradient * tf.reshape(weight, [-1] + [1] * (rank - 1))
+
+
+def noise_switch() -> tf.Tensor:
+    """1 on the replica that adds the noise (the first), 0 on the others."""
+    if distribute.num_replicas() == 1:
+        return tf.constant(1.0)
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return tf.cast(tf.equal(replica, 0), tf.float32)
+
+
+def step_seed(model: Any, base: int) -> tf.Tensor:
+    """The noise's seed for this step: the base seed and the optimizer's step count."""
+    iterations = tf.cast(model.optimizer.iterations, tf.int64)
+    return tf.random.experimental.stateless_fold_in(tf.constant([base, 0], tf.int64), iterations)
+
+
+def refuse_unprivate(context: TrackingContext, plan: Plan, forms: Sequence[str]) -> None:
+    """Raises (while the step is traced, before any weight changes) on what cannot be private."""
+    model = context.model
+    if tf.executing_eagerly():
+        raise ValueError(
+            f"Private training of model {model.name!r} needs a compiled train step; it "
+            "runs eagerly. Compile with `run_eagerly=False` (the default)."
+        )
+    if COUPLED in forms or getattr(model, "track_batch_normalization", False):
+        raise ValueError(batch_normalization_refusal(model))
+    added = [
+        layer.name for layer in model._flatten_layers(include_self=True) if layer._get_own_losses()
+    ]
+    if added:
+        raise ValueError(
+            f"Layers {added} of model {model.name!r} add losses with `add_loss` (or an "
+            "activity regularizer): such a term is not a sum of per-example terms, so it "
+            "has no per-example gradient to clip and private training would not bound "
+            "each example's influence. Move the term into the compiled loss as a "
+            "per-example value, or remove it."
+        )
+
+
+def batch_normalization_refusal(model: Any) -> str:
+    return (
+        f"Model {model.name!r} has BatchNormalization in training mode: each example's "
+        "output depends on the other examples of the batch, so one example's influence "
+        "cannot be bounded by clipping and the model cannot be trained privately. "
+        "Replace it with `model = kgt.convert_to_group_normalization(model)` "
+        "(GroupNormalization normalizes each example alone), or freeze the layers "
+        "(`layer.trainable = False` runs them in inference mode)."
+    )
+
+
+def validated_settings(
+    model: Any,
+    l2_norm_clip: Any,
+    noise_multiplier: Any,
+    expected_batch_size: Any,
+) -> PrivacySettings:
+    """The settings of `make_private`, checked; refuses, before any step, what cannot be private.
+
+    Raises:
+        ValueError: On an invalid argument, an uncompiled model, or a model that
+            cannot train privately (BatchNormalization in training mode).
+    """
+
+    def positive(name: str, value: Any, allow_zero: bool = False) -> float:
+        valid = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if valid and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):
+            return float(value)
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise ValueError(f"Expected {name} to be {kind} finite number. Received: {name}={value!r}")
+
+    if isinstance(l2_norm_clip, Mapping):
+        if not l2_norm_clip:
+            raise ValueError("Expected l2_norm_clip to name at least one layer. Received: {}")
+        bounds: float | dict[str, float] = {
+            str(name): positive(f"l2_norm_clip[{name!r}]", value)
+            for name, value in l2_norm_clip.items()
+        }
+    else:
+        bounds = positive("l2_norm_clip", l2_norm_clip)
+    sigma = positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    expected = None
+    if expected_batch_size is not None:
+        expected = positive("expected_batch_size", expected_batch_size)
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            f"Model {model.name!r} is not compiled: call `compile(optimizer=..., loss=...)` "
+            "before `make_private`."
+        )
+    if getattr(model, "steps_per_execution", 1) > 1:
+        raise ValueError(
+            "Private training counts its steps for the accountant one by one, so it needs "
+            "`steps_per_execution=1` in `compile()`. "
+            f"Received: steps_per_execution={model.steps_per_execution}"
+        )
+    if getattr(model, "track_batch_normalization", False) or any(
+        isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+        for layer in model._flatten_layers(include_self=False)
+    ):
+        raise ValueError(batch_normalization_refusal(model))
+    if model.built and isinstance(bounds, dict):
+        names = [tracked.name for tracked in build_plan(model)]
+        if sorted(bounds) != sorted(names):
+            raise ValueError(
+                "Expected l2_norm_clip to give one bound per tracked layer "
+                f"(model.tracked_layer_names: {names}). Received: {sorted(bounds)}"
+            )
+    seed = int(keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator()))
+    return PrivacySettings(bounds, sigma, expected, seed)

@@ -1,0 +1,69 @@
+"""What a gradient logger records of a private model: the pre-clip norms, the fraction
+clipped per step, and the privacy settings as the log's attributes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine.clipping import settings_of
+from keras_gradtrack.engine.plan import build_plan
+from keras_gradtrack.statistics import Statistic, StepPrimitives
+
+
+class DPGradNorm(Statistic):
+    """`(B,)` each example's gradient norm before clipping, `||g_i||` (as `grad_norm`)."""
+
+    name = "dp_grad_norm"
+    per_example = True
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return primitives.grad_norm
+
+
+class DPFractionClipped(Statistic):
+    """Per step: the fraction of examples whose gradient was clipped (`||g_i|| > C`,
+    or, with per-layer bounds, `||g_i^(k)|| > C_k` for some layer k)."""
+
+    name = "dp_fraction_clipped"
+    per_example = False
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        settings = settings_of(self.model)
+        assert settings is not None
+        if isinstance(settings.l2_norm_clip, Mapping):
+            names = [tracked.name for tracked in build_plan(self.model)]
+            bounds = tf.constant([settings.l2_norm_clip[name] for name in names], tf.float32)
+            clipped = tf.reduce_any(tf.sqrt(primitives.sq_norm) > bounds, axis=1)
+        else:
+            clipped = primitives.grad_norm > float(settings.l2_norm_clip)
+        return tf.reduce_mean(tf.cast(clipped, tf.float32))
+
+
+def privacy_statistics(model: Any) -> list[Statistic]:
+    """What a gradient logger adds for a private model (none for another model)."""
+    if settings_of(model) is None:
+        return []
+    return [DPGradNorm(), DPFractionClipped(model)]
+
+
+def privacy_attrs(model: Any) -> dict[str, Any]:
+    """The log's root attributes describing a private model's settings (none otherwise)."""
+    settings = settings_of(model)
+    if settings is None:
+        return {}
+    bound = settings.l2_norm_clip
+    return {
+        "dp_l2_norm_clip": settings.sensitivity,
+        "dp_per_layer_clip": json.dumps(dict(bound)) if isinstance(bound, Mapping) else "",
+        "dp_noise_multiplier": settings.noise_multiplier,
+        "dp_expected_batch_size": (
+            float("nan") if settings.expected_batch_size is None else settings.expected_batch_size
+        ),
+    }
