@@ -423,13 +423,12 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         Without a strategy Keras creates them inside the first trace of the step,
         and `tf.function` then traces the step a second time, without variable
         creation, and keeps both graphs; under a strategy Keras builds them first.
-        Built here, the step is traced once: the second trace of the tracked step
-        cost MobileNetV2's tracked `fit` at batch 512 about 130 MiB of peak memory
-        (638 -> 503 MiB; plain `fit` 426). Only for a built model whose step is the
-        built-in `train_step` (it hands the optimizer `trainable_weights`, as the
-        optimizer is built here) and a `tf.data` iterator of dense tensors (`fit`'s,
-        not `train_on_batch`'s), when the first step is due: after `on_train_begin`,
-        so the callbacks' checks still come first.
+        Built here, the step is traced once, and no second graph of the tracked
+        step is held (docs/performance.md). Only for a built model whose step is
+        the built-in `train_step` (it hands the optimizer `trainable_weights`, as
+        the optimizer is built here) and a `tf.data` iterator of dense tensors
+        (`fit`'s, not `train_on_batch`'s), when the first step is due: after
+        `on_train_begin`, so the callbacks' checks still come first.
         """
         spec = getattr(iterator, "element_spec", None)
         if (
