@@ -43,6 +43,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_gradtrack._keras_seam import flatten_layers, layer_losses
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Backward, Materialized
 from keras_gradtrack.engine.fallback import per_example_output_products
@@ -291,9 +292,7 @@ def refuse_unprivate(context: TrackingContext, plan: Plan, forms: Sequence[str])
         )
     if COUPLED in forms or getattr(model, "track_batch_normalization", False):
         raise ValueError(batch_normalization_refusal(model))
-    added = [
-        layer.name for layer in model._flatten_layers(include_self=True) if layer._get_own_losses()
-    ]
+    added = [layer.name for layer in flatten_layers(model) if layer_losses(layer)]
     if added:
         raise ValueError(
             f"Layers {added} of model {model.name!r} add losses with `add_loss` (or an "
@@ -361,7 +360,7 @@ def validated_settings(
         )
     if getattr(model, "track_batch_normalization", False) or any(
         isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-        for layer in model._flatten_layers(include_self=False)
+        for layer in flatten_layers(model, include_self=False)
     ):
         raise ValueError(batch_normalization_refusal(model))
     if model.built and isinstance(bounds, dict):
