@@ -42,6 +42,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is impor
 import keras
 import numpy as np
 import tensorflow as tf
+from report import StepTimes
 
 import keras_gradtrack as kgt
 
@@ -91,21 +92,6 @@ def dataset(batch_size: int) -> Any:
     x = rng.standard_normal((4 * batch_size, *SHAPE), dtype=np.float32)
     y = rng.integers(0, CLASSES, 4 * batch_size)
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat().prefetch(2)
-
-
-class StepTimes(keras.callbacks.Callback):
-    """Seconds per training step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 def fit_times(model: Any, batch_size: int, steps: int, callbacks: list[Any]) -> list[float]:

@@ -27,23 +27,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is impor
 
 import keras
 import tensorflow as tf
+from report import StepTimes
 from zoo import ZOO, build_compiled, synthetic_batches
 
 import keras_gradtrack as kgt
-
-
-class StepTimes(keras.callbacks.Callback):
-    """Wall time of each step, from its `on_train_batch_begin` to its `on_train_batch_end`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.began, self.steps = 0.0, []
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self.began = time.perf_counter()
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.steps.append(time.perf_counter() - self.began)
 
 
 def fixed_seconds(model: Any, dataset: Any, steps: int, log_path: str | None) -> float:
@@ -56,7 +43,7 @@ def fixed_seconds(model: Any, dataset: Any, steps: int, log_path: str | None) ->
         callbacks.insert(0, kgt.HDF5GradientLogger(log_path))
     began = time.perf_counter()
     model.fit(dataset, steps_per_epoch=steps, verbose=0, callbacks=callbacks, shuffle=False)
-    return time.perf_counter() - began - sum(times.steps)
+    return time.perf_counter() - began - sum(times.times)
 
 
 def main() -> None:

@@ -22,13 +22,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is imported
 
 import keras
 import tensorflow as tf
+from report import StepTimes
 from zoo import ZOO, build_compiled, synthetic_batches
 
 import keras_gradtrack as kgt
@@ -44,21 +44,6 @@ def build(name: str, variant: str) -> Any:
     if variant != "plain":
         model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0 if variant == "private" else 0.0)
     return model
-
-
-class StepTimes(keras.callbacks.Callback):
-    """Wall-clock time of each step of a `fit`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 def dataset_of(name: str, batch_size: int) -> Any:

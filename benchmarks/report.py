@@ -1,4 +1,5 @@
-"""The tables of `overhead.py`: per-round figures to paired ratios, and the markdown report."""
+"""The tables of `overhead.py`: per-round figures to paired ratios, and the markdown report;
+the step timer the other scripts share."""
 
 from __future__ import annotations
 
@@ -9,13 +10,31 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 import traceback
 from typing import Any
 
+import keras
 import tensorflow as tf
 from zoo import ZOO
 
 TIMED = ("plain", "tracked", "every_10", "tape_loop", "jacobian")
+
+
+class StepTimes(keras.callbacks.Callback):
+    """Wall time of each step of a `fit`, from its `on_train_batch_begin` to its
+    `on_train_batch_end` (`times`, seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.times.append(time.perf_counter() - self._start)
 
 
 def failure_text(error: Exception) -> str:
