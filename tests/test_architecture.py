@@ -16,9 +16,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "keras_gradtrack"
 # The one module that reaches Keras' private names; it imports nothing of the package,
 # and every layer may import it.
 SEAM = "keras_gradtrack._keras_seam"
+# The one way to swap an attribute for a block and restore it; as free of the package.
+PATCHING = "keras_gradtrack._patching"
 # What a rule module may import of the package: the contract, the shared math, the seam.
 RULE_FOUNDATIONS = {
     SEAM,
+    PATCHING,
     "keras_gradtrack.rules.contract",
     "keras_gradtrack.rules.ops",
     "keras_gradtrack.rules.cost",
@@ -151,8 +154,9 @@ def test_the_rule_registry_imports_no_engine() -> None:
     }
 
 
-def test_the_seam_imports_nothing_of_the_package() -> None:
-    assert not {m for m in GRAPH[SEAM] if m.startswith("keras_gradtrack")}
+@pytest.mark.parametrize("module", [SEAM, PATCHING])
+def test_the_seam_and_the_patching_import_nothing_of_the_package(module: str) -> None:
+    assert not {m for m in GRAPH[module] if m.startswith("keras_gradtrack")}
 
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("keras_gradtrack.io")))

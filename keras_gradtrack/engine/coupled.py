@@ -37,6 +37,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack._keras_seam import flatten_layers
+from keras_gradtrack._patching import patched_each
 from keras_gradtrack.engine.checks import captured_handle
 from keras_gradtrack.engine.plan import EXAMPLE_MIXING_LAYERS, TrackedLayer
 from keras_gradtrack.rules.batch_normalization import uses_batch_statistics
@@ -100,20 +101,11 @@ class CouplingRecorder:
     @contextlib.contextmanager
     def recording(self) -> Iterator[CouplingRecorder]:
         self.calls = []
-        shadowed = [layer.__dict__.get("call") for layer in self.layers]
-        try:
-            for layer in self.layers:
-                # An instance attribute shadows the class's `call` (as the taps do).
-                layer.call = self._recording_call(layer, layer.call)
-            with tf.GradientTape(persistent=True) as tape:
-                self.tape = tape
-                yield self
-        finally:
-            for layer, call in zip(self.layers, shadowed):
-                if call is None:
-                    layer.__dict__.pop("call", None)
-                else:
-                    layer.__dict__["call"] = call
+        # An instance attribute shadows the class's `call` (as the taps do).
+        calls = [(layer, "call", self._recording_call(layer, layer.call)) for layer in self.layers]
+        with patched_each(calls), tf.GradientTape(persistent=True) as tape:
+            self.tape = tape
+            yield self
 
     def _recording_call(self, layer: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         def recording(*args: Any, **kwargs: Any) -> Any:

@@ -31,6 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack._keras_seam import loss_module
+from keras_gradtrack._patching import patched
 from keras_gradtrack.engine import distribute
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -67,7 +68,11 @@ class LossRecorder:
 def recording_losses() -> Iterator[LossRecorder]:
     """Wraps Keras' `reduce_values` for the block, recording every reduction.
 
-    Only a traced step runs inside (once per trace); the wrapper is removed on exit.
+    The swap is of a module attribute, so it holds process-wide for the block: the
+    forward pass of a tracked step while it is traced (once per trace), the
+    example-independence guard's two forward passes, and `kgt.check`'s trace. A
+    loss computed by another thread in that time would be recorded too (its value
+    unchanged); the wrapper is removed on exit, however the block ends.
     """
     recorder = LossRecorder()
     original = loss_module.reduce_values
@@ -90,11 +95,8 @@ def recording_losses() -> Iterator[LossRecorder]:
         recorder.records.append(LossRecord(copy, reduction, factor))
         return original(copy, sample_weight, reduction)
 
-    loss_module.reduce_values = recording_reduce_values
-    try:
+    with patched(loss_module, "reduce_values", recording_reduce_values):
         yield recorder
-    finally:
-        loss_module.reduce_values = original
 
 
 def loss_factor(records: Sequence[LossRecord], batch_size: tf.Tensor) -> tf.Tensor:

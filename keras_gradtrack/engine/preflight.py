@@ -22,6 +22,7 @@ from keras import tree
 
 from keras_gradtrack import statistics
 from keras_gradtrack._keras_seam import build_shapes, functional_inputs
+from keras_gradtrack._patching import patched_each
 from keras_gradtrack.engine import checks
 from keras_gradtrack.engine.batchless import rows_mixing_errors
 from keras_gradtrack.engine.coupled import coupled_layer_names
@@ -268,17 +269,12 @@ def optimizer_updates_left_out(optimizer: Any) -> Iterator[None]:
     if optimizer is None:
         yield
         return
-    shadowed = {name: optimizer.__dict__.get(name) for name in ("apply", "apply_gradients")}
-    optimizer.apply = lambda *args, **kwargs: None
-    optimizer.apply_gradients = lambda *args, **kwargs: None
-    try:
+    with patched_each((optimizer, name, _no_update) for name in ("apply", "apply_gradients")):
         yield
-    finally:
-        for name, value in shadowed.items():
-            if value is None:
-                optimizer.__dict__.pop(name, None)
-            else:
-                optimizer.__dict__[name] = value
+
+
+def _no_update(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def steps_per_execution_refusal(model: Any) -> str:

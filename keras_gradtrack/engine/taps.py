@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack._keras_seam import KERAS_MASK, get_tensor_attr, set_tensor_attr
+from keras_gradtrack._patching import patched
 from keras_gradtrack.engine.batchless import BatchDependence, broadcast_arguments
 from keras_gradtrack.rules.contract import LayerCall, Rule, Tapped
 
@@ -61,29 +62,24 @@ class LayerTap:
         self.batch = batch
         self.recorded: list[RecordedCall] = []
         self._original_call: Callable[..., Any] | None = None
-        self._shadowed_call: Callable[..., Any] | None = None
 
     @property
     def original_call(self) -> Callable[..., Any]:
         """The layer's own `call`, also while the tap is installed."""
         return self._original_call or self.layer.call
 
-    def install(self) -> None:
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[LayerTap]:
+        """The tap on its layer for the block: the layer's `call` records."""
         self.recorded = []
-        self._shadowed_call = self.layer.__dict__.get("call")
-        self._original_call = self.layer.call
         # An instance attribute shadows the class's `call`; Layer.__call__
         # looks `self.call` up on every call.
-        self.layer.call = self._recording_call
-
-    def uninstall(self) -> None:
-        if self._original_call is None:
-            return
-        if self._shadowed_call is not None:
-            self.layer.__dict__["call"] = self._shadowed_call
-        else:
-            self.layer.__dict__.pop("call", None)
-        self._original_call = None
+        with patched(self.layer, "call", self._recording_call) as original:
+            self._original_call = original
+            try:
+                yield self
+            finally:
+                self._original_call = None
 
     def _recording_call(self, *args: Any, **kwargs: Any) -> Any:
         with graph_ops_recorded() as ops:
@@ -141,11 +137,8 @@ class LayerTap:
             preactivations.append(preactivation)
             return activation(preactivation)
 
-        self.layer.activation = recording_activation
-        try:
+        with patched(self.layer, "activation", recording_activation):
             outputs = original(*args, **kwargs)
-        finally:
-            self.layer.activation = activation
         if len(preactivations) != 1:
             raise RuntimeError(
                 f"Layer {self.layer.name!r} ({type(self.layer).__name__}) applied its "
@@ -164,9 +157,10 @@ def installed(taps: Sequence[LayerTap]) -> Iterator[Sequence[LayerTap]]:
     mismatch further on, say) gets a note naming the broadcast layers.
     """
     try:
-        for tap in taps:
-            tap.install()
-        yield taps
+        with contextlib.ExitStack() as stack:
+            for tap in taps:
+                stack.enter_context(tap.installed())
+            yield taps
     except Exception as error:
         broadcast = [tap.layer.name for tap in taps if any(c.batchless for c in tap.recorded)]
         if broadcast:
@@ -177,9 +171,6 @@ def installed(taps: Sequence[LayerTap]) -> Iterator[Sequence[LayerTap]]:
                 "`ops.broadcast_to(token, (batch, 1, dim))`) rather than tiling or reshaping."
             )
         raise
-    finally:
-        for tap in taps:
-            tap.uninstall()
 
 
 # Attributes Keras attaches to tensors.

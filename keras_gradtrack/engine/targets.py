@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack._keras_seam import compiled_loss
+from keras_gradtrack._patching import patched_each
 from keras_gradtrack.engine import distribute, losses
 from keras_gradtrack.engine.backward import Backward, Calls
 from keras_gradtrack.engine.data import EXAMPLE_ID_KEY, check_example_ids, split_example_ids
@@ -276,17 +277,8 @@ def silenced_loss_metrics(model: Any) -> Iterator[None]:
     output whenever it runs; the targets' loss must not.
     """
     metrics = list(getattr(compiled_loss(model), "metrics", []))
-    shadowed = [metric.__dict__.get("update_state") for metric in metrics]
-    for metric in metrics:
-        metric.update_state = _ignored
-    try:
+    with patched_each((metric, "update_state", _ignored) for metric in metrics):
         yield
-    finally:
-        for metric, own in zip(metrics, shadowed):
-            if own is None:
-                del metric.update_state
-            else:
-                metric.update_state = own
 
 
 def _ignored(*args: Any, **kwargs: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import tensorflow as tf
 
+from keras_gradtrack._patching import patched, patched_each
 from keras_gradtrack.engine.batchless import BatchDependence
 from keras_gradtrack.engine.coupled import coupling_recorder
 from keras_gradtrack.engine.data import float_inputs
@@ -143,7 +144,6 @@ class TrackingContext:
             for v in tracked.variables
             if getattr(v, "regularizer", None) is not None
         ]
-        originals = [v.regularizer for v in regularized]
 
         def recording(variable: Any, regularizer: Any) -> Any:
             def penalty(value: Any) -> tf.Tensor:
@@ -154,13 +154,9 @@ class TrackingContext:
 
             return penalty
 
-        try:
-            for variable, regularizer in zip(regularized, originals):
-                variable.regularizer = recording(variable, regularizer)
+        changes = [(v, "regularizer", recording(v, v.regularizer)) for v in regularized]
+        with patched_each(changes):
             yield
-        finally:
-            for variable, regularizer in zip(regularized, originals):
-                variable.regularizer = regularizer
 
     @contextlib.contextmanager
     def _recording_loss_scale(self) -> Iterator[None]:
@@ -174,12 +170,8 @@ class TrackingContext:
             self.loss_scale = tf.cast(original(tf.constant(1.0, tf.float32)), tf.float32)
             return original(loss)
 
-        optimizer.scale_loss = recording_scale_loss
-        try:
+        with patched(optimizer, "scale_loss", recording_scale_loss):
             yield
-        finally:
-            # The class's method again (it was not an instance attribute before).
-            del optimizer.scale_loss
 
 
 def active(model: Any) -> TrackingContext | None:

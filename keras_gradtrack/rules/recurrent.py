@@ -26,6 +26,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack._keras_seam import keras_backend
+from keras_gradtrack._patching import patched
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.ops import (
@@ -156,15 +157,8 @@ class SplitLoop:
 def recurrent_tap(layer: Any, call: Any, args: tuple[Any, ...], kwargs: Any) -> Tapped:
     """Runs the layer's own call with its loop split (`SplitLoop`); taps `P`."""
     split = SplitLoop(layer)
-    shadowed = layer.__dict__.get("inner_loop")
-    layer.__dict__["inner_loop"] = split.inner_loop
-    try:
+    with patched(layer, "inner_loop", split.inner_loop):
         outputs = call(*args, **kwargs)
-    finally:
-        if shadowed is None:
-            layer.__dict__.pop("inner_loop", None)
-        else:
-            layer.__dict__["inner_loop"] = shadowed
     if split.projected is None:
         raise RuntimeError(
             f"Layer {layer.name!r} ({type(layer).__name__}) did not run its inner_loop in "
