@@ -83,11 +83,11 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         """Whether a fit checks, before its first tracked step, that examples do not mix
         (default True).
 
-        In inference mode, the first half of the first batch runs alone and its
-        outputs and per-example losses must equal those of the same examples in
-        the whole batch; otherwise the step is refused before any weight changes
-        (an operation mixes examples, so no per-example gradient is defined). It
-        costs one forward pass of half a batch, once per fit.
+        In inference mode, the first batch runs as it is and with its second half
+        replaced by other examples; the first half's outputs and per-example
+        losses must not change, otherwise the step is refused before any weight
+        changes (an operation mixes examples, so no per-example gradient is
+        defined). It costs two forward passes of one batch, once per fit.
 
         Example:
 
@@ -319,10 +319,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             functions[key] = tf.function(compute, reduce_retracing=True, autograph=False)
         if self.check_example_independence and not self.__dict__.get("_examples_independent"):
             model_x, _ = batch_data.split_example_ids(x, validate=False)
-            mixing = find_example_mixing(self, model_x, y, sample_weight)
-            if mixing is not None:
-                raise mixing_error(self, mixing)
-            self.__dict__["_examples_independent"] = True
+            self._check_examples_independent(model_x, y, sample_weight)
         data = data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
         payload = functions[key](data)
         return {name: np.asarray(value) for name, value in payload.items()}
@@ -483,13 +480,30 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             distribute.first_replica(batch, self.distribute_strategy),  # type: ignore[attr-defined]
             validate=False,
         )
+        # A train_step of the model's own may feed the model something other than
+        # `x` (a GAN's latent samples): there the guard may not apply (docs/zoo.md).
+        self._check_examples_independent(
+            x, y, sample_weight, forward_may_not_apply=preflight.has_own_step(self)
+        )
+
+    def _check_examples_independent(
+        self, x: Any, y: Any, sample_weight: Any, forward_may_not_apply: bool = False
+    ) -> None:
+        """Runs the example-independence guard on one batch; raises its refusal, or
+        remembers that the model passed (`_examples_independent`).
+
+        Args:
+            x: The model's inputs (without example ids).
+            y: The targets.
+            sample_weight: The sample weights.
+            forward_may_not_apply: Whether a failure of the model's forward pass on
+                `x` means the guard does not apply (it is skipped) rather than an error.
+        """
         try:
             mixing = find_example_mixing(self, x, y, sample_weight)
         except Exception:
-            if type(self).train_step is GradientTrackingMixin.train_step:
+            if not forward_may_not_apply:
                 raise
-            # A train_step of the model's own may feed the model something other than
-            # `x` (a GAN's latent samples): the guard does not apply (docs/zoo.md).
             return
         if mixing is not None:
             raise mixing_error(self, mixing)

@@ -18,7 +18,9 @@ are restored afterwards, so nothing of the step changes: no state, no metric.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -71,18 +73,10 @@ def find_example_mixing(
     if size is None or size < 2:
         return None
     kept = size // 2
-    saved = [(v, v.numpy()) for v in state_variables(model)]
-
-    def restore() -> None:
-        for variable, value in saved:
-            variable.assign(value)
-
-    try:
+    with states_restored(model) as restore:
         full = forward(model, x, y, sample_weight)
         restore()  # both passes start from the same states (a stateful layer's)
         variant = forward(model, *(others_replaced(value, kept) for value in (x, y, sample_weight)))
-    finally:
-        restore()
     for what in full:
         if what not in variant:
             continue
@@ -180,6 +174,25 @@ def state_variables(model: Any) -> list[Any]:
         variables.extend(s for s in tree.flatten(states or []) if isinstance(s, keras.Variable))
     unique = {id(v): v for v in variables}
     return list(unique.values())
+
+
+@contextlib.contextmanager
+def states_restored(model: Any) -> Iterator[Callable[[], None]]:
+    """The model's `state_variables` as they were, when the block ends however it ends.
+
+    Yields:
+        A function that restores them at once (inside the block too).
+    """
+    saved = [(v, v.numpy()) for v in state_variables(model)]
+
+    def restore() -> None:
+        for variable, value in saved:
+            variable.assign(value)
+
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 def leading_size(x: Any) -> int | None:

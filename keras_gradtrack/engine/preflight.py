@@ -31,7 +31,7 @@ from keras_gradtrack.engine.independence import (
     find_example_mixing,
     mixing_error,
     rows,
-    state_variables,
+    states_restored,
 )
 from keras_gradtrack.engine.plan import (
     COUPLED,
@@ -127,8 +127,8 @@ def check(
 
     Given a batch (`x` as arrays or tensors, with `y` where the model has a
     compiled loss), it predicts every refusal the first tracked step of `fit`
-    would make: the example-independence guard runs on it (one forward pass of
-    half the batch, in inference mode), and the tracked step is traced on it
+    would make: the example-independence guard runs on it (two forward passes of
+    the batch, in inference mode), and the tracked step is traced on it
     (the loss' reductions, the model's own `train_step`), still without running
     anything.
 
@@ -210,10 +210,8 @@ def build_from(model: Any, x: Any) -> None:
     """Builds an unbuilt model by calling it on one example of `x` in inference mode;
     its states are left as they were."""
     inputs, _ = split_example_ids(x, validate=False)
-    saved = [(v, v.numpy()) for v in state_variables(model)]
-    model(rows(inputs, 1), training=False)
-    for variable, value in saved:
-        variable.assign(value)
+    with states_restored(model):
+        model(rows(inputs, 1), training=False)
 
 
 def batch_refusals(model: Any, x: Any, y: Any, sample_weight: Any, known: list[str]) -> list[str]:

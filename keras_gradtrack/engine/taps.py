@@ -180,17 +180,16 @@ KERAS_TENSOR_ATTRIBUTES = (KERAS_MASK,)
 def carry_metadata(source: Any, target: Any) -> None:
     """Attaches the Keras attributes of `source`'s tensors (a mask set in `call`) to
     the tensors at the same positions of `target` that stand in for them."""
-    try:
-        pairs = zip(tree.flatten(source), tree.flatten(target), strict=True)
-        for own, returned in pairs:
-            if own is returned or not tf.is_tensor(own) or not tf.is_tensor(returned):
-                continue
-            for name in KERAS_TENSOR_ATTRIBUTES:
-                value = get_tensor_attr(own, name)
-                if value is not None and get_tensor_attr(returned, name) is None:
-                    set_tensor_attr(returned, name, value)
-    except ValueError:
+    own_leaves, returned_leaves = tree.flatten(source), tree.flatten(target)
+    if len(own_leaves) != len(returned_leaves):
         return  # the path returned another structure: nothing stands in for the call's own
+    for own, returned in zip(own_leaves, returned_leaves):
+        if own is returned or not tf.is_tensor(own) or not tf.is_tensor(returned):
+            continue
+        for name in KERAS_TENSOR_ATTRIBUTES:
+            value = get_tensor_attr(own, name)
+            if value is not None and get_tensor_attr(returned, name) is None:
+                set_tensor_attr(returned, name, value)
 
 
 def fresh_float_copy(value: Any) -> Any:
