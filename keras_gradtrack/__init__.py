@@ -21,38 +21,38 @@ from keras_gradtrack.version import __version__
 if TYPE_CHECKING:
     from keras_gradtrack import attribution, autodiff, privacy, rules, statistics
     from keras_gradtrack.analysis import GradientLog
-    from keras_gradtrack.callbacks import HDF5GradientLogger
-    from keras_gradtrack.convert import convert_to_group_normalization
+    from keras_gradtrack.callbacks.hdf5 import HDF5GradientLogger
+    from keras_gradtrack.callbacks.output_gradients import OutputGradientLogger
+    from keras_gradtrack.callbacks.statistics_to_logs import GradientStatisticsToLogs
+    from keras_gradtrack.callbacks.tensorboard import TensorBoardGradientLogger
+    from keras_gradtrack.callbacks.tensorboard_events import write_tensorboard
     from keras_gradtrack.engine.preflight import check
-    from keras_gradtrack.mixin import GradientTrackingMixin
-    from keras_gradtrack.model import GradientTrackingModel, GradientTrackingSequential
-    from keras_gradtrack.output_logger import OutputGradientLogger
+    from keras_gradtrack.models.convert import convert_to_group_normalization
+    from keras_gradtrack.models.model import GradientTrackingModel, GradientTrackingSequential
+    from keras_gradtrack.models.trainer import GradientTrackingMixin
     from keras_gradtrack.rules import register_rule
-    from keras_gradtrack.statistics_to_logs import GradientStatisticsToLogs
-    from keras_gradtrack.tensorboard_events import write_tensorboard
-    from keras_gradtrack.tensorboard_logger import TensorBoardGradientLogger
 
 # Public name -> the module that defines it (None: the name is a submodule).
 # They are imported on first use, so that reading logs (GradientLog, the
 # keras-gradtrack command, analysis and plots) never imports TensorFlow.
 _LAZY = {
     "GradientLog": "keras_gradtrack.analysis",
-    "GradientStatisticsToLogs": "keras_gradtrack.statistics_to_logs",
-    "GradientTrackingMixin": "keras_gradtrack.mixin",
-    "GradientTrackingModel": "keras_gradtrack.model",
-    "GradientTrackingSequential": "keras_gradtrack.model",
-    "HDF5GradientLogger": "keras_gradtrack.callbacks",
-    "OutputGradientLogger": "keras_gradtrack.output_logger",
-    "TensorBoardGradientLogger": "keras_gradtrack.tensorboard_logger",
+    "GradientStatisticsToLogs": "keras_gradtrack.callbacks.statistics_to_logs",
+    "GradientTrackingMixin": "keras_gradtrack.models.trainer",
+    "GradientTrackingModel": "keras_gradtrack.models.model",
+    "GradientTrackingSequential": "keras_gradtrack.models.model",
+    "HDF5GradientLogger": "keras_gradtrack.callbacks.hdf5",
+    "OutputGradientLogger": "keras_gradtrack.callbacks.output_gradients",
+    "TensorBoardGradientLogger": "keras_gradtrack.callbacks.tensorboard",
     "attribution": None,
     "autodiff": None,
-    "convert_to_group_normalization": "keras_gradtrack.convert",
+    "convert_to_group_normalization": "keras_gradtrack.models.convert",
     "check": "keras_gradtrack.engine.preflight",
     "register_rule": "keras_gradtrack.rules",
     "privacy": None,
     "rules": None,
     "statistics": None,
-    "write_tensorboard": "keras_gradtrack.tensorboard_events",
+    "write_tensorboard": "keras_gradtrack.callbacks.tensorboard_events",
 }
 
 __all__ = [
@@ -97,4 +97,4 @@ def __dir__() -> list[str]:
 # `keras.models.load_model` finds the model classes only once they are
 # registered: when Keras is already in use, register them now.
 if "keras" in sys.modules:
-    importlib.import_module("keras_gradtrack.model")
+    importlib.import_module("keras_gradtrack.models.model")

@@ -176,7 +176,7 @@ def _export(args: argparse.Namespace) -> None:
 
 def _tensorboard(args: argparse.Namespace) -> None:
     # Imports TensorFlow (tf.summary); the other commands never do.
-    from keras_gradtrack.tensorboard_events import write_tensorboard
+    from keras_gradtrack.callbacks.tensorboard_events import write_tensorboard
 
     logdir = args.logdir or Path(args.log).with_suffix("").as_posix() + "_tensorboard"
     written = write_tensorboard(

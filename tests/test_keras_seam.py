@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from keras_gradtrack import _keras_seam
-from keras_gradtrack.mixin import GradientTrackingMixin
+from keras_gradtrack.models.trainer import GradientTrackingMixin
 
 PACKAGE = Path(_keras_seam.__file__).resolve().parent
 PRIVATE_MODULES = ("keras.src", "tensorflow.python")

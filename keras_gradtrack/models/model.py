@@ -8,7 +8,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import Functional, functional_init_arguments
-from keras_gradtrack.mixin import GradientTrackingMixin
+from keras_gradtrack.models.trainer import GradientTrackingMixin
 
 __all__ = ["GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential"]
 

@@ -9,11 +9,15 @@ from typing import Any
 import keras
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.callbacks import is_chief, require_tracking_model
+from keras_gradtrack.callbacks.base import is_chief, require_tracking_model
+from keras_gradtrack.callbacks.tensorboard_events import (
+    DEFAULT_BUCKETS,
+    StepSummaryWriter,
+    summary_ops,
+)
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.io.schema import LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
-from keras_gradtrack.tensorboard_events import DEFAULT_BUCKETS, StepSummaryWriter, summary_ops
 
 
 class TensorBoardGradientLogger(keras.callbacks.Callback):
@@ -104,7 +108,7 @@ class TensorBoardGradientLogger(keras.callbacks.Callback):
         # Every worker tracks the same steps; only the chief writes them.
         self._writes = is_chief(self.model)
         if self._writes:
-            from keras_gradtrack.tensorboard_events import prepare_logdir
+            from keras_gradtrack.callbacks.tensorboard_events import prepare_logdir
 
             prepare_logdir(self.log_dir)
         self._first_step = self.model.gradient_tracking.step

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
-from keras_gradtrack.engine.preflight import steps_per_execution_refusal
+from keras_gradtrack.callbacks.base import is_chief, require_tracking_model
 from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
@@ -31,31 +31,6 @@ from keras_gradtrack.io.schema import (
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
-
-
-def is_chief(model: Any) -> bool:
-    """Whether this process writes the log: always, except non-chief multi-worker tasks."""
-    resolver = getattr(model.distribute_strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.task_type:
-        return True
-    cluster = resolver.cluster_spec().as_dict()
-    if "chief" in cluster:
-        return resolver.task_type == "chief"
-    return resolver.task_type == "worker" and resolver.task_id == 0
-
-
-def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
-    """Raises unless `model` can compute gradient statistics for `callback`."""
-    from keras_gradtrack.mixin import GradientTrackingMixin
-
-    if not isinstance(model, GradientTrackingMixin):
-        raise TypeError(
-            f"{type(callback).__name__} needs a model built with "
-            "keras_gradtrack.GradientTrackingModel (or GradientTrackingMixin). "
-            f"Received: a {type(model).__name__}"
-        )
-    if getattr(model, "steps_per_execution", 1) > 1:
-        raise ValueError(steps_per_execution_refusal(model))
 
 
 class HDF5GradientLogger(keras.callbacks.Callback):

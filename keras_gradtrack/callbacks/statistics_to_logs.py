@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.callbacks import require_tracking_model
+from keras_gradtrack.callbacks.base import require_tracking_model
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.statistics import Statistic
 

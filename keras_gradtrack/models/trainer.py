@@ -13,7 +13,6 @@ from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight,
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
-from keras_gradtrack.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine import clipping, distribute, preflight, tracking
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
@@ -27,6 +26,7 @@ from keras_gradtrack.engine.independence import (
 from keras_gradtrack.engine.plan import Plan, build_plan
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
 from keras_gradtrack.engine.step import tracked_gradient
+from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.statistics import Statistic
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import autodiff
-from keras_gradtrack.callbacks import is_chief
+from keras_gradtrack.callbacks.base import is_chief
 from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io import output_schema, schema
 from keras_gradtrack.io.block_writer import BlockWriter
