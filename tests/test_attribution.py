@@ -26,7 +26,7 @@ from oracle import (
 
 import keras_gradtrack as kgt
 from keras_gradtrack import cli
-from keras_gradtrack.engine.sketches import load_checkpoint, projection_matrices
+from keras_gradtrack.attribution.sketches import load_checkpoint, projection_matrices
 from keras_gradtrack.io import LogWriter
 from keras_gradtrack.io.checkpoints import checkpoint_path
 

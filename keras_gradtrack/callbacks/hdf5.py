@@ -13,11 +13,12 @@ import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
+from keras_gradtrack.attribution.sketches import GradientSketch, save_checkpoint
+from keras_gradtrack.attribution.targets import TargetSet
 from keras_gradtrack.callbacks.base import is_chief, require_tracking_model
 from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
+from keras_gradtrack.engine.requests import AttributionRequest
 from keras_gradtrack.engine.schedule import StepReport
-from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
-from keras_gradtrack.engine.targets import AttributionRequest, TargetSet
 from keras_gradtrack.io.checkpoints import check_checkpoints, checkpoint_path, remove_checkpoints
 from keras_gradtrack.io.checks import check_flush_seconds
 from keras_gradtrack.io.schema import (

@@ -49,7 +49,7 @@ class Subscription:
         finish: Called once when the fit ends, however it ends (an exception
             or an interrupt included); None for nothing.
         requests: Per-example rows it needs beside the statistics (each
-            `engine.targets.AttributionRequest` reports under its `key`).
+            `engine.requests.AttributionRequest` reports under its `key`).
     """
 
     statistics: tuple[Statistic, ...]

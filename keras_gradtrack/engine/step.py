@@ -35,7 +35,7 @@ from keras_gradtrack.engine.coupled import (
 )
 from keras_gradtrack.engine.per_layer import step_primitives
 from keras_gradtrack.engine.plan import COUPLED, DIRECT, JACOBIAN, MATERIALIZED, Plan
-from keras_gradtrack.engine.targets import attribution_rows
+from keras_gradtrack.engine.requests import attribution_rows
 from keras_gradtrack.engine.tracking import StepResult, TrackingContext
 from keras_gradtrack.rules.ops import compiled_with_xla
 from keras_gradtrack.statistics import Statistic

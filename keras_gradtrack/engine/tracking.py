@@ -35,7 +35,7 @@ _ACTIVE: contextvars.ContextVar[TrackingContext | None] = contextvars.ContextVar
 
 class RowRequest(Protocol):
     """Per-example rows asked of the step beside the statistics (the step's payload
-    holds them under `key`); `engine.targets.AttributionRequest` is one."""
+    holds them under `key`); `engine.requests.AttributionRequest` is one."""
 
     key: str
 

@@ -1,7 +1,7 @@
 """Gradient sketches: per-example gradients projected to a few numbers, for targets chosen later.
 
 Exact influence on a target needs the target's gradient at every step's
-weights, so the target must be known before training (`engine.targets`). For a
+weights, so the target must be known before training (`attribution.targets`). For a
 target chosen afterwards, the log keeps a sketch of each example's gradient
 (`GradientSketch`), and the logger saves the weights at chosen steps; a
 target's sketch at a checkpoint then stands in for its gradient at the steps
@@ -28,15 +28,10 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack._keras_seam import saving_lib
+from keras_gradtrack.attribution.targets import TargetSet, layer_per_example, target_pass
 from keras_gradtrack.engine.backward import Calls
 from keras_gradtrack.engine.plan import DIRECT, MATERIALIZED, Plan, TrackedLayer, build_plan
-from keras_gradtrack.engine.targets import (
-    AttributionRequest,
-    BatchGradients,
-    TargetSet,
-    layer_per_example,
-    target_pass,
-)
+from keras_gradtrack.engine.requests import AttributionRequest, BatchGradients
 from keras_gradtrack.rules import Projection
 from keras_gradtrack.rules.ops import reshape_per_example, sketch_of
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -26,54 +25,14 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import compiled_loss
 from keras_gradtrack._patching import patched_each
-from keras_gradtrack.engine import distribute, losses
-from keras_gradtrack.engine.backward import Backward, Calls
+from keras_gradtrack.engine import losses
+from keras_gradtrack.engine.backward import Calls
 from keras_gradtrack.engine.data import EXAMPLE_ID_KEY, check_example_ids, split_example_ids
 from keras_gradtrack.engine.fallback import per_example_gradients
-from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.plan import MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.requests import AttributionRequest, BatchGradients
 from keras_gradtrack.engine.taps import LayerTap, installed
-from keras_gradtrack.engine.tracking import TrackingContext
 from keras_gradtrack.rules.ops import cross_of, flat_per_example
-
-_KEYS = itertools.count()
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchGradients:
-    """What an `AttributionRequest` reads of a tracked step after its backward pass.
-
-    Attributes:
-        model: The model.
-        plan: The tracked layers the step's gradient covers.
-        calls: Per layer, its calls with their output gradients (rules' scale).
-        forms: Per layer, its form in this step.
-        per_example: Per-example gradients of the materialized layers (rules' scale).
-        factor: `c s`, the factor of the rules' scale (results of degree 1 divide by it).
-        loss_scale: The step's loss scale, or None.
-    """
-
-    model: Any
-    plan: Plan
-    calls: tuple[Calls, ...]
-    forms: Sequence[str]
-    per_example: dict[int, tf.Tensor]
-    factor: tf.Tensor
-    loss_scale: tf.Tensor | None
-
-
-class AttributionRequest:
-    """Per-example rows a logger asks the tracked step for, beside the statistics.
-
-    Attributes:
-        key: Where the step's payload holds the rows (unique per request).
-    """
-
-    def __init__(self) -> None:
-        self.key = f"attribution_{next(_KEYS)}"
-
-    def rows(self, batch: BatchGradients) -> tf.Tensor:
-        """`(B, W)` rows of this replica's examples, inside the compiled step."""
-        raise NotImplementedError
 
 
 class TargetSet(AttributionRequest):
@@ -241,32 +200,6 @@ def layer_per_example(tracked: TrackedLayer, calls: Calls) -> list[tf.Tensor]:
         return list(tf.split(flat, sizes, axis=1))
     by_variable = {id(v): flat_per_example(g) for v, g in rule.per_example(tracked.layer, calls)}
     return [by_variable[id(v)] for v in tracked.variables]
-
-
-def attribution_rows(
-    context: TrackingContext,
-    plan: Plan,
-    backward: Backward,
-    forms: Sequence[str],
-    per_example: dict[int, tf.Tensor],
-) -> dict[str, tf.Tensor]:
-    """The rows of the step's attribution requests, by key, gathered over replicas."""
-    if not context.requests:
-        return {}
-    coupled = [tracked.name for tracked, form in zip(plan, forms) if form == COUPLED]
-    if coupled:
-        raise ValueError(
-            "Targets and gradient sketches pair each example's gradient of a layer with "
-            "the targets' gradients of that layer alone, but the gradients of layers "
-            f"{coupled} run through a BatchNormalization's batch statistics "
-            "(model.track_batch_normalization). Freeze the BatchNormalization layers or "
-            "use kgt.convert_to_group_normalization(model) to log targets or sketches."
-        )
-    batch = BatchGradients(
-        context.model, plan, backward.calls, forms, per_example, backward.factor, context.loss_scale
-    )
-    rows = {request.key: request.rows(batch) for request in context.requests}
-    return distribute.all_gather_rows(rows)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,12 @@ at its checkpoints: `estimate_influence` sketches the targets at each checkpoint
 (with the model) and pairs them with the rows of the steps after it. Unlike the
 rest of reading, this needs TensorFlow.
 
+The subpackage holds the two requests a logger makes of the tracked step
+(`engine.requests.AttributionRequest`): `targets.py` (`TargetSet`, the exact
+products with targets given before training) and `sketches.py` (`GradientSketch`,
+and the checkpoints and the targets' sketches at them). Reading the scores back is
+`analysis.influence`, which needs no TensorFlow.
+
 Example:
 
 ```python
@@ -27,8 +33,8 @@ from typing import Any
 
 from keras_gradtrack.analysis import GradientLog, Influence
 from keras_gradtrack.analysis.influence import influence_from_sketches, require_sketches
-from keras_gradtrack.engine.sketches import checkpoint_sketches
-from keras_gradtrack.engine.targets import TargetSet
+from keras_gradtrack.attribution.sketches import checkpoint_sketches
+from keras_gradtrack.attribution.targets import TargetSet
 
 __all__ = ["estimate_influence"]
 

@@ -1,0 +1,87 @@
+"""What a logger may ask a tracked step for beside the statistics: per-example rows.
+
+An `AttributionRequest` (the targets' products, a gradient sketch: see
+`keras_gradtrack.attribution`) turns what the step's backward pass holds
+(`BatchGradients`) into `(B, W)` rows; `attribution_rows` runs the step's requests
+and gathers their rows over replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_gradtrack.engine import distribute
+from keras_gradtrack.engine.backward import Backward, Calls
+from keras_gradtrack.engine.plan import COUPLED, Plan
+from keras_gradtrack.engine.tracking import TrackingContext
+
+_KEYS = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGradients:
+    """What an `AttributionRequest` reads of a tracked step after its backward pass.
+
+    Attributes:
+        model: The model.
+        plan: The tracked layers the step's gradient covers.
+        calls: Per layer, its calls with their output gradients (rules' scale).
+        forms: Per layer, its form in this step.
+        per_example: Per-example gradients of the materialized layers (rules' scale).
+        factor: `c s`, the factor of the rules' scale (results of degree 1 divide by it).
+        loss_scale: The step's loss scale, or None.
+    """
+
+    model: Any
+    plan: Plan
+    calls: tuple[Calls, ...]
+    forms: Sequence[str]
+    per_example: dict[int, tf.Tensor]
+    factor: tf.Tensor
+    loss_scale: tf.Tensor | None
+
+
+class AttributionRequest:
+    """Per-example rows a logger asks the tracked step for, beside the statistics.
+
+    Attributes:
+        key: Where the step's payload holds the rows (unique per request).
+    """
+
+    def __init__(self) -> None:
+        self.key = f"attribution_{next(_KEYS)}"
+
+    def rows(self, batch: BatchGradients) -> tf.Tensor:
+        """`(B, W)` rows of this replica's examples, inside the compiled step."""
+        raise NotImplementedError
+
+
+def attribution_rows(
+    context: TrackingContext,
+    plan: Plan,
+    backward: Backward,
+    forms: Sequence[str],
+    per_example: dict[int, tf.Tensor],
+) -> dict[str, tf.Tensor]:
+    """The rows of the step's attribution requests, by key, gathered over replicas."""
+    if not context.requests:
+        return {}
+    coupled = [tracked.name for tracked, form in zip(plan, forms) if form == COUPLED]
+    if coupled:
+        raise ValueError(
+            "Targets and gradient sketches pair each example's gradient of a layer with "
+            "the targets' gradients of that layer alone, but the gradients of layers "
+            f"{coupled} run through a BatchNormalization's batch statistics "
+            "(model.track_batch_normalization). Freeze the BatchNormalization layers or "
+            "use kgt.convert_to_group_normalization(model) to log targets or sketches."
+        )
+    batch = BatchGradients(
+        context.model, plan, backward.calls, forms, per_example, backward.factor, context.loss_scale
+    )
+    rows = {request.key: request.rows(batch) for request in context.requests}
+    return distribute.all_gather_rows(rows)
