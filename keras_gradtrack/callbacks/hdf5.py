@@ -15,7 +15,14 @@ from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
 from keras_gradtrack.attribution.sketches import GradientSketch, save_checkpoint
 from keras_gradtrack.attribution.targets import TargetSet
-from keras_gradtrack.callbacks.base import is_chief, require_tracking_model
+from keras_gradtrack.callbacks.base import (
+    FileLogger,
+    StatisticsCallback,
+    check_positive_counts,
+    is_chief,
+    refuse_square_statistics,
+    require_tracking_model,
+)
 from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
 from keras_gradtrack.engine.requests import AttributionRequest
 from keras_gradtrack.engine.schedule import StepReport
@@ -34,7 +41,7 @@ from keras_gradtrack.statistics import Statistic
 from keras_gradtrack.version import __version__
 
 
-class HDF5GradientLogger(keras.callbacks.Callback):
+class HDF5GradientLogger(StatisticsCallback, FileLogger):
     """Streams per-example and per-step gradient statistics to an HDF5 file.
 
     The file follows schema version 2 (see the docs): `/per_example/<stat>`
@@ -98,9 +105,6 @@ class HDF5GradientLogger(keras.callbacks.Callback):
     ```
     """
 
-    # `fit` checks that examples do not mix before the first step this callback tracks.
-    subscribes_to_gradients = True
-
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -116,36 +120,21 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         sketch_seed: int = 0,
         checkpoint_every: int | None = None,
     ):
-        super().__init__()
-        if append and overwrite:
-            raise ValueError(
-                "Pass at most one of `append` and `overwrite`. "
-                f"Received: append={append}, overwrite={overwrite}"
-            )
+        super().__init__(path, append=append, overwrite=overwrite)
         counts = [("every_n_steps", every_n_steps), ("flush_every", flush_every)]
         if checkpoint_every is not None:
             counts.append(("checkpoint_every", checkpoint_every))
-        for name, value in counts:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
+        check_positive_counts(counts)
         check_flush_seconds(flush_seconds)
-        self.path = os.fspath(path)
         self.statistics = statistics_module.resolve(statistics)
-        square = [
-            s.name for s in self.statistics if isinstance(s, statistics_module.PairwiseCosine)
-        ]
-        if square:
-            raise ValueError(
-                f"{square} is a (batch, batch) matrix per step and is not written to the "
-                "log; compute it with `model.gradient_statistics(x, y, "
-                "statistics=['pairwise_cosine'])`. Received: statistics="
-                f"{[s.name for s in self.statistics]}"
-            )
+        refuse_square_statistics(
+            self.statistics,
+            "is not written to the log; compute it with `model.gradient_statistics(x, y, "
+            "statistics=['pairwise_cosine'])`.",
+        )
         self.every_n_steps = every_n_steps
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
-        self.append = append
-        self.overwrite = overwrite
         self.compression = compression
         self.targets = None if targets is None else TargetSet.from_argument(targets)
         self.sketch = None if sketch_dim is None else GradientSketch(sketch_dim, sketch_seed)
@@ -153,7 +142,6 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         # Sketches are only of use with weights to sketch targets at.
         self._checkpoints = checkpoint_every is not None or sketch_dim is not None
         self._first_step = 0
-        self.writer: LogWriter | None = None
         self._epoch = 0
         self._epoch_position = 0
         self._writes = True
@@ -184,14 +172,7 @@ class HDF5GradientLogger(keras.callbacks.Callback):
         names = {statistic.name for statistic in private}
         self.statistics = [s for s in self.statistics if s.name not in names] + private
         self._first_step = self.model.gradient_tracking.step
-        self.model.gradient_tracking.subscribe(
-            id(self),
-            self.statistics,
-            self.every_n_steps,
-            self._consume,
-            finish=self.close,
-            requests=requests,
-        )
+        self.subscribe(self._consume, finish=self.close, requests=requests)
         # A subclassed model's layers may only be built by the first step; the
         # layer names (and the file's datasets) wait for it then.
         if self._writes and all(layer.built for layer in flatten_layers(self.model)):
@@ -229,20 +210,6 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                     self.close()
                 raise
         self._epoch_position += report.batch_size
-
-    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        self.model.gradient_tracking.unsubscribe(id(self))
-        self.close()
-
-    def close(self) -> None:
-        """Writes buffered rows and closes the file (idempotent)."""
-        if self.writer is not None:
-            writer, self.writer = self.writer, None
-            # A later `fit` with this same logger continues its log.
-            self.append, self.overwrite = True, False
-            # Raises OSError if the buffered rows cannot be written (a full disk, say);
-            # the file is closed all the same and keeps every block written before.
-            writer.close()
 
     # -- writing --------------------------------------------------------------
 

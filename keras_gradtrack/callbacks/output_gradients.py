@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import autodiff
-from keras_gradtrack.callbacks.base import is_chief
+from keras_gradtrack.callbacks.base import FileLogger, check_positive_counts, is_chief
 from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io import output_schema, schema
 from keras_gradtrack.io.block_writer import BlockWriter
@@ -18,7 +18,7 @@ from keras_gradtrack.rules.ops import sum_of_squares
 from keras_gradtrack.version import __version__
 
 
-class OutputGradientLogger(keras.callbacks.Callback):
+class OutputGradientLogger(FileLogger):
     """Logs, every `every_n_steps`, the weight gradient of each output feature.
 
     For each feature `f` along `axis` of `model(x)` (on the fixed input `x`
@@ -69,25 +69,14 @@ class OutputGradientLogger(keras.callbacks.Callback):
         append: bool = False,
         compression: str | None = "gzip",
     ):
-        super().__init__()
-        for name, value in (("every_n_steps", every_n_steps), ("chunk_size", chunk_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
-        if append and overwrite:
-            raise ValueError(
-                "Pass at most one of `append` and `overwrite`. "
-                f"Received: append={append}, overwrite={overwrite}"
-            )
-        self.path = os.fspath(path)
+        check_positive_counts((("every_n_steps", every_n_steps), ("chunk_size", chunk_size)))
+        super().__init__(path, append=append, overwrite=overwrite)
         self.x = x
         self.every_n_steps = every_n_steps
         self.axis = axis
         self.chunk_size = chunk_size
         self.save_tensors = save_tensors
-        self.overwrite = overwrite
-        self.append = append
         self.compression = compression
-        self.writer: BlockWriter | None = None
         self._gradients: autodiff.OutputGradients | None = None
         self._step = 0
         self._epoch = 0
@@ -147,13 +136,6 @@ class OutputGradientLogger(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self.close()
-
-    def close(self) -> None:
-        """Closes the file (idempotent); a later `fit` with this logger continues it."""
-        if self.writer is not None:
-            writer, self.writer = self.writer, None
-            self.append, self.overwrite = True, False
-            writer.close()
 
     def _tensor_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
         shapes = {}

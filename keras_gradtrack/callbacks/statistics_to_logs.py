@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.callbacks.base import require_tracking_model
+from keras_gradtrack.callbacks.base import (
+    StatisticsCallback,
+    check_positive_counts,
+    require_tracking_model,
+)
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.statistics import Statistic
 
@@ -23,7 +26,7 @@ DEFAULT_LOGS_STATISTICS = (
 )
 
 
-class GradientStatisticsToLogs(keras.callbacks.Callback):
+class GradientStatisticsToLogs(StatisticsCallback):
     """Puts per-step gradient statistics into the `logs` every later callback receives.
 
     Keras passes one `logs` dict to the callbacks of `fit` in list order (the
@@ -68,9 +71,6 @@ class GradientStatisticsToLogs(keras.callbacks.Callback):
     ```
     """
 
-    # `fit` checks that examples do not mix before the first step this callback tracks.
-    subscribes_to_gradients = True
-
     def __init__(
         self,
         statistics: Iterable[str | Statistic] | None = None,
@@ -78,10 +78,7 @@ class GradientStatisticsToLogs(keras.callbacks.Callback):
         prefix: str = "",
     ):
         super().__init__()
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"Expected `every_n_steps` to be a positive int. Received: {every_n_steps!r}"
-            )
+        check_positive_counts([("every_n_steps", every_n_steps)])
         self.statistics = statistics_module.resolve(
             DEFAULT_LOGS_STATISTICS if statistics is None else statistics
         )
@@ -105,9 +102,7 @@ class GradientStatisticsToLogs(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         require_tracking_model(self.model, self)
         self._pending = None
-        self.model.gradient_tracking.subscribe(
-            id(self), self.statistics, self.every_n_steps, self._consume
-        )
+        self.subscribe(self._consume)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch_values = {key: [] for key in self.keys}
@@ -134,9 +129,6 @@ class GradientStatisticsToLogs(keras.callbacks.Callback):
         for key in self.keys:
             steps = self._epoch_values.get(key, [])
             logs[key] = float(np.mean(steps)) if steps else float("nan")
-
-    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        self.model.gradient_tracking.unsubscribe(id(self))
 
     def _consume(self, report: StepReport) -> None:
         if report.values is not None:

@@ -6,10 +6,14 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import keras
-
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.callbacks.base import is_chief, require_tracking_model
+from keras_gradtrack.callbacks.base import (
+    StatisticsCallback,
+    check_positive_counts,
+    is_chief,
+    refuse_square_statistics,
+    require_tracking_model,
+)
 from keras_gradtrack.callbacks.tensorboard_events import (
     DEFAULT_BUCKETS,
     StepSummaryWriter,
@@ -20,7 +24,7 @@ from keras_gradtrack.io.schema import LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
 
-class TensorBoardGradientLogger(keras.callbacks.Callback):
+class TensorBoardGradientLogger(StatisticsCallback):
     """Writes gradient statistics to TensorBoard event files during `fit`.
 
     Every tracked step writes scalars: the per-step statistics
@@ -65,9 +69,6 @@ class TensorBoardGradientLogger(keras.callbacks.Callback):
     ```
     """
 
-    # `fit` checks that examples do not mix before the first step this callback tracks.
-    subscribes_to_gradients = True
-
     def __init__(
         self,
         log_dir: str | os.PathLike[str],
@@ -77,28 +78,20 @@ class TensorBoardGradientLogger(keras.callbacks.Callback):
         buckets: int = DEFAULT_BUCKETS,
     ):
         super().__init__()
-        for name, value in [
-            ("every_n_steps", every_n_steps),
-            ("histogram_every", histogram_every),
-            ("buckets", buckets),
-        ]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Expected `{name}` to be a positive int. Received: {value!r}")
+        check_positive_counts(
+            [
+                ("every_n_steps", every_n_steps),
+                ("histogram_every", histogram_every),
+                ("buckets", buckets),
+            ]
+        )
         summary_ops()  # fails now, not after training started, without tensorboard
         self.log_dir = os.fspath(log_dir)
         self.statistics = statistics_module.resolve(statistics)
-        square = [
-            s.name for s in self.statistics if isinstance(s, statistics_module.PairwiseCosine)
-        ]
-        if square:
-            raise ValueError(
-                f"{square} is a (batch, batch) matrix per step and has no TensorBoard "
-                f"summary here. Received: statistics={[s.name for s in self.statistics]}"
-            )
+        refuse_square_statistics(self.statistics, "has no TensorBoard summary here.")
         self.every_n_steps = every_n_steps
         self.histogram_every = histogram_every
         self.buckets = buckets
-        self.writer: StepSummaryWriter | None = None
         self._writes = True
         self._first_step = 0
         self._tracked = 0
@@ -113,23 +106,11 @@ class TensorBoardGradientLogger(keras.callbacks.Callback):
             prepare_logdir(self.log_dir)
         self._first_step = self.model.gradient_tracking.step
         self._tracked = 0
-        self.model.gradient_tracking.subscribe(
-            id(self), self.statistics, self.every_n_steps, self._consume, finish=self.close
-        )
+        self.subscribe(self._consume, finish=self.close)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self.writer is not None:
             self.writer.flush()
-
-    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        self.model.gradient_tracking.unsubscribe(id(self))
-        self.close()
-
-    def close(self) -> None:
-        """Flushes and closes the event file (idempotent); a later `fit` opens a new one."""
-        if self.writer is not None:
-            writer, self.writer = self.writer, None
-            writer.close()
 
     def _consume(self, report: StepReport) -> None:
         if report.values is None or not self._writes:
