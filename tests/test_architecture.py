@@ -1,18 +1,23 @@
-"""The package's import structure: rules apart from the engine, io apart from analysis, no cycles.
+"""The package's import structure: the layers of docs/architecture.md, no cycles.
 
-Imports are read from the sources (ast), function-level ones included; those under
-`if TYPE_CHECKING:` are types only and do not count.
+The layers and what each may import are read from the table in docs/architecture.md
+("Layers of the package"), the one the docs show. Imports are read from the sources
+(ast), function-level ones included; those under `if TYPE_CHECKING:` are types only
+and do not count.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "keras_gradtrack"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # The one module that reaches Keras' private names; it imports nothing of the package,
 # and every layer may import it.
 SEAM = "keras_gradtrack._keras_seam"
@@ -159,17 +164,130 @@ def test_the_seam_and_the_patching_import_nothing_of_the_package(module: str) ->
     assert not {m for m in GRAPH[module] if m.startswith("keras_gradtrack")}
 
 
-@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("keras_gradtrack.io")))
-def test_io_does_not_import_analysis(module: str) -> None:
-    assert not {m for m in GRAPH[module] if m.startswith("keras_gradtrack.analysis")}
+# -- the layers of docs/architecture.md -------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "module", sorted(m for m in GRAPH if m.startswith("keras_gradtrack.privacy"))
-)
-def test_privacy_imports_nothing_of_the_package_but_itself(module: str) -> None:
-    assert not {
-        m
-        for m in GRAPH[module]
-        if m.startswith("keras_gradtrack") and not m.startswith("keras_gradtrack.privacy")
-    }
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One row of the table: its modules (paths in the package, `dir/` for a whole
+    subpackage) and the layers it may import."""
+
+    name: str
+    paths: tuple[str, ...]
+    may_import: tuple[str, ...]
+    imported_by_every_layer: bool
+
+
+def read_layers(markdown: str) -> list[Layer]:
+    """The rows of the "Layers of the package" table, top to bottom."""
+    section = markdown.split("## Layers of the package", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    rows = [dict(zip(header, row, strict=True)) for row in cells]
+    names = [row["layer"] for row in rows]
+    layers = []
+    for position, row in enumerate(rows):
+        allowed = row["may import"]
+        # A remark in parentheses is prose, except the one that opens a row to all.
+        listed = re.sub(r"\([^)]*\)", "", allowed).strip()
+        if listed == "everything below":
+            may_import = tuple(names[position + 1 :])
+        elif listed == "nothing of the package":
+            may_import = ()
+        else:
+            may_import = tuple(name.strip() for name in listed.split(","))
+        layers.append(
+            Layer(
+                name=row["layer"],
+                paths=tuple(re.findall(r"`([^`]+)`", row["modules"])),
+                may_import=may_import,
+                imported_by_every_layer="every layer may import" in allowed,
+            )
+        )
+    return layers
+
+
+LAYERS = read_layers(ARCHITECTURE.read_text())
+
+
+def module_path(module: str) -> str:
+    """`keras_gradtrack.engine.step` -> `engine/step.py` (a package: its `__init__.py`)."""
+    relative = module.split(".")[1:]
+    if (PACKAGE.joinpath(*relative) / "__init__.py").exists():
+        return "/".join([*relative, "__init__.py"])
+    return "/".join(relative) + ".py"
+
+
+def layers_of(module: str, layers: list[Layer]) -> list[str]:
+    path = module_path(module)
+    return [
+        layer.name
+        for layer in layers
+        if any(path == p or (p.endswith("/") and path.startswith(p)) for p in layer.paths)
+    ]
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[Layer]) -> list[str]:
+    """`module -> imported (layer -> layer)` for every import the table does not allow."""
+    by_name = {layer.name: layer for layer in layers}
+    everyone = {layer.name for layer in layers if layer.imported_by_every_layer}
+    found = []
+    for module, imports in sorted(graph.items()):
+        (own,) = layers_of(module, layers)
+        allowed = {own, *by_name[own].may_import, *everyone}
+        for imported in sorted(imports):
+            (target,) = layers_of(imported, layers)
+            if target not in allowed:
+                found.append(f"{module} -> {imported} ({own} -> {target})")
+    return found
+
+
+def test_the_table_is_read_from_the_docs() -> None:
+    # A table read as empty would allow nothing and place nothing; one read wrongly
+    # could allow everything.
+    names = [layer.name for layer in LAYERS]
+    assert names[0] == "entry points" and names[-1] == "the seam"
+    assert {"callbacks", "models", "attribution", "engine", "statistics", "io"} <= set(names)
+    by_name = {layer.name: layer for layer in LAYERS}
+    assert by_name["engine"].may_import == ("rules", "statistics")
+    assert by_name["io"].may_import == ()
+    assert by_name["entry points"].may_import == tuple(names[1:])
+    assert by_name["the seam"].imported_by_every_layer
+    assert not by_name["io"].imported_by_every_layer
+
+
+def test_every_path_the_table_names_exists() -> None:
+    missing = [path for layer in LAYERS for path in layer.paths if not (PACKAGE / path).exists()]
+    assert missing == []
+
+
+def test_every_module_is_in_exactly_one_layer() -> None:
+    placed = {module: layers_of(module, LAYERS) for module in GRAPH}
+    assert {m: layers for m, layers in placed.items() if len(layers) != 1} == {}
+
+
+def test_each_layer_may_import_only_layers_below_it() -> None:
+    names = [layer.name for layer in LAYERS]
+    for position, layer in enumerate(LAYERS):
+        assert set(layer.may_import) <= set(names[position + 1 :]), layer.name
+
+
+def test_every_import_is_one_the_table_allows() -> None:
+    assert layer_violations(GRAPH, LAYERS) == []
+
+
+def test_a_planted_import_against_the_table_is_found() -> None:
+    planted = {**GRAPH, "keras_gradtrack.io.reader": {"keras_gradtrack.engine.step"}}
+    assert layer_violations(planted, LAYERS) == [
+        "keras_gradtrack.io.reader -> keras_gradtrack.engine.step (io -> engine)"
+    ]
+    upward = {**GRAPH, "keras_gradtrack.statistics": {"keras_gradtrack.engine.schedule"}}
+    assert layer_violations(upward, LAYERS) == [
+        "keras_gradtrack.statistics -> keras_gradtrack.engine.schedule (statistics -> engine)"
+    ]
+
+
+def test_a_module_left_out_of_the_table_is_found() -> None:
+    table = ARCHITECTURE.read_text().replace("`statistics.py`", "`statistics_of_old.py`")
+    assert layers_of("keras_gradtrack.statistics", read_layers(table)) == []

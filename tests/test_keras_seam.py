@@ -160,7 +160,7 @@ def test_the_copied_train_step_is_keras_own_but_for_the_substitutions() -> None:
         assert keras_says in expected, (
             f"Keras {keras.__version__}'s TensorFlowTrainer.train_step changed: it no longer "
             f"says\n{keras_says}\nCompare it with GradientTrackingMixin.train_step and "
-            "update the copy (keras_gradtrack/mixin.py) and this test."
+            "update the copy (keras_gradtrack/models/trainer.py) and this test."
         )
         expected = expected.replace(keras_says, mixin_says)
     assert normalized(GradientTrackingMixin.train_step) + "\n" == expected, (
