@@ -13,7 +13,6 @@ import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
-from keras_gradtrack.engine.preflight import steps_per_execution_refusal
 from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.engine.sketches import GradientSketch, save_checkpoint
@@ -54,8 +53,6 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
             "keras_gradtrack.GradientTrackingModel (or GradientTrackingMixin). "
             f"Received: a {type(model).__name__}"
         )
-    if getattr(model, "steps_per_execution", 1) > 1:
-        raise ValueError(steps_per_execution_refusal(model))
 
 
 class HDF5GradientLogger(keras.callbacks.Callback):
@@ -186,6 +183,15 @@ class HDF5GradientLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         require_tracking_model(self.model, self)
+        steps = getattr(self.model, "steps_per_execution", 1)
+        if self.checkpoint_every is not None and self.checkpoint_every % steps:
+            # Keras starts a batch (where the weights are saved) every `steps` steps.
+            raise ValueError(
+                "Checkpoints are saved before a step starts, and with steps_per_execution "
+                f"={steps} a step starts from Python only every {steps} steps: pass a "
+                f"checkpoint_every that is a multiple of it. Received: "
+                f"checkpoint_every={self.checkpoint_every}"
+            )
         # Every worker tracks the same steps (the statistics are collective);
         # only the chief writes them.
         self._writes = is_chief(self.model)
