@@ -240,12 +240,15 @@ ZOO: dict[str, Spec] = {
 }
 
 
-def build_compiled(name: str, model_class: type) -> Any:
+def build_compiled(name: str, model_class: type, steps_per_execution: int = 1) -> Any:
     """The named model built with `model_class` and compiled: Adam, its loss, its `jit_compile`."""
     spec = ZOO[name]
     model = spec.build(model_class)
     model.compile(
-        optimizer=keras.optimizers.Adam(), loss=spec.data.loss(), jit_compile=spec.jit_compile
+        optimizer=keras.optimizers.Adam(),
+        loss=spec.data.loss(),
+        jit_compile=spec.jit_compile,
+        steps_per_execution=steps_per_execution,
     )
     return model
 

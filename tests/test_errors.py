@@ -157,11 +157,19 @@ def test_model_without_trainable_weights_is_refused(tmp_path: Path) -> None:
         model.fit(X, Y, verbose=0, callbacks=[kgt.HDF5GradientLogger(tmp_path / "run.h5")])
 
 
-def test_steps_per_execution_above_one_is_refused(tmp_path: Path) -> None:
-    model = small_model()
-    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+def test_steps_per_execution_above_one_on_several_replicas_is_refused(
+    tmp_path: Path, two_cpu_strategy: tf.distribute.MirroredStrategy
+) -> None:
+    with two_cpu_strategy.scope():
+        model = small_model()
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=2,
+        )
+    assert any("one replica only" in r for r in kgt.check(model).refusals)
     logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
-    fit_fails_without_touching_weights(model, logger, ValueError, "steps_per_execution=1")
+    fit_fails_without_touching_weights(model, logger, ValueError, "one replica only")
 
 
 class IgnoresSampleWeights(kgt.GradientTrackingModel):

@@ -386,14 +386,6 @@ def refusal_cases() -> dict[str, tuple[Any, Any, Any, str]]:
     )
     cases["unreduced_loss"] = (model, x, y, "reduction without a per-example factor")
 
-    model = dense_model()
-    model.compile(
-        optimizer="adam",
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        steps_per_execution=2,
-    )
-    cases["steps_per_execution"] = (model, x, y, "steps_per_execution=1")
-
     inputs = keras.Input((5,), dtype="int32")
     embedding = layers.Embedding(10, 4, name="tokens")
     hidden = layers.Dense(4, name="hidden")(embedding(inputs))

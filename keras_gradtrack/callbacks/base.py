@@ -16,7 +16,6 @@ from typing import Any
 import keras
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.engine.preflight import steps_per_execution_refusal
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.statistics import Statistic
 
@@ -42,8 +41,6 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
             "keras_gradtrack.GradientTrackingModel (or GradientTrackingMixin). "
             f"Received: a {type(model).__name__}"
         )
-    if getattr(model, "steps_per_execution", 1) > 1:
-        raise ValueError(steps_per_execution_refusal(model))
 
 
 def check_positive_counts(counts: Iterable[tuple[str, Any]]) -> None:

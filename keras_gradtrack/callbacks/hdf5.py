@@ -150,6 +150,15 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         require_tracking_model(self.model, self)
+        steps = getattr(self.model, "steps_per_execution", 1)
+        if self.checkpoint_every is not None and self.checkpoint_every % steps:
+            # Keras starts a batch (where the weights are saved) every `steps` steps.
+            raise ValueError(
+                "Checkpoints are saved before a step starts, and with steps_per_execution "
+                f"={steps} a step starts from Python only every {steps} steps: pass a "
+                f"checkpoint_every that is a multiple of it. Received: "
+                f"checkpoint_every={self.checkpoint_every}"
+            )
         # Every worker tracks the same steps (the statistics are collective);
         # only the chief writes them.
         self._writes = is_chief(self.model)

@@ -86,6 +86,13 @@ class OutputGradientLogger(FileLogger):
         # logged step is already in the file, and this fit continues it.
         self.close()
         self._step = 0
+        steps = getattr(self.model, "steps_per_execution", 1)
+        if steps > 1:
+            raise ValueError(
+                f"{type(self).__name__} computes its gradients before each step, from "
+                "Python, so it needs `steps_per_execution=1` in `compile()`. "
+                f"Received: steps_per_execution={steps}"
+            )
         if not is_chief(self.model):
             return
         BlockWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)

@@ -91,7 +91,9 @@ class GradientStatisticsToLogs(StatisticsCallback):
             )
         self.every_n_steps = every_n_steps
         self.prefix = prefix
-        self._pending: dict[str, float] | None = None
+        # Every tracked step's values since the last batch end (several with
+        # `steps_per_execution > 1`).
+        self._pending: list[dict[str, float]] = []
         self._epoch_values: dict[str, list[float]] = {}
 
     @property
@@ -101,17 +103,19 @@ class GradientStatisticsToLogs(StatisticsCallback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         require_tracking_model(self.model, self)
-        self._pending = None
+        self._pending = []
         self.subscribe(self._consume)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch_values = {key: [] for key in self.keys}
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        # The step's report arrived in the train function, before this call.
-        values, self._pending = self._pending, None
-        if values is None or logs is None:
+        # The steps' reports arrived in the train function, before this call; the
+        # logs show the last step's values, the epoch's mean counts every step.
+        pending, self._pending = self._pending, []
+        if not pending or logs is None:
             return
+        values = pending[-1]
         taken = sorted(set(values) & set(logs))
         if taken:
             raise ValueError(
@@ -120,8 +124,9 @@ class GradientStatisticsToLogs(StatisticsCallback):
                 f"{sorted(logs)}"
             )
         logs.update(values)
-        for key, value in values.items():
-            self._epoch_values.setdefault(key, []).append(value)
+        for step_values in pending:
+            for key, value in step_values.items():
+                self._epoch_values.setdefault(key, []).append(value)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is None:
@@ -132,7 +137,7 @@ class GradientStatisticsToLogs(StatisticsCallback):
 
     def _consume(self, report: StepReport) -> None:
         if report.values is not None:
-            self._pending = _step_values(report.values, self.statistics, self.prefix)
+            self._pending.append(_step_values(report.values, self.statistics, self.prefix))
 
 
 def _step_values(

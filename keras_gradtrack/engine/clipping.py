@@ -353,11 +353,7 @@ def validated_settings(
             "before `make_private`."
         )
     if getattr(model, "steps_per_execution", 1) > 1:
-        raise ValueError(
-            "Private training counts its steps for the accountant one by one, so it needs "
-            "`steps_per_execution=1` in `compile()`. "
-            f"Received: steps_per_execution={model.steps_per_execution}"
-        )
+        raise ValueError(steps_per_execution_refusal(model.steps_per_execution))
     if getattr(model, "track_batch_normalization", False) or any(
         isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
         for layer in flatten_layers(model, include_self=False)
@@ -372,3 +368,11 @@ def validated_settings(
             )
     seed = int(keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator()))
     return PrivacySettings(bounds, sigma, expected, seed)
+
+
+def steps_per_execution_refusal(steps: int) -> str:
+    return (
+        "Private training counts its steps for the accountant one by one, so it needs "
+        "`steps_per_execution=1` in `compile()`. "
+        f"Received: steps_per_execution={steps}"
+    )

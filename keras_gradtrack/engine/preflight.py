@@ -23,7 +23,7 @@ from keras import tree
 from keras_gradtrack import statistics
 from keras_gradtrack._keras_seam import build_shapes, functional_inputs
 from keras_gradtrack._patching import patched_each
-from keras_gradtrack.engine import checks
+from keras_gradtrack.engine import checks, clipping
 from keras_gradtrack.engine.batchless import rows_mixing_errors
 from keras_gradtrack.engine.coupled import coupled_layer_names
 from keras_gradtrack.engine.data import split_example_ids
@@ -183,7 +183,9 @@ def check(
     except ValueError as error:
         model_refusals.append(str(error))
     if getattr(model, "steps_per_execution", 1) > 1:
-        model_refusals.append(steps_per_execution_refusal(model))
+        refusal = steps_per_execution_refusal(model)
+        if refusal:
+            model_refusals.append(refusal)
     if batch:
         model_refusals.extend(batch_refusals(model, x, y, sample_weight, model_refusals))
     opted_in = getattr(model, "track_batch_normalization", False)
@@ -276,10 +278,21 @@ def _no_update(*args: Any, **kwargs: Any) -> None:
 
 
 def steps_per_execution_refusal(model: Any) -> str:
+    """Why `model`'s `steps_per_execution > 1` cannot be tracked, or "" if it can."""
+    steps = model.steps_per_execution
+    if getattr(model, "privacy_settings", None) is not None:
+        return clipping.steps_per_execution_refusal(steps)
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1:
+        return multi_replica_steps_refusal(steps, replicas)
+    return ""
+
+
+def multi_replica_steps_refusal(steps: int, replicas: int) -> str:
     return (
-        "Gradient tracking logs every step it tracks, so it needs "
-        "`steps_per_execution=1` in `compile()`. "
-        f"Received: steps_per_execution={model.steps_per_execution}"
+        "A tracked model runs `steps_per_execution > 1` on one replica only; this "
+        f"strategy has {replicas}. Compile with `steps_per_execution=1` under a "
+        f"multi-replica tf.distribute strategy. Received: steps_per_execution={steps}"
     )
 
 

@@ -106,6 +106,14 @@ class GradientTrackingState:
         """The subscriptions that want the next step tracked."""
         return [s for s in self._subscriptions.values() if s.wants(self.step)]
 
+    def due_within(self, steps: int) -> list[Subscription]:
+        """The subscriptions that want any of the next `steps` steps tracked."""
+        return [
+            s
+            for s in self._subscriptions.values()
+            if any(s.wants(self.step + ahead) for ahead in range(steps))
+        ]
+
     def statistics(self, subscriptions: Sequence[Subscription]) -> list[Statistic]:
         """The union of their statistics, by name, in subscription order."""
         union: dict[str, Statistic] = {}

@@ -13,7 +13,7 @@ from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight,
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
-from keras_gradtrack.engine import clipping, distribute, preflight, tracking
+from keras_gradtrack.engine import clipping, distribute, executions, preflight, tracking
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.independence import (
@@ -540,6 +540,10 @@ class GradientTrackingMixin(BatchNormalizationTracking):
     def make_train_function(self, force: bool = False) -> Any:
         if self.train_function is not None and not force:  # type: ignore[has-type]
             return self.train_function  # type: ignore[has-type]
+        steps = int(getattr(self, "steps_per_execution", 1))
+        if steps > 1:
+            self.train_function = self._multi_step_train_function(steps)
+            return self.train_function
         state = self.gradient_tracking
         strategy = self.distribute_strategy  # type: ignore[attr-defined]
 
@@ -550,8 +554,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             return self._make_function(protected_step)  # type: ignore[attr-defined]
 
         untracked = compiled(self._untracked_step)
-        tracked_by_statistics: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
-
+        tracked = self._tracked_functions(compiled)
         prepared = False
 
         def train_function(iterator: Any) -> Any:
@@ -567,16 +570,7 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 state.report(int(payload["batch_size"]), None, due)
                 return outputs
             self._check_independence_once()
-            statistics, requests = state.statistics(due), state.requests(due)
-            key = (
-                tuple(statistic.name for statistic in statistics),
-                tuple(request.key for request in requests),
-            )
-            if key not in tracked_by_statistics:
-                tracked_by_statistics[key] = compiled(
-                    lambda data: self._tracked_step(data, statistics, requests)
-                )
-            outputs = distribute.unprotect(dict(tracked_by_statistics[key](iterator)), strategy)
+            outputs = distribute.unprotect(dict(tracked(due)(iterator)), strategy)
             payload = outputs.pop(PAYLOAD_KEY)
             state.report(int(payload["batch_size"]), payload if due else None, due)
             if private:
@@ -584,4 +578,61 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             return outputs
 
         self.train_function = train_function
+        return train_function
+
+    def _tracked_functions(self, compiled: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """The compiled tracked step for the statistics and requests of `due`
+        subscriptions (one compiled function per distinct set)."""
+        state = self.gradient_tracking
+        by_statistics: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
+
+        def tracked(due: Sequence[Any]) -> Any:
+            statistics, requests = state.statistics(due), state.requests(due)
+            key = (
+                tuple(statistic.name for statistic in statistics),
+                tuple(request.key for request in requests),
+            )
+            if key not in by_statistics:
+                by_statistics[key] = compiled(
+                    lambda data: self._tracked_step(data, statistics, requests)
+                )
+            return by_statistics[key]
+
+        return tracked
+
+    def _multi_step_train_function(self, steps: int) -> Any:
+        """The train function for `steps_per_execution = steps > 1`: each call runs up
+        to `steps` steps in one compiled loop and reports every step's rows.
+
+        The call is tracked when a subscriber wants any of its steps (every step of
+        it is then tracked: the rows of the steps asked for are those a call of one
+        step would give); each subscriber receives the steps it asked for.
+        """
+        refusal = preflight.steps_per_execution_refusal(self)
+        if refusal:
+            raise ValueError(refusal)
+        state = self.gradient_tracking
+        jit_compile = bool(getattr(self, "jit_compile", False))
+
+        def compiled(step: Any) -> Any:
+            return executions.multi_step_function(step, steps, jit_compile)
+
+        untracked = compiled(self._untracked_step)
+        tracked = self._tracked_functions(compiled)
+        prepared = False
+
+        def train_function(iterator: Any) -> Any:
+            nonlocal prepared
+            if not prepared:
+                self._build_before_tracing(iterator)
+                prepared = True
+            due = state.due_within(steps)
+            if due:
+                self._check_independence_once()
+            execution = (tracked(due) if due else untracked)(iterator)
+            for payload in execution.step_payloads():
+                due_now = state.due()
+                state.report(int(payload["batch_size"]), payload if due_now else None, due_now)
+            return execution.logs
+
         return train_function

@@ -1,0 +1,161 @@
+"""What a tracked `fit` pays beyond the math: per-step host work, several steps per call,
+norm-only statistics, short fits.
+
+For each model, in interleaved rounds (each variant's ratio is paired with plain's in
+the same round, so load drift cancels), every variant runs a whole `fit` of `--steps`
+steps (traced before the rounds) on the same batches:
+
+* `plain`, `plain_spe16`: `keras.Model`, `steps_per_execution` 1 and 16;
+* `tracked`: `HDF5GradientLogger` with the default statistics;
+* `norms`: the logger with `statistics=["loss", "grad_norm", "layer_grad_norm"]`;
+* `tracked_spe16`: the default logger with `steps_per_execution=16` (paired with
+  `plain_spe16`);
+* `short_plain`, `short_tracked`: a whole `fit` of 16 steps, logger open and close
+  and first-step checks included (a fresh logger file each time).
+
+`host ms/step` is the time each tracked step spends in Python after its compiled call
+(the model's reports to its loggers, the logger's rows, its blocks written to the file).
+
+```
+python benchmarks/host_cost.py                        # mlp, cnn, text; ~10 min
+python benchmarks/host_cost.py --models mlp --rounds 9
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is imported
+
+import keras
+import tensorflow as tf
+from zoo import ZOO, build_compiled, synthetic_batches
+
+import keras_gradtrack as kgt
+from keras_gradtrack.engine import schedule
+
+NORMS = ["loss", "grad_norm", "layer_grad_norm"]
+MILLISECONDS = {"plain ms", "host ms/step", "plain spe16 ms"}
+
+
+class HostTimer:
+    """Adds up the time the model's reports to its subscribers take."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.steps = 0
+        self._report = schedule.GradientTrackingState.report
+
+        def timed(state: Any, *args: Any, **kwargs: Any) -> None:
+            began = time.perf_counter()
+            self._report(state, *args, **kwargs)
+            self.seconds += time.perf_counter() - began
+            self.steps += 1
+
+        schedule.GradientTrackingState.report = timed  # type: ignore[method-assign]
+
+    def take(self) -> float:
+        """Milliseconds per step since the last call."""
+        per_step = 1e3 * self.seconds / max(self.steps, 1)
+        self.seconds, self.steps = 0.0, 0
+        return per_step
+
+
+def variants(name: str, folder: str) -> dict[str, tuple[Any, Callable[[], list[Any]]]]:
+    """Variant -> (model, the callbacks of one fit)."""
+    models = {
+        "plain": build_compiled(name, keras.Model),
+        "plain_spe16": build_compiled(name, keras.Model, steps_per_execution=16),
+        "tracked": build_compiled(name, kgt.GradientTrackingModel),
+        "norms": build_compiled(name, kgt.GradientTrackingModel),
+        "tracked_spe16": build_compiled(name, kgt.GradientTrackingModel, steps_per_execution=16),
+    }
+    weights = models["plain"].get_weights()
+    for model in models.values():
+        model.set_weights(weights)
+    counter = iter(range(10**9))
+
+    def logger(**kwargs: Any) -> Callable[[], list[Any]]:
+        return lambda: [kgt.HDF5GradientLogger(f"{folder}/{next(counter)}.h5", **kwargs)]
+
+    return {
+        "plain": (models["plain"], list),
+        "tracked": (models["tracked"], logger()),
+        "norms": (models["norms"], logger(statistics=NORMS)),
+        "plain_spe16": (models["plain_spe16"], list),
+        "tracked_spe16": (models["tracked_spe16"], logger()),
+    }
+
+
+def fit_seconds(model: Any, dataset: Any, steps: int, callbacks: list[Any]) -> float:
+    began = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=steps, verbose=0, callbacks=callbacks, shuffle=False)
+    return time.perf_counter() - began
+
+
+def measure(name: str, batch_size: int, steps: int, rounds: int) -> dict[str, Any]:
+    x, y = synthetic_batches(name, batch_size)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
+    timer = HostTimer()
+    with tempfile.TemporaryDirectory() as folder:
+        runs = variants(name, folder)
+        for model, callbacks in runs.values():  # trace every step function
+            fit_seconds(model, dataset, 32, callbacks())
+        timer.take()
+        per_step: dict[str, list[float]] = {v: [] for v in runs}
+        host: dict[str, list[float]] = {v: [] for v in runs}
+        short: dict[str, list[float]] = {"plain": [], "tracked": []}
+        for _ in range(rounds):
+            for variant, (model, callbacks) in runs.items():
+                per_step[variant].append(fit_seconds(model, dataset, steps, callbacks()) / steps)
+                host[variant].append(timer.take())
+            for variant in short:
+                model, callbacks = runs[variant]
+                short[variant].append(fit_seconds(model, dataset, 16, callbacks()))
+            timer.take()
+
+    def paired(variant: str, base: str, table: dict[str, list[float]]) -> float:
+        return statistics.median(a / b for a, b in zip(table[variant], table[base]))
+
+    return {
+        "plain ms": 1e3 * statistics.median(per_step["plain"]),
+        "tracked": paired("tracked", "plain", per_step),
+        "norms": paired("norms", "plain", per_step),
+        "host ms/step": statistics.median(host["tracked"]),
+        "plain spe16 ms": 1e3 * statistics.median(per_step["plain_spe16"]),
+        "tracked spe16": paired("tracked_spe16", "plain_spe16", per_step),
+        "fit of 16": paired("tracked", "plain", short),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="mlp,cnn,text")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64, help="steps per timed fit (64)")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    keras.utils.set_random_seed(0)
+    rows = {
+        name: measure(name, args.batch_size, args.steps, args.rounds)
+        for name in args.models.split(",")
+    }
+    columns = list(next(iter(rows.values())))
+    print(f"B={args.batch_size}, {args.steps} steps per fit, {args.rounds} rounds; ratios to plain")
+    print("| model | " + " | ".join(columns) + " |")
+    print("| --- " * (len(columns) + 1) + "|")
+    for name, row in rows.items():
+        cells = [f"{v:.2f}" if k in MILLISECONDS else f"{v:.2f}x" for k, v in row.items()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    assert all(name in ZOO for name in rows)
+
+
+if __name__ == "__main__":
+    main()
