@@ -84,7 +84,7 @@ def fallback_primitives(
     gradients = per_example_gradients(layer, variables, calls)
     flat_reference = tf.concat([tf.reshape(reference(v), [-1]) for v in variables], axis=0)
     return LayerPrimitives(
-        sq_norm=sum_of_squares(gradients, axis=1),
+        sq_norm=sum_of_squares(gradients, axis=1, xla=calls[0].xla),
         dot=tf.linalg.matvec(gradients, flat_reference),
     )
 

@@ -90,7 +90,9 @@ def step_primitives(
         "dot": tf.stack(dots, axis=1),
     }
     if context.watched_inputs:
-        rows["input_sq_norm"] = input_sq_norm(backward.input_gradients, unscale, rows["loss"])
+        rows["input_sq_norm"] = input_sq_norm(
+            backward.input_gradients, unscale, rows["loss"], context.xla
+        )
     gram = None
     if any(statistic.needs_gram for statistic in context.statistics):
         gram = step_gram(plan, backward.calls, forms, per_example, coupled) * tf.square(unscale)
@@ -99,8 +101,8 @@ def step_primitives(
         loss=rows["loss"],
         sq_norm=rows["sq_norm"],
         dot=rows["dot"],
-        reference_sq_norm=squared_norms(batch_raw, plan) / tf.square(scale),
-        sum_sq_norm=squared_norms(sums, plan) * tf.square(sum_scale),
+        reference_sq_norm=squared_norms(batch_raw, plan, context.xla) / tf.square(scale),
+        sum_sq_norm=squared_norms(sums, plan, context.xla) * tf.square(sum_scale),
         batch_size=tf.cast(tf.shape(rows["loss"])[0], tf.float32),
         gram=gram,
         input_sq_norm=rows.get("input_sq_norm"),
@@ -111,8 +113,9 @@ def as_float(gradient: Any) -> tf.Tensor:
     return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
 
 
-def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan) -> tf.Tensor:
-    """`(L,)` per-layer squared norms; a tensor shared by two entries is squared once."""
+def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan, xla: bool) -> tf.Tensor:
+    """`(L,)` per-layer squared norms; a tensor shared by two entries is squared once
+    (`xla`: the step is compiled by XLA)."""
     squares: dict[int, tf.Tensor] = {}
     per_layer = []
     for tracked in plan:
@@ -120,7 +123,7 @@ def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan) -> tf.Tensor:
         for v in tracked.variables:
             tensor = gradients[id(v)]
             if id(tensor) not in squares:
-                squares[id(tensor)] = sum_of_squares(tensor)
+                squares[id(tensor)] = sum_of_squares(tensor, xla=xla)
             terms.append(squares[id(tensor)])
         per_layer.append(tf.add_n(terms))
     return tf.stack(per_layer)
@@ -140,7 +143,7 @@ def layer_primitives(
         return chunk.sq_norm, chunk.dot(tracked, calls, reference)
     if form == MATERIALIZED:
         grads = [per_example[id(v)] for v in tracked.variables]
-        result = materialized(grads, [reference(v) for v in tracked.variables])
+        result = materialized(grads, [reference(v) for v in tracked.variables], calls[0].xla)
     elif tracked.rule is not None:
         result = tracked.rule.primitives(tracked.layer, calls, reference)
     else:
@@ -179,11 +182,14 @@ def step_gram(
     return tf.add_n(grams)
 
 
-def input_sq_norm(gradients: Sequence[Any], unscale: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-    """`(B,)` `||d l_i / d x_i||^2` over the watched float inputs."""
+def input_sq_norm(
+    gradients: Sequence[Any], unscale: tf.Tensor, like: tf.Tensor, xla: bool
+) -> tf.Tensor:
+    """`(B,)` `||d l_i / d x_i||^2` over the watched float inputs (`xla`: the step is
+    compiled by XLA)."""
     batch = tf.shape(like)[0]
     terms = [
-        sum_of_squares(tf.reshape(tf.cast(g, tf.float32), [batch, -1]), axis=1)
+        sum_of_squares(tf.reshape(tf.cast(g, tf.float32), [batch, -1]), axis=1, xla=xla)
         for g in gradients
         if g is not None
     ]

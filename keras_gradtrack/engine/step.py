@@ -37,7 +37,6 @@ from keras_gradtrack.engine.per_layer import step_primitives
 from keras_gradtrack.engine.plan import COUPLED, DIRECT, JACOBIAN, MATERIALIZED, Plan
 from keras_gradtrack.engine.targets import attribution_rows
 from keras_gradtrack.engine.tracking import StepResult, TrackingContext
-from keras_gradtrack.rules.ops import compiled_with_xla
 from keras_gradtrack.statistics import Statistic
 
 
@@ -68,43 +67,42 @@ def tracked_gradient(
     columns = [context.plan.index(tracked) for tracked in plan]
     calls = [tuple(r.call for r in recorded[column]) for column in columns]
     forms = layer_forms(plan, calls, coupled_layer_names(context.coupling, plan))
-    with compiled_with_xla(bool(getattr(model, "jit_compile", False))):
-        backward = run_backward(context, tape, loss, sources, plan, calls, forms, per_example_loss)
-        coupled = coupled_gradients(context, plan, forms, backward)
-        keeps_per_example = bool(context.requests) or any(
-            statistic.needs_gram for statistic in context.statistics
+    backward = run_backward(context, tape, loss, sources, plan, calls, forms, per_example_loss)
+    coupled = coupled_gradients(context, plan, forms, backward)
+    keeps_per_example = bool(context.requests) or any(
+        statistic.needs_gram for statistic in context.statistics
+    )
+    materialized = materialized_gradients(plan, backward.calls, forms, keeps_per_example)
+    per_example = materialized.per_example
+    penalties = penalty_gradients(context, backward.penalty_weights)
+    gradients = [
+        backward.weights[id(v)]
+        if id(v) in backward.weights
+        else summed_gradient(v, materialized.sums, penalties.get(id(v)))
+        for v in sources
+    ]
+    gradients = merged_broadcast_rows(plan, recorded, columns, sources, gradients)
+    # A private model's optimizer receives the clipped, noisy sum instead (DP-SGD).
+    private = clipping.private_step(
+        context, plan, backward, forms, materialized, penalties, sources
+    )
+    # A private step without statistics skips them (and their all-reduces).
+    primitives = (
+        None
+        if private is not None and not context.statistics
+        else step_primitives(
+            context,
+            plan,
+            backward,
+            forms,
+            zip(sources, gradients),
+            per_example,
+            penalties,
+            coupled,
+            materialized.chunks,
         )
-        materialized = materialized_gradients(plan, backward.calls, forms, keeps_per_example)
-        per_example = materialized.per_example
-        penalties = penalty_gradients(context, backward.penalty_weights)
-        gradients = [
-            backward.weights[id(v)]
-            if id(v) in backward.weights
-            else summed_gradient(v, materialized.sums, penalties.get(id(v)))
-            for v in sources
-        ]
-        gradients = merged_broadcast_rows(plan, recorded, columns, sources, gradients)
-        # A private model's optimizer receives the clipped, noisy sum instead (DP-SGD).
-        private = clipping.private_step(
-            context, plan, backward, forms, materialized, penalties, sources
-        )
-        # A private step without statistics skips them (and their all-reduces).
-        primitives = (
-            None
-            if private is not None and not context.statistics
-            else step_primitives(
-                context,
-                plan,
-                backward,
-                forms,
-                zip(sources, gradients),
-                per_example,
-                penalties,
-                coupled,
-                materialized.chunks,
-            )
-        )
-        attribution = attribution_rows(context, plan, backward, forms, per_example)
+    )
+    attribution = attribution_rows(context, plan, backward, forms, per_example)
     payload = {}
     if primitives is not None:
         payload = {s.name: s.compute(primitives) for s in context.statistics}

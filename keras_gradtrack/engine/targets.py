@@ -50,6 +50,7 @@ class BatchGradients:
         per_example: Per-example gradients of the materialized layers (rules' scale).
         factor: `c s`, the factor of the rules' scale (results of degree 1 divide by it).
         loss_scale: The step's loss scale, or None.
+        xla: The step is compiled by XLA (the targets' calls are traced in it).
     """
 
     model: Any
@@ -59,6 +60,7 @@ class BatchGradients:
     per_example: dict[int, tf.Tensor]
     factor: tf.Tensor
     loss_scale: tf.Tensor | None
+    xla: bool = False
 
 
 class AttributionRequest:
@@ -141,7 +143,7 @@ class TargetSet(AttributionRequest):
 
     def rows(self, batch: BatchGradients) -> tf.Tensor:
         target_calls, target_factor = target_pass(
-            batch.model, batch.plan, self.x, self.y, batch.loss_scale
+            batch.model, batch.plan, self.x, self.y, batch.loss_scale, batch.xla
         )
         products = []
         for tracked, calls, targets, form in zip(
@@ -152,7 +154,12 @@ class TargetSet(AttributionRequest):
 
 
 def target_pass(
-    model: Any, plan: Plan, x: Any, y: Any, loss_scale: tf.Tensor | None = None
+    model: Any,
+    plan: Plan,
+    x: Any,
+    y: Any,
+    loss_scale: tf.Tensor | None = None,
+    xla: bool = False,
 ) -> tuple[tuple[Calls, ...], tf.Tensor]:
     """The targets' forward and backward pass at the current weights, in inference mode.
 
@@ -162,6 +169,7 @@ def target_pass(
         x: The targets' inputs.
         y: Their labels.
         loss_scale: The step's loss scale (float16 gradients stay in range), or None.
+        xla: The pass is traced in a step compiled by XLA.
 
     Returns:
         Per layer of `plan`, its calls on the targets with their output gradients
@@ -175,7 +183,7 @@ def target_pass(
             f"Targets' gradients need the loss of `compile(loss=...)`; model {model.name!r} "
             "was compiled without one."
         )
-    taps = [LayerTap(tracked.layer, tracked.rule) for tracked in plan]
+    taps = [LayerTap(tracked.layer, tracked.rule, xla=xla) for tracked in plan]
     with (
         installed(taps),
         losses.recording_losses() as recorder,
@@ -263,7 +271,14 @@ def attribution_rows(
             "use kgt.convert_to_group_normalization(model) to log targets or sketches."
         )
     batch = BatchGradients(
-        context.model, plan, backward.calls, forms, per_example, backward.factor, context.loss_scale
+        context.model,
+        plan,
+        backward.calls,
+        forms,
+        per_example,
+        backward.factor,
+        context.loss_scale,
+        context.xla,
     )
     rows = {request.key: request.rows(batch) for request in context.requests}
     return distribute.all_gather_rows(rows)

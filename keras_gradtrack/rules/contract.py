@@ -35,6 +35,10 @@ class LayerCall:
         one_chunk: The engine's own loop over chunks of examples cut this call to
             at most `EXAMPLES_PER_CHUNK` examples (`keras_gradtrack.rules.chunks`):
             a rule adds no loop over chunks of its own.
+        xla: The step is compiled by XLA (`model.jit_compile`), which has no
+            kernel for some operations (`EuclideanNorm`, the grouped and
+            depthwise filter gradients) and fuses elementwise work that
+            TensorFlow runs op by op: a rule picks its forms for it.
     """
 
     args: tuple[Any, ...]
@@ -43,6 +47,7 @@ class LayerCall:
     saved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     output_grads: tuple[tf.Tensor, ...] | None = None
     one_chunk: bool = False
+    xla: bool = False
 
     @property
     def inputs(self) -> Any:
@@ -287,8 +292,9 @@ class Rule:
             so the layer's calls must hold only tensors whose first axis is the
             batch) and reduced to squared
             norms and the batch gradient as they go: none is held whole.
-        kernels: Optional: which TensorFlow kernels `per_example` runs for the
-            layer on this machine (the summary's note where it materializes).
+        kernels: Optional: `(layer, calls) -> str`, which TensorFlow kernels
+            `per_example` runs for the calls on this machine (the summary's note
+            where it materializes).
 
     Example:
 
@@ -318,7 +324,7 @@ class Rule:
     cross: CrossFn | None = None
     sketch: SketchFn | None = None
     dot: DotFn | None = None
-    kernels: Callable[[Any], str] | None = None
+    kernels: Callable[[Any, Sequence[LayerCall]], str] | None = None
 
     @classmethod
     def from_per_example(cls, name: str, per_example: PerExampleFn, **options: Any) -> Rule:

@@ -91,7 +91,7 @@ CONV_TRANSPOSE = Rule(
     materializes=conv_transpose_materializes,
     dot=conv_transpose_dot,
     # The windows slide over the output gradient (the kernel's `filters` axis).
-    kernels=lambda layer: filter_gradient_kernel(
-        1, layer.kernel.shape[-2], windows.Window.of(layer)
+    kernels=lambda layer, calls: filter_gradient_kernel(
+        1, layer.kernel.shape[-2], windows.Window.of(layer), calls[0].xla
     ),
 )

@@ -176,11 +176,11 @@ def einsum_dense_primitives(
             dot += tf.reduce_sum(tf.einsum("bstk,sko->bsto", x, kernel_ref) * d, axis=[1, 2, 3])
         else:
             per_example_kernel = tf.einsum("bstk,bsto->bsko", x, d)
-            sq_norm += sum_of_squares(per_example_kernel, axis=[1, 2, 3])
+            sq_norm += sum_of_squares(per_example_kernel, axis=[1, 2, 3], xla=calls[0].xla)
             dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
     if layer.bias is not None and layer.bias.trainable:
         bias_grad = summed_bias_gradient(calls, layer.bias.shape)
-        sq_norm += sum_of_squares(bias_grad, axis=1)
+        sq_norm += sum_of_squares(bias_grad, axis=1, xla=calls[0].xla)
         dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 

@@ -222,10 +222,10 @@ def recurrent_primitives(
         part = restricted(reference(term.variable), term)
         if term.inputs is None:
             grad = tf.reduce_sum(term.grads, axis=1)
-            sq_norms.append(sum_of_squares(grad, axis=1))
+            sq_norms.append(sum_of_squares(grad, axis=1, xla=calls[0].xla))
             dots.append(tf.linalg.matvec(grad, part))
         else:
-            sq_norms.append(sequence_kernel_sq_norm(term.inputs, term.grads))
+            sq_norms.append(sequence_kernel_sq_norm(term.inputs, term.grads, calls[0].xla))
             projected = tf.einsum("btd,de->bte", term.inputs, part)
             dots.append(tf.reduce_sum(projected * term.grads, axis=[1, 2]))
     return LayerPrimitives(sq_norm=tf.add_n(sq_norms), dot=tf.add_n(dots))

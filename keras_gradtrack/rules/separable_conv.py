@@ -124,7 +124,7 @@ def separable_primitives(
         intermediate, targets = sequences(layer, calls)
         terms.append(
             LayerPrimitives(
-                sq_norm=sequence_kernel_sq_norm(intermediate, targets),
+                sq_norm=sequence_kernel_sq_norm(intermediate, targets, calls[0].xla),
                 dot=pointwise_dot(layer, intermediate, targets, reference),
             )
         )
@@ -132,7 +132,9 @@ def separable_primitives(
         slices, grads = stacked_windows(depthwise_pairs(layer, calls), Window.of(layer))
         depthwise_reference = tf.reshape(reference(depthwise), [len(slices), 1, -1])
         terms.append(
-            grouped_kernel_primitives(slices, grads, depthwise.shape[-2], depthwise_reference)
+            grouped_kernel_primitives(
+                slices, grads, depthwise.shape[-2], depthwise_reference, calls[0].xla
+            )
         )
     return with_bias(layer, calls, reference, terms)
 
@@ -173,7 +175,9 @@ def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     if depthwise.trainable:
         window = Window.of(layer)
         channels = depthwise.shape[-2]
-        grads = per_example_filter_gradients(depthwise_pairs(layer, calls), window, channels)
+        grads = per_example_filter_gradients(
+            depthwise_pairs(layer, calls), window, channels, xla=calls[0].xla
+        )
         pairs.append((depthwise, grads))
     if pointwise.trainable:
         intermediate, targets = sequences(layer, calls)
@@ -192,7 +196,10 @@ SEPARABLE_CONV = Rule(
     per_example=separable_per_example,
     materializes=separable_materializes,
     dot=separable_dot,
-    kernels=lambda layer: filter_gradient_kernel(
-        layer.depthwise_kernel.shape[-2], layer.depthwise_kernel.shape[-2], Window.of(layer)
+    kernels=lambda layer, calls: filter_gradient_kernel(
+        layer.depthwise_kernel.shape[-2],
+        layer.depthwise_kernel.shape[-2],
+        Window.of(layer),
+        calls[0].xla,
     ),
 )

@@ -258,7 +258,11 @@ def per_example_kernel_gradients(
 
 
 def grouped_kernel_primitives(
-    slices: Sequence[tf.Tensor], targets: tf.Tensor, groups: int, kernel_reference: tf.Tensor
+    slices: Sequence[tf.Tensor],
+    targets: tf.Tensor,
+    groups: int,
+    kernel_reference: tf.Tensor,
+    xla: bool = False,
 ) -> LayerPrimitives:
     """`||g_i||^2` and `<g_i, R>` for the kernel gradient `g_i[k] = S_ik^T D_i` per group.
 
@@ -267,12 +271,13 @@ def grouped_kernel_primitives(
         targets: `(B, P, O)`, the gradient paired with the windows.
         groups: Number of channel groups.
         kernel_reference: `(K, C / groups, O)`, the reference in the kernel's layout.
+        xla: The step is compiled by XLA (`LayerCall.xla`).
     """
     group_channels = slices[0].shape[-1] // groups
     group_filters = targets.shape[-1] // groups
     if not gram_is_cheaper(targets.shape[1], len(slices) * group_channels, group_filters):
         return materialized(
-            [per_example_kernel_gradients(slices, targets, groups)], [kernel_reference]
+            [per_example_kernel_gradients(slices, targets, groups)], [kernel_reference], xla
         )
     batch = tf.shape(targets)[0]
     grouped = [tf.reshape(s, [batch, -1, groups, group_channels]) for s in slices]
@@ -302,7 +307,9 @@ def kernel_and_bias_primitives(
     if layer.kernel.trainable:
         slices, targets = stacked_windows(pairs, Window.of(layer))
         kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), *layout])
-        terms.append(grouped_kernel_primitives(slices, targets, groups, kernel_reference))
+        terms.append(
+            grouped_kernel_primitives(slices, targets, groups, kernel_reference, calls[0].xla)
+        )
     return with_bias(layer, calls, reference, terms)
 
 
@@ -333,7 +340,7 @@ def with_bias(
     """The layer's primitives: the given kernel terms plus the bias term."""
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
-        terms = [*terms, materialized([bias_grad], [reference(layer.bias)])]
+        terms = [*terms, materialized([bias_grad], [reference(layer.bias)], calls[0].xla)]
     if not terms:  # every variable of the layer is frozen
         return zero_primitives(calls[0].output_grad)
     return summed(terms)
