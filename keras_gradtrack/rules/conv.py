@@ -45,7 +45,7 @@ def kernel_materializes(
 
 
 def conv_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for Conv1D/2D/3D.
 
@@ -101,7 +101,7 @@ def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, 
 
 
 def depthwise_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for DepthwiseConv1D/2D.
 

@@ -34,7 +34,7 @@ def conv_transpose_applies(layer: Any) -> bool:
 
 
 def conv_transpose_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for Conv1D/2D/3DTranspose.
 

@@ -23,6 +23,7 @@ from keras_gradtrack.rules.ops import (
     has_plain_weights,
     materialized,
     positions_per_example,
+    references_of,
     reshape_per_example,
     sequence_kernel_sq_norm,
     sum_of_squares,
@@ -65,7 +66,7 @@ def as_sequences(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tens
 
 
 def dense_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for a Dense layer.
 
@@ -86,18 +87,16 @@ def dense_primitives(
         return dense_2d_primitives(a[:, 0, :], d[:, 0, :], kernel, bias, reference, calls[0].xla)
     terms = []
     if kernel is not None:
-        projected = tf.einsum("btd,de->bte", a, reference(kernel))
-        terms.append(
-            LayerPrimitives(
-                sq_norm=sequence_kernel_sq_norm(a, d, calls[0].xla),
-                dot=tf.reduce_sum(projected * d, axis=[1, 2]),
-            )
-        )
+        dot = None
+        if reference is not None:
+            projected = tf.einsum("btd,de->bte", a, reference(kernel))
+            dot = tf.reduce_sum(projected * d, axis=[1, 2])
+        terms.append(LayerPrimitives(sq_norm=sequence_kernel_sq_norm(a, d, calls[0].xla), dot=dot))
     if bias is not None:
         bias_grad = summed_bias_gradient(calls, bias.shape)
-        terms.append(materialized([bias_grad], [reference(bias)], calls[0].xla))
+        terms.append(materialized([bias_grad], references_of(reference, [bias]), calls[0].xla))
     if not terms:
-        return zero_primitives(d)
+        return zero_primitives(d, reference)
     return summed(terms)
 
 
@@ -106,7 +105,7 @@ def dense_2d_primitives(
     d: tf.Tensor,
     kernel: Any | None,
     bias: Any | None,
-    reference: Reference,
+    reference: Reference | None,
     xla: bool = False,
 ) -> LayerPrimitives:
     """The primitives of a Dense layer on 2-D inputs `a` (B, d_in), `d` (B, d_out).
@@ -120,6 +119,11 @@ def dense_2d_primitives(
     unknown batch size the step chooses at run time.
     """
     variables = [v for v in (kernel, bias) if v is not None]
+    if reference is None:  # norms only: `(||a_i||^2 + 1) ||d_i||^2`, no product
+        input_sq = sum_of_squares(a, axis=1, xla=xla) if kernel is not None else 0.0
+        if bias is not None:
+            input_sq += 1.0
+        return LayerPrimitives(input_sq * sum_of_squares(d, axis=1, xla=xla), None)
 
     def direct() -> tuple[tf.Tensor, tf.Tensor]:
         input_sq = tf.zeros([tf.shape(d)[0]], tf.float32)

@@ -90,7 +90,7 @@ def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tenso
 
 
 def embedding_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for an Embedding layer.
 
@@ -107,6 +107,8 @@ def embedding_primitives(
         sq_norm = masked_gram_sq_norm(ids, d)
     else:
         sq_norm = segment_sq_norm(ids, d, calls[0].xla)
+    if reference is None:
+        return LayerPrimitives(sq_norm=sq_norm, dot=None)
     looked_up_reference = tf.gather(reference(layer.embeddings), ids)
     dot = tf.reduce_sum(looked_up_reference * d, axis=[1, 2])
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)

@@ -13,6 +13,7 @@ from keras_gradtrack.rules.contract import (
     LayerPrimitives,
     PerExampleFn,
     Projection,
+    Reference,
     RuleFn,
     primitives_from,
 )
@@ -37,15 +38,24 @@ def sum_of_squares(tensor: tf.Tensor, axis: Any = None, xla: bool = False) -> tf
 
 
 def materialized(
-    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor], xla: bool = False
+    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor] | None, xla: bool = False
 ) -> LayerPrimitives:
     """The primitives from per-example gradients `(B, n)` and their references (any shape,
-    n values); `xla` as for `sum_of_squares`."""
+    n values; None: no dots, as for a step without a `Reference`); `xla` as for
+    `sum_of_squares`."""
+    sq_norm = tf.add_n([sum_of_squares(g, axis=1, xla=xla) for g in per_example])
+    if references is None:
+        return LayerPrimitives(sq_norm=sq_norm, dot=None)
     flat_references = [tf.reshape(reference, [-1]) for reference in references]
     return LayerPrimitives(
-        sq_norm=tf.add_n([sum_of_squares(g, axis=1, xla=xla) for g in per_example]),
+        sq_norm=sq_norm,
         dot=tf.add_n([tf.linalg.matvec(g, r) for g, r in zip(per_example, flat_references)]),
     )
+
+
+def references_of(reference: Reference | None, variables: Sequence[Any]) -> list[tf.Tensor] | None:
+    """`reference` on each of `variables`, or None for a step without dots."""
+    return None if reference is None else [reference(v) for v in variables]
 
 
 def primitives_of(per_example: PerExampleFn) -> RuleFn:
@@ -80,17 +90,19 @@ def sketch_of(variable: Any, per_example: tf.Tensor, projection: Projection) -> 
     return tf.einsum("brs,rq->bqs", projected, projection.rows(variable))
 
 
-def zero_primitives(like: tf.Tensor) -> LayerPrimitives:
-    """Zero primitives for a batch the size of `like`'s first axis (every variable frozen)."""
+def zero_primitives(like: tf.Tensor, reference: Reference | None) -> LayerPrimitives:
+    """Zero primitives for a batch the size of `like`'s first axis (every variable
+    frozen); no dot for a step without a `reference`."""
     zeros = tf.zeros([tf.shape(like)[0]], tf.float32)
-    return LayerPrimitives(sq_norm=zeros, dot=zeros)
+    return LayerPrimitives(sq_norm=zeros, dot=None if reference is None else zeros)
 
 
 def summed(terms: Sequence[LayerPrimitives]) -> LayerPrimitives:
-    """The primitives of several variables' terms together."""
+    """The primitives of several variables' terms together (dots only if all have one)."""
+    dots = [term.dot for term in terms]
     return LayerPrimitives(
         sq_norm=tf.add_n([term.sq_norm for term in terms]),
-        dot=tf.add_n([term.dot for term in terms]),
+        dot=None if any(dot is None for dot in dots) else tf.add_n(dots),
     )
 
 

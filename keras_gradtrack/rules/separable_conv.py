@@ -107,7 +107,7 @@ def pointwise_dot(
 
 
 def separable_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for SeparableConv1D/2D.
 
@@ -125,12 +125,16 @@ def separable_primitives(
         terms.append(
             LayerPrimitives(
                 sq_norm=sequence_kernel_sq_norm(intermediate, targets, calls[0].xla),
-                dot=pointwise_dot(layer, intermediate, targets, reference),
+                dot=None
+                if reference is None
+                else pointwise_dot(layer, intermediate, targets, reference),
             )
         )
     if depthwise.trainable:
         slices, grads = stacked_windows(depthwise_pairs(layer, calls), Window.of(layer))
-        depthwise_reference = tf.reshape(reference(depthwise), [len(slices), 1, -1])
+        depthwise_reference = None
+        if reference is not None:
+            depthwise_reference = tf.reshape(reference(depthwise), [len(slices), 1, -1])
         terms.append(
             grouped_kernel_primitives(
                 slices, grads, depthwise.shape[-2], depthwise_reference, calls[0].xla
