@@ -27,7 +27,7 @@ from keras import tree
 from keras_gradtrack._keras_seam import compiled_loss
 from keras_gradtrack._patching import patched_each
 from keras_gradtrack.engine import distribute, losses
-from keras_gradtrack.engine.backward import Backward, Calls
+from keras_gradtrack.engine.backward import Backward, Calls, with_output_gradients
 from keras_gradtrack.engine.data import EXAMPLE_ID_KEY, check_example_ids, split_example_ids
 from keras_gradtrack.engine.fallback import per_example_gradients
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
@@ -202,19 +202,8 @@ def target_pass(
     factor = losses.loss_factor(connected, tf.shape(tree.flatten(x)[0])[0])
     if loss_scale is not None:
         factor = factor * loss_scale
-    grads = iter(gradients[: len(tapped)])
-    calls = []
-    for tap in taps:
-        filled = []
-        for recorded in tap.recorded:
-            output_grads = []
-            for tensor in recorded.call.tapped:
-                grad = next(grads)
-                grad = tf.zeros_like(tensor) if grad is None else grad
-                output_grads.append(tf.cast(grad, tf.float32))
-            filled.append(dataclasses.replace(recorded.call, output_grads=tuple(output_grads)))
-        calls.append(tuple(filled))
-    return tuple(calls), factor
+    calls = [tuple(recorded.call for recorded in tap.recorded) for tap in taps]
+    return with_output_gradients(calls, gradients[: len(tapped)]), factor
 
 
 def layer_cross(
