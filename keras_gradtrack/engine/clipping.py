@@ -51,7 +51,6 @@ from keras_gradtrack.engine.per_layer import layers_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer, build_plan
 from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.engine.tracking import TrackingContext
-from keras_gradtrack.rules import Reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +107,10 @@ def private_step(state: StepState) -> PrivateStep | None:
     plan, forms = state.layers.plan, state.layers.forms
     refuse_unprivate(state.context, plan, forms)
     unscale = 1.0 / state.backward.factor
-    zeros = Reference({id(v): tf.zeros(v.shape) for t in plan for v in t.variables})
-    # Per layer, `(B,)` ||g_i^(k)||^2 in the true scale.
+    # Per layer, `(B,)` ||g_i^(k)||^2 in the true scale (norms only: no reference).
     sq_norms = [
         tf.maximum(sq_norm, 0.0) * tf.square(unscale)
-        for sq_norm, _ in layers_primitives(state, zeros)
+        for sq_norm, _ in layers_primitives(state, None)
     ]
     norms = tf.sqrt(tf.add_n(sq_norms))
     weights, clipped = clip_weights(settings, plan, sq_norms, norms)

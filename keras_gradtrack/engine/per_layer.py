@@ -21,7 +21,13 @@ from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
 from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.rules import Reference
-from keras_gradtrack.rules.ops import flat_per_example, gram_of, materialized, sum_of_squares
+from keras_gradtrack.rules.ops import (
+    flat_per_example,
+    gram_of,
+    materialized,
+    references_of,
+    sum_of_squares,
+)
 from keras_gradtrack.statistics import StepPrimitives
 
 
@@ -54,7 +60,9 @@ def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitive
     unscale = 1.0 / state.backward.factor
     scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
     sums = batch_sums(state, gradients, unscale)
-    rows = per_example_rows(state, sums.reference, unscale, scale)
+    # The products with the batch gradient only for statistics that read them.
+    wants_dots = any(statistic.needs_dot for statistic in context.statistics)
+    rows = per_example_rows(state, sums.reference if wants_dots else None, unscale, scale)
     gram = None
     if any(statistic.needs_gram for statistic in context.statistics):
         gram = step_gram(
@@ -68,7 +76,7 @@ def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitive
     return StepPrimitives(
         loss=rows["loss"],
         sq_norm=rows["sq_norm"],
-        dot=rows["dot"],
+        dot=rows.get("dot"),
         reference_sq_norm=squared_norms(sums.raw, plan, context.xla) / tf.square(scale),
         sum_sq_norm=squared_norms(sums.data, plan, context.xla) * tf.square(sums.data_scale),
         batch_size=tf.cast(tf.shape(rows["loss"])[0], tf.float32),
@@ -99,27 +107,30 @@ def batch_sums(state: StepState, gradients: Sequence[Any], unscale: tf.Tensor) -
 
 
 def per_example_rows(
-    state: StepState, reference: Reference, unscale: tf.Tensor, scale: tf.Tensor
+    state: StepState, reference: Reference | None, unscale: tf.Tensor, scale: tf.Tensor
 ) -> dict[str, tf.Tensor]:
-    """This replica's `loss`, `sq_norm` and `dot` rows (and `input_sq_norm` where
-    inputs are watched); the rules see `c s d l_i / d z_i` and `s G`."""
+    """This replica's `loss`, `sq_norm` and `dot` rows (no `dot` without a `reference`;
+    `input_sq_norm` where inputs are watched); the rules see `c s d l_i / d z_i` and
+    `s G`."""
     sq_norms, dots = [], []
     for sq_norm, dot in layers_primitives(state, reference):
         sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
-        dots.append(dot * unscale / scale)
-    rows = {
-        "loss": state.backward.shares * unscale,
-        "sq_norm": tf.stack(sq_norms, axis=1),
-        "dot": tf.stack(dots, axis=1),
-    }
+        if reference is not None:
+            dots.append(dot * unscale / scale)
+    rows = {"loss": state.backward.shares * unscale, "sq_norm": tf.stack(sq_norms, axis=1)}
+    if reference is not None:
+        rows["dot"] = tf.stack(dots, axis=1)
     if state.context.watched_inputs:
         gradients = state.backward.input_gradients
         rows["input_sq_norm"] = input_sq_norm(gradients, unscale, rows["loss"], state.context.xla)
     return rows
 
 
-def layers_primitives(state: StepState, reference: Reference) -> list[tuple[tf.Tensor, tf.Tensor]]:
-    """Per covered layer, `(sq_norm, dot)` in the rules' scale, by its form."""
+def layers_primitives(
+    state: StepState, reference: Reference | None
+) -> list[tuple[tf.Tensor, tf.Tensor | None]]:
+    """Per covered layer, `(sq_norm, dot)` in the rules' scale, by its form (no dot,
+    and no product with the batch gradient, without a `reference`)."""
     coupled = state.coupled.primitives(reference) if state.coupled is not None else {}
     return [
         coupled[tracked.name]
@@ -153,17 +164,19 @@ def layer_primitives(
     tracked: TrackedLayer,
     calls: Calls,
     form: str,
-    reference: Reference,
+    reference: Reference | None,
     materialized_layers: Materialized,
-) -> tuple[tf.Tensor, tf.Tensor]:
+) -> tuple[tf.Tensor, tf.Tensor | None]:
     """`(sq_norm, dot)` of one layer, by its form: materialized (whole or chunk by
     chunk, from `materialized_layers`), its rule, or the fallback."""
     chunk = materialized_layers.chunks.get(tracked.name)
     if chunk is not None:
-        return chunk.sq_norm, chunk.dot(tracked, calls, reference)
+        dot = None if reference is None else chunk.dot(tracked, calls, reference)
+        return chunk.sq_norm, dot
     if form == MATERIALIZED:
         grads = [materialized_layers.per_example[id(v)] for v in tracked.variables]
-        result = materialized(grads, [reference(v) for v in tracked.variables], calls[0].xla)
+        references = references_of(reference, tracked.variables)
+        result = materialized(grads, references, calls[0].xla)
     elif tracked.rule is not None:
         result = tracked.rule.primitives(tracked.layer, calls, reference)
     else:
