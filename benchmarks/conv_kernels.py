@@ -35,10 +35,10 @@ from keras_gradtrack.rules import filter_gradients
 VARIANTS = ("plain", "tracked", "tracked_windows")
 
 
-def windows_only(groups: int, channels: int | None, window: Any) -> str:
+def windows_only(groups: int, channels: int | None, window: Any, xla: bool = False) -> str:
     """The choice of `filter_gradient_form`, but the windows' products for the grouped
     filter gradient."""
-    form = CHOOSE(groups, channels, window)
+    form = CHOOSE(groups, channels, window, xla=xla)
     return filter_gradients.WINDOWS if form == filter_gradients.GROUPED else form
 
 

@@ -45,7 +45,8 @@ class StepPrimitives:
     Attributes:
         loss: `(B,)` per-example losses `l_i`, sample weights included.
         sq_norm: `(B, L)` `||g_i^(k)||^2`.
-        dot: `(B, L)` `<g_i^(k), G^(k)>`.
+        dot: `(B, L)` `<g_i^(k), G^(k)>`; None when no statistic of the step
+            reads it (`Statistic.needs_dot`).
         reference_sq_norm: `(L,)` `||G^(k)||^2`.
         sum_sq_norm: `(L,)` `||S^(k)||^2`.
         batch_size: scalar, B as float32.
@@ -57,7 +58,7 @@ class StepPrimitives:
 
     loss: tf.Tensor
     sq_norm: tf.Tensor
-    dot: tf.Tensor
+    dot: tf.Tensor | None
     reference_sq_norm: tf.Tensor
     sum_sq_norm: tf.Tensor
     batch_size: tf.Tensor
@@ -82,6 +83,7 @@ class StepPrimitives:
     @property
     def cosine(self) -> tf.Tensor:
         """`(B,)` `cos(g_i, G)`; NaN where a norm is 0."""
+        assert self.dot is not None, "a statistic that reads dots sets needs_dot"
         return tf.reduce_sum(self.dot, axis=1) / (self.grad_norm * self.reference_norm)
 
 
@@ -101,6 +103,9 @@ class Statistic:
             Gram matrix of the per-example gradients, computed only then).
         needs_input_gradients: True when `compute` reads
             `primitives.input_sq_norm` (taken in the same backward pass, only then).
+        needs_dot: True when `compute` reads `primitives.dot` (the products with the
+            batch gradient). A step whose statistics all set it False computes no
+            products with the batch gradient, and its `primitives.dot` is None.
     """
 
     name: str = ""
@@ -108,6 +113,7 @@ class Statistic:
     per_layer: bool = False
     needs_gram: bool = False
     needs_input_gradients: bool = False
+    needs_dot: bool = True
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         """Computes the statistic inside the compiled train step.
@@ -133,6 +139,7 @@ class Loss(Statistic):
     """`l_i`: example i's loss, with its sample weight, before reduction."""
 
     name = "loss"
+    needs_dot = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         return primitives.loss
@@ -142,6 +149,7 @@ class GradNorm(Statistic):
     """`||g_i||`: the norm of example i's gradient over all trainable variables."""
 
     name = "grad_norm"
+    needs_dot = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         return primitives.grad_norm
@@ -160,6 +168,7 @@ class LayerGradNorm(Statistic):
     """`||g_i^(k)||` per tracked layer k."""
 
     name = "layer_grad_norm"
+    needs_dot = False
     per_layer = True
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
@@ -181,6 +190,7 @@ class BatchGradNorm(Statistic):
     """`||G||`: the norm of the gradient the optimizer receives."""
 
     name = "batch_grad_norm"
+    needs_dot = False
     per_example = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
@@ -191,6 +201,7 @@ class GradientDiversity(Statistic):
     """`sum_i ||g_i||^2 / ||sum_i g_i||^2` (Yin et al., 2018)."""
 
     name = "gradient_diversity"
+    needs_dot = False
     per_example = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
@@ -204,6 +215,7 @@ class NoiseScale(Statistic):
     """
 
     name = "noise_scale"
+    needs_dot = False
     per_example = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
@@ -249,6 +261,7 @@ class PairwiseCosine(Statistic):
     """
 
     name = "pairwise_cosine"
+    needs_dot = False
     per_layer = False
     needs_gram = True
 
@@ -267,6 +280,7 @@ class InputGradNorm(Statistic):
     """
 
     name = "input_grad_norm"
+    needs_dot = False
     needs_input_gradients = True
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:

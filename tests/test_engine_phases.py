@@ -73,11 +73,12 @@ def test_forms_follow_the_calls_shapes() -> None:
 def test_backward_gives_the_losses_shares_and_every_taps_gradient() -> None:
     built = model()
     context, tape, loss = traced_forward(built)
-    calls = [tuple(r.call for r in tap.recorded) for tap in context.taps]
-    forms = step.layer_forms(context.plan, calls)
-    result = backward.run_backward(
-        context, tape, loss, built.trainable_weights, context.plan, calls, forms, None
-    )
+    request = backward.GradientRequest(tape, loss, tuple(built.trainable_weights))
+    recorded = [tuple(tap.recorded) for tap in context.taps]
+    layers = step.covered_layers(context, request.sources, recorded)
+    forms = layers.forms
+    assert layers.plan == context.plan and layers.columns == (0, 1, 2)
+    result = backward.run_backward(context, request, layers)
     unreduced = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     expected = unreduced(Y, built(X)).numpy()
     np.testing.assert_allclose(result.shares / result.factor, expected, rtol=1e-5)

@@ -24,7 +24,6 @@ from keras_gradtrack.engine.plan import FALLBACK_PATH
 from keras_gradtrack.rules import LayerCall, chunks, lookup
 from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs
-from keras_gradtrack.rules.ops import compiled_with_xla
 from keras_gradtrack.rules.windows import FEW_CHANNELS
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
 
@@ -382,8 +381,7 @@ def test_filter_gradients_in_chunks_of_examples_match_the_oracle(
 def test_onednn_is_detected_from_the_environment() -> None:
     enabled = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") not in ("0", "false", "False")
     assert grouped_filter_gradient_runs() == (enabled and not tf.config.list_logical_devices("GPU"))
-    with compiled_with_xla(True):
-        assert not grouped_filter_gradient_runs()
+    assert not grouped_filter_gradient_runs(xla=True)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ gradients. The target pass changes neither the update nor any metric.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +25,7 @@ from keras import tree
 from keras_gradtrack._keras_seam import compiled_loss
 from keras_gradtrack._patching import patched_each
 from keras_gradtrack.engine import losses
-from keras_gradtrack.engine.backward import Calls
+from keras_gradtrack.engine.backward import Calls, with_output_gradients
 from keras_gradtrack.engine.data import EXAMPLE_ID_KEY, check_example_ids, split_example_ids
 from keras_gradtrack.engine.fallback import per_example_gradients
 from keras_gradtrack.engine.plan import MATERIALIZED, Plan, TrackedLayer
@@ -100,7 +99,7 @@ class TargetSet(AttributionRequest):
 
     def rows(self, batch: BatchGradients) -> tf.Tensor:
         target_calls, target_factor = target_pass(
-            batch.model, batch.plan, self.x, self.y, batch.loss_scale
+            batch.model, batch.plan, self.x, self.y, batch.loss_scale, batch.xla
         )
         products = []
         for tracked, calls, targets, form in zip(
@@ -111,7 +110,12 @@ class TargetSet(AttributionRequest):
 
 
 def target_pass(
-    model: Any, plan: Plan, x: Any, y: Any, loss_scale: tf.Tensor | None = None
+    model: Any,
+    plan: Plan,
+    x: Any,
+    y: Any,
+    loss_scale: tf.Tensor | None = None,
+    xla: bool = False,
 ) -> tuple[tuple[Calls, ...], tf.Tensor]:
     """The targets' forward and backward pass at the current weights, in inference mode.
 
@@ -121,6 +125,7 @@ def target_pass(
         x: The targets' inputs.
         y: Their labels.
         loss_scale: The step's loss scale (float16 gradients stay in range), or None.
+        xla: The pass is traced in a step compiled by XLA.
 
     Returns:
         Per layer of `plan`, its calls on the targets with their output gradients
@@ -134,7 +139,7 @@ def target_pass(
             f"Targets' gradients need the loss of `compile(loss=...)`; model {model.name!r} "
             "was compiled without one."
         )
-    taps = [LayerTap(tracked.layer, tracked.rule) for tracked in plan]
+    taps = [LayerTap(tracked.layer, tracked.rule, xla=xla) for tracked in plan]
     with (
         installed(taps),
         losses.recording_losses() as recorder,
@@ -153,19 +158,8 @@ def target_pass(
     factor = losses.loss_factor(connected, tf.shape(tree.flatten(x)[0])[0])
     if loss_scale is not None:
         factor = factor * loss_scale
-    grads = iter(gradients[: len(tapped)])
-    calls = []
-    for tap in taps:
-        filled = []
-        for recorded in tap.recorded:
-            output_grads = []
-            for tensor in recorded.call.tapped:
-                grad = next(grads)
-                grad = tf.zeros_like(tensor) if grad is None else grad
-                output_grads.append(tf.cast(grad, tf.float32))
-            filled.append(dataclasses.replace(recorded.call, output_grads=tuple(output_grads)))
-        calls.append(tuple(filled))
-    return tuple(calls), factor
+    calls = [tuple(recorded.call for recorded in tap.recorded) for tap in taps]
+    return with_output_gradients(calls, gradients[: len(tapped)]), factor
 
 
 def layer_cross(

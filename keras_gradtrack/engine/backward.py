@@ -24,6 +24,43 @@ from keras_gradtrack.engine.chunked import (
 )
 from keras_gradtrack.engine.plan import MATERIALIZED, Plan
 from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.rules import LayerCall
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRequest:
+    """What the step asked `tracked_gradient` for: `tape.gradient(loss, sources)`.
+
+    Attributes:
+        tape: The step's tape.
+        loss: The loss it differentiates.
+        sources: The variables whose gradients the step applies.
+        per_example_loss: The `(B,)` terms `loss` reduces, when the step passed them.
+    """
+
+    tape: tf.GradientTape
+    loss: tf.Tensor
+    sources: tuple[Any, ...]
+    per_example_loss: tf.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayers:
+    """The tracked layers a step's gradient covers, as the forward pass recorded them.
+
+    Attributes:
+        plan: The covered layers.
+        columns: Their columns in the whole plan.
+        calls: Per layer, its calls (no output gradients yet).
+        forms: Per layer, its form in this step.
+        broadcast: `id`s of the variables of layers with a call broadcast to the batch.
+    """
+
+    plan: Plan
+    columns: tuple[int, ...]
+    calls: tuple[Calls, ...]
+    forms: tuple[str, ...]
+    broadcast: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,71 +89,74 @@ class Backward:
 
 
 def run_backward(
-    context: TrackingContext,
-    tape: tf.GradientTape,
-    loss: tf.Tensor,
-    sources: Sequence[Any],
-    plan: Plan,
-    calls: Sequence[Calls],
-    forms: Sequence[str],
-    per_example_loss: tf.Tensor | None,
+    context: TrackingContext, request: GradientRequest, layers: StepLayers
 ) -> Backward:
     """One backward pass for the weights, the taps, the losses and the penalties.
 
     Materialized layers' variables are left out: their gradient is the sum of
     the per-example gradients their rule builds.
     """
-    derived = {id(v) for t, f in zip(plan, forms) if f == MATERIALIZED for v in t.variables}
-    weights = [v for v in sources if id(v) not in derived]
-    tapped = [t for layer_calls in calls for call in layer_calls for t in call.tapped]
-    if per_example_loss is not None:
-        loss_targets = [per_example_loss]
+    derived = {
+        id(v) for t, f in zip(layers.plan, layers.forms) if f == MATERIALIZED for v in t.variables
+    }
+    weights = [v for v in request.sources if id(v) not in derived]
+    tapped = [t for layer_calls in layers.calls for call in layer_calls for t in call.tapped]
+    if request.per_example_loss is not None:
+        loss_targets = [request.per_example_loss]
     else:
         loss_targets = [record.values for record in context.losses.records]
     penalties = [penalty.value for penalty in context.penalties]
     targets = [*weights, *tapped, *loss_targets, *penalties, *context.watched_inputs]
-    gradients = iter(tape.gradient(loss, targets))
+    gradients = iter(request.tape.gradient(request.loss, targets))
     weight_gradients = {id(v): next(gradients) for v in weights}
     tap_gradients = [next(gradients) for _ in tapped]
     loss_gradients = [next(gradients) for _ in loss_targets]
     penalty_weights = [next(gradients) for _ in penalties]
     input_gradients = list(gradients)
-
-    scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
-    if per_example_loss is not None:
-        shares, factor = user_loss_shares(per_example_loss, loss_gradients[0])
-    else:
-        losses.refuse_unknown_reductions(context.losses)
-        connected = [r for r, g in zip(context.losses.records, loss_gradients) if g is not None]
-        shares = losses.per_example_shares(context.losses.records, loss_gradients)
-        if shares is None:
-            if context.losses.whole_batch:
-                raise whole_batch_loss_error(context.model)
-            raise per_example_loss_error(context.model)
-        factor = losses.loss_factor(connected, tf.shape(shares)[0]) * scale
-
-    position = 0
-    with_grads = []
-    for layer_calls in calls:
-        filled = []
-        for call in layer_calls:
-            grads = []
-            for tensor in call.tapped:
-                grad = tap_gradients[position]
-                position += 1
-                grads.append(tf.cast(tf.zeros_like(tensor) if grad is None else grad, tf.float32))
-            filled.append(dataclasses.replace(call, output_grads=tuple(grads)))
-        with_grads.append(tuple(filled))
-    loss_cotangents = tuple((t, g) for t, g in zip(loss_targets, loss_gradients) if g is not None)
+    shares, factor = loss_shares(context, request.per_example_loss, loss_gradients)
     return Backward(
         weight_gradients,
-        tuple(with_grads),
+        with_output_gradients(layers.calls, tap_gradients),
         shares,
         factor,
         penalty_weights,
         input_gradients,
-        loss_cotangents,
+        tuple((t, g) for t, g in zip(loss_targets, loss_gradients) if g is not None),
     )
+
+
+def with_output_gradients(calls: Sequence[Calls], gradients: Sequence[Any]) -> tuple[Calls, ...]:
+    """The calls with their output gradients filled in, float32: `gradients` holds one
+    per tapped tensor, in the calls' order (None, where the loss does not reach the
+    tensor, is zeros)."""
+    remaining = iter(gradients)
+
+    def filled(call: LayerCall) -> LayerCall:
+        grads = []
+        for tensor in call.tapped:
+            grad = next(remaining)
+            grads.append(tf.cast(tf.zeros_like(tensor) if grad is None else grad, tf.float32))
+        return dataclasses.replace(call, output_grads=tuple(grads))
+
+    return tuple(tuple(filled(call) for call in layer_calls) for layer_calls in calls)
+
+
+def loss_shares(
+    context: TrackingContext, per_example_loss: tf.Tensor | None, gradients: Sequence[Any]
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """`(c s l_i, c s)`: each example's share of the loss and the loss's factor, from
+    the gradients at the step's `per_example_loss` or at the recorded reductions."""
+    if per_example_loss is not None:
+        return user_loss_shares(per_example_loss, gradients[0])
+    scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
+    losses.refuse_unknown_reductions(context.losses)
+    connected = [r for r, g in zip(context.losses.records, gradients) if g is not None]
+    shares = losses.per_example_shares(context.losses.records, gradients)
+    if shares is None:
+        if context.losses.whole_batch:
+            raise whole_batch_loss_error(context.model)
+        raise per_example_loss_error(context.model)
+    return shares, losses.loss_factor(connected, tf.shape(shares)[0]) * scale
 
 
 def user_loss_shares(per_example_loss: tf.Tensor, gradient: Any) -> tuple[tf.Tensor, tf.Tensor]:

@@ -26,7 +26,7 @@ import tensorflow as tf
 from keras_gradtrack.engine.plan import TrackedLayer
 from keras_gradtrack.rules import LayerCall, Reference, chunks
 from keras_gradtrack.rules.contract import checked_per_example
-from keras_gradtrack.rules.ops import compiling_with_xla, flat_per_example, sum_of_squares
+from keras_gradtrack.rules.ops import flat_per_example, sum_of_squares
 
 Calls = tuple[LayerCall, ...]
 
@@ -60,7 +60,7 @@ def takes_chunks(tracked: TrackedLayer, calls: Calls, keeps_per_example: bool) -
     docs/performance.md).
     """
     rule = tracked.rule
-    if rule is None or rule.dot is None or keeps_per_example or compiling_with_xla():
+    if rule is None or rule.dot is None or keeps_per_example or calls[0].xla:
         return False
     if chunks.fits_one_chunk(calls[0].tapped[0].shape[0]):
         return False
@@ -93,7 +93,7 @@ def chunked_gradients(
 
     def per_chunk(start: tf.Tensor, end: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
         grads = per_example(tracked, sliced(calls, start, end))
-        norms = tf.add_n([sum_of_squares(g, axis=1) for g in grads])
+        norms = tf.add_n([sum_of_squares(g, axis=1, xla=calls[0].xla) for g in grads])
         return norms, [tf.reduce_sum(g, axis=0) for g in grads]
 
     initial = [tf.zeros([math.prod(v.shape)]) for v in tracked.variables]

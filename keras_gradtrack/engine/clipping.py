@@ -45,12 +45,12 @@ import tensorflow as tf
 
 from keras_gradtrack._keras_seam import flatten_layers, layer_losses
 from keras_gradtrack.engine import distribute
-from keras_gradtrack.engine.backward import Backward, Materialized
+from keras_gradtrack.engine.backward import Materialized
 from keras_gradtrack.engine.fallback import per_example_output_products
-from keras_gradtrack.engine.per_layer import layer_primitives
+from keras_gradtrack.engine.per_layer import layers_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer, build_plan
+from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.engine.tracking import TrackingContext
-from keras_gradtrack.rules import Reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,56 +99,26 @@ def settings_of(model: Any) -> PrivacySettings | None:
     return getattr(model, "__dict__", {}).get("_privacy_settings")
 
 
-def private_step(
-    context: TrackingContext,
-    plan: Plan,
-    backward: Backward,
-    forms: Sequence[str],
-    materialized: Materialized,
-    penalties: Mapping[int, Any],
-    sources: Sequence[Any],
-) -> PrivateStep | None:
+def private_step(state: StepState) -> PrivateStep | None:
     """The step's private gradients, or None when the model is not private."""
-    settings = settings_of(context.model)
+    settings = settings_of(state.context.model)
     if settings is None:
         return None
-    refuse_unprivate(context, plan, forms)
-    unscale = 1.0 / backward.factor
-    zeros = Reference({id(v): tf.zeros(v.shape) for t in plan for v in t.variables})
-    # Per layer, `(B,)` ||g_i^(k)||^2 in the true scale.
-    sq_norms = []
-    for tracked, calls, form in zip(plan, backward.calls, forms):
-        sq_norm, _ = layer_primitives(
-            tracked,
-            calls,
-            form,
-            zeros,
-            materialized.per_example,
-            materialized.chunks.get(tracked.name),
-        )
-        sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
+    plan, forms = state.layers.plan, state.layers.forms
+    refuse_unprivate(state.context, plan, forms)
+    unscale = 1.0 / state.backward.factor
+    # Per layer, `(B,)` ||g_i^(k)||^2 in the true scale (norms only: no reference).
+    sq_norms = [
+        tf.maximum(sq_norm, 0.0) * tf.square(unscale)
+        for sq_norm, _ in layers_primitives(state, None)
+    ]
     norms = tf.sqrt(tf.add_n(sq_norms))
-    if isinstance(settings.l2_norm_clip, Mapping):
-        missing = [t.name for t in plan if t.name not in settings.l2_norm_clip]
-        if missing:
-            raise ValueError(
-                "Expected l2_norm_clip to give one bound per tracked layer "
-                f"(model.tracked_layer_names). Received no bound for: {missing}"
-            )
-        bounds = [float(settings.l2_norm_clip[t.name]) for t in plan]
-        weights = [tf.minimum(1.0, c / tf.sqrt(sq)) for c, sq in zip(bounds, sq_norms)]
-        clipped = tf.reduce_any(
-            tf.stack([tf.sqrt(sq) > c for c, sq in zip(bounds, sq_norms)], axis=1), axis=1
-        )
-    else:
-        bound = float(settings.l2_norm_clip)
-        weights = [tf.minimum(1.0, bound / norms)] * len(plan)
-        clipped = norms > bound
+    weights, clipped = clip_weights(settings, plan, sq_norms, norms)
 
     # Each layer's clipped sum, in the rules' scale (`c s sum_i w_i g_i`).
     sums: dict[int, tf.Tensor] = {}
-    for tracked, calls, form, weight in zip(plan, backward.calls, forms, weights):
-        sums.update(clipped_sum(tracked, calls, form, weight, materialized))
+    for tracked, calls, form, weight in zip(plan, state.backward.calls, forms, weights):
+        sums.update(clipped_sum(tracked, calls, form, weight, state.materialized))
 
     local_batch = tf.cast(tf.shape(norms)[0], tf.float32)
     (global_batch,) = distribute.all_reduce_sum([local_batch])
@@ -157,12 +127,53 @@ def private_step(
         if settings.expected_batch_size is not None
         else global_batch
     )
+    gradients = noisy_gradients(state, settings, sums, unscale, divisor)
+    # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
+    (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
+    return PrivateStep(
+        gradients, {"dp_fraction_clipped": clipped_count / global_batch}, global_batch
+    )
+
+
+def clip_weights(
+    settings: PrivacySettings, plan: Plan, sq_norms: Sequence[tf.Tensor], norms: tf.Tensor
+) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Per layer, each example's `(B,)` clipping weight `w_i`, and which examples were
+    clipped, from the layers' squared norms (true scale) and their total's root."""
+    if not isinstance(settings.l2_norm_clip, Mapping):
+        bound = float(settings.l2_norm_clip)
+        return [tf.minimum(1.0, bound / norms)] * len(plan), norms > bound
+    missing = [t.name for t in plan if t.name not in settings.l2_norm_clip]
+    if missing:
+        raise ValueError(
+            "Expected l2_norm_clip to give one bound per tracked layer "
+            f"(model.tracked_layer_names). Received no bound for: {missing}"
+        )
+    bounds = [float(settings.l2_norm_clip[t.name]) for t in plan]
+    weights = [tf.minimum(1.0, c / tf.sqrt(sq)) for c, sq in zip(bounds, sq_norms)]
+    clipped = tf.reduce_any(
+        tf.stack([tf.sqrt(sq) > c for c, sq in zip(bounds, sq_norms)], axis=1), axis=1
+    )
+    return weights, clipped
+
+
+def noisy_gradients(
+    state: StepState,
+    settings: PrivacySettings,
+    sums: dict[int, tf.Tensor],
+    unscale: tf.Tensor,
+    divisor: tf.Tensor,
+) -> list[Any]:
+    """Per source, what the optimizer receives: its clipped sum (`sums`, rules' scale)
+    plus noise of deviation `sigma C`, over `divisor`, in the tape's scale, plus its
+    penalties' part."""
+    context = state.context
     scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
     noise_on = noise_switch()
     seed = step_seed(context.model, settings.seed)
     std = settings.noise_multiplier * settings.sensitivity
     gradients = []
-    for position, v in enumerate(sources):
+    for position, v in enumerate(state.request.sources):
         if id(v) not in sums:
             raise ValueError(
                 "A private step needs every source to be a trainable variable of a tracked "
@@ -175,14 +186,10 @@ def private_step(
             )
             total += noise * (std * noise_on)
         gradient = total * (scale / divisor)
-        if id(v) in penalties:
-            gradient += tf.reshape(penalties[id(v)], v.shape)
+        if id(v) in state.penalties:
+            gradient += tf.reshape(state.penalties[id(v)], v.shape)
         gradients.append(tf.cast(gradient, v.dtype))
-    # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
-    (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
-    return PrivateStep(
-        gradients, {"dp_fraction_clipped": clipped_count / global_batch}, global_batch
-    )
+    return gradients
 
 
 def clipped_sum(

@@ -263,21 +263,32 @@ class CoupledGradients:
             for tracked in self.layers
         ]
 
-    def primitives(self, reference: Reference) -> dict[str, LayerPrimitives]:
-        """`{layer name: (sq_norm, dot)}` of every coupled layer, in chunks of examples."""
-        references = [[reference(v) for v in tracked.variables] for tracked in self.layers]
+    def primitives(self, reference: Reference | None) -> dict[str, LayerPrimitives]:
+        """`{layer name: (sq_norm, dot)}` of every coupled layer, in chunks of examples
+        (no dot without a `reference`)."""
+        references = (
+            None
+            if reference is None
+            else [[reference(v) for v in tracked.variables] for tracked in self.layers]
+        )
+        width = 1 if references is None else 2
 
         def example_primitives(index: tf.Tensor) -> tf.Tensor:
             # Plain reductions: the vectorizer has no rule for EuclideanNorm.
             columns = []
-            for gradients, refs in zip(self.example_gradients(index), references):
+            for k, gradients in enumerate(self.example_gradients(index)):
                 columns.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in gradients]))
-                columns.append(tf.add_n([tf.reduce_sum(g * r) for g, r in zip(gradients, refs)]))
+                if references is not None:
+                    pairs = zip(gradients, references[k])
+                    columns.append(tf.add_n([tf.reduce_sum(g * r) for g, r in pairs]))
             return tf.stack(columns)
 
-        values = self.chunked(example_primitives, 2 * len(self.layers))
+        values = self.chunked(example_primitives, width * len(self.layers))
         return {
-            tracked.name: LayerPrimitives(sq_norm=values[:, 2 * k], dot=values[:, 2 * k + 1])
+            tracked.name: LayerPrimitives(
+                sq_norm=values[:, width * k],
+                dot=None if references is None else values[:, width * k + 1],
+            )
             for k, tracked in enumerate(self.layers)
         }
 

@@ -68,7 +68,10 @@ def per_example_gradients(
 
 
 def fallback_primitives(
-    layer: Any, variables: Sequence[Any], calls: Sequence[LayerCall], reference: Reference
+    layer: Any,
+    variables: Sequence[Any],
+    calls: Sequence[LayerCall],
+    reference: Reference | None,
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference, from a local Jacobian.
 
@@ -76,17 +79,18 @@ def fallback_primitives(
         layer: The layer (its taps uninstalled).
         variables: The layer's own trainable variables.
         calls: The layer's calls in this step, with `output_grads` filled in.
-        reference: Maps each variable to the reference vector restricted to it.
+        reference: Maps each variable to the reference vector restricted to it;
+            None for no dot.
 
     Returns:
         `LayerPrimitives` with `(B,)` tensors.
     """
     gradients = per_example_gradients(layer, variables, calls)
+    sq_norm = sum_of_squares(gradients, axis=1, xla=calls[0].xla)
+    if reference is None:
+        return LayerPrimitives(sq_norm=sq_norm, dot=None)
     flat_reference = tf.concat([tf.reshape(reference(v), [-1]) for v in variables], axis=0)
-    return LayerPrimitives(
-        sq_norm=sum_of_squares(gradients, axis=1),
-        dot=tf.linalg.matvec(gradients, flat_reference),
-    )
+    return LayerPrimitives(sq_norm=sq_norm, dot=tf.linalg.matvec(gradients, flat_reference))
 
 
 def fallback_gram(layer: Any, variables: Sequence[Any], calls: Sequence[LayerCall]) -> tf.Tensor:

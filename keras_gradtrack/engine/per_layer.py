@@ -8,111 +8,145 @@ so `S = sum over replicas of data / (c s)`. The factors go on the `(B,)` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack.engine import distribute
-from keras_gradtrack.engine.backward import Backward, Calls
-from keras_gradtrack.engine.chunked import Chunked
+from keras_gradtrack.engine.backward import Calls, Materialized
 from keras_gradtrack.engine.coupled import CoupledGradients
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
-from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.rules import Reference
-from keras_gradtrack.rules.ops import flat_per_example, gram_of, materialized, sum_of_squares
+from keras_gradtrack.rules.ops import (
+    flat_per_example,
+    gram_of,
+    materialized,
+    references_of,
+    sum_of_squares,
+)
 from keras_gradtrack.statistics import StepPrimitives
 
 
-def step_primitives(
-    context: TrackingContext,
-    plan: Plan,
-    backward: Backward,
-    forms: Sequence[str],
-    gradients: Iterable[tuple[Any, Any]],
-    per_example: dict[int, tf.Tensor],
-    penalties: dict[int, tf.Tensor],
-    coupled: CoupledGradients | None = None,
-    chunks: Mapping[str, Chunked] | None = None,
-) -> StepPrimitives:
+@dataclasses.dataclass(frozen=True)
+class BatchSums:
+    """The step's weight-sized sums, in the tape's scale (see the module docstring).
+
+    Attributes:
+        raw: `{id(variable): s G}`, what the optimizer receives, summed over replicas.
+        data: `{id(variable): data part}` (without the penalties), summed over
+            replicas: `S` once multiplied by `data_scale`.
+        data_scale: The factor of `data`.
+        reference: The rules' reference, `raw`.
+    """
+
+    raw: dict[int, tf.Tensor]
+    data: dict[int, tf.Tensor]
+    data_scale: tf.Tensor
+    reference: Reference
+
+
+def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitives:
     """The batch reference and sums, every layer's primitives, gathered across replicas.
 
     Args:
-        context: The step's tracking context.
-        plan: The tracked layers the step's gradient covers.
-        backward: The backward pass.
-        forms: Each layer's form.
-        gradients: `(variable, gradient the optimizer receives)` pairs.
-        per_example: Per-example gradients of the materialized layers.
-        penalties: Each regularized variable's penalty part of the gradient.
-        coupled: The Jacobian rows of the coupled layers, if any.
-        chunks: The materialized layers taken chunk by chunk, by column name.
+        state: The step after its backward pass.
+        gradients: The gradients the optimizer receives, one per source.
     """
-    variables = [v for tracked in plan for v in tracked.variables]
-    by_id = {id(v): gradient for v, gradient in gradients}
-    raw = {
-        id(v): tf.zeros(v.shape) if by_id[id(v)] is None else as_float(by_id[id(v)])
-        for v in variables
-    }
-    data = {i: raw[i] - penalties[i] if i in penalties else raw[i] for i in raw}
-    unscale = 1.0 / backward.factor
+    context, plan = state.context, state.layers.plan
+    unscale = 1.0 / state.backward.factor
     scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
-    replicas = distribute.num_replicas()
-    if replicas == 1:
-        batch_raw, sums, sum_scale = raw, data, unscale
-    else:
-        ids = list(raw)
-        reduced = distribute.all_reduce_sum(
-            [raw[i] for i in ids] + [data[i] * unscale for i in ids]
-        )
-        batch_raw = dict(zip(ids, reduced[: len(ids)]))
-        sums = dict(zip(ids, reduced[len(ids) :]))
-        sum_scale = tf.constant(1.0)
-    batch_sums = frozenset(i for i in raw if replicas == 1 and i not in penalties)
-    reference = Reference(batch_raw, batch_sums)
-
-    # The rules see `c s d l_i / d z_i` and `s G`.
-    sq_norms, dots = [], []
-    coupled_primitives = coupled.primitives(reference) if coupled is not None else {}
-    for tracked, layer_calls, form in zip(plan, backward.calls, forms):
-        if form == COUPLED:
-            sq_norm, dot = coupled_primitives[tracked.name]
-        else:
-            sq_norm, dot = layer_primitives(
-                tracked, layer_calls, form, reference, per_example, (chunks or {}).get(tracked.name)
-            )
-        sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
-        dots.append(dot * unscale / scale)
-    rows = {
-        "loss": backward.shares * unscale,
-        "sq_norm": tf.stack(sq_norms, axis=1),
-        "dot": tf.stack(dots, axis=1),
-    }
-    if context.watched_inputs:
-        rows["input_sq_norm"] = input_sq_norm(backward.input_gradients, unscale, rows["loss"])
+    sums = batch_sums(state, gradients, unscale)
+    # The products with the batch gradient only for statistics that read them.
+    wants_dots = any(statistic.needs_dot for statistic in context.statistics)
+    rows = per_example_rows(state, sums.reference if wants_dots else None, unscale, scale)
     gram = None
     if any(statistic.needs_gram for statistic in context.statistics):
-        gram = step_gram(plan, backward.calls, forms, per_example, coupled) * tf.square(unscale)
+        gram = step_gram(
+            plan,
+            state.backward.calls,
+            state.layers.forms,
+            state.materialized.per_example,
+            state.coupled,
+        ) * tf.square(unscale)
     rows = distribute.all_gather_rows(rows)
     return StepPrimitives(
         loss=rows["loss"],
         sq_norm=rows["sq_norm"],
-        dot=rows["dot"],
-        reference_sq_norm=squared_norms(batch_raw, plan) / tf.square(scale),
-        sum_sq_norm=squared_norms(sums, plan) * tf.square(sum_scale),
+        dot=rows.get("dot"),
+        reference_sq_norm=squared_norms(sums.raw, plan, context.xla) / tf.square(scale),
+        sum_sq_norm=squared_norms(sums.data, plan, context.xla) * tf.square(sums.data_scale),
         batch_size=tf.cast(tf.shape(rows["loss"])[0], tf.float32),
         gram=gram,
         input_sq_norm=rows.get("input_sq_norm"),
     )
 
 
+def batch_sums(state: StepState, gradients: Sequence[Any], unscale: tf.Tensor) -> BatchSums:
+    """The batch gradient and the sum of the per-example gradients of the covered
+    layers, all-reduced across replicas; `unscale` is `1 / (c s)`."""
+    variables = [v for tracked in state.layers.plan for v in tracked.variables]
+    by_id = {id(v): gradient for v, gradient in zip(state.request.sources, gradients)}
+    raw = {
+        id(v): tf.zeros(v.shape) if by_id[id(v)] is None else as_float(by_id[id(v)])
+        for v in variables
+    }
+    penalties = state.penalties
+    data = {i: raw[i] - penalties[i] if i in penalties else raw[i] for i in raw}
+    if distribute.num_replicas() == 1:
+        reference = Reference(raw, frozenset(i for i in raw if i not in penalties))
+        return BatchSums(raw, data, unscale, reference)
+    ids = list(raw)
+    reduced = distribute.all_reduce_sum([raw[i] for i in ids] + [data[i] * unscale for i in ids])
+    batch_raw = dict(zip(ids, reduced[: len(ids)]))
+    sums = dict(zip(ids, reduced[len(ids) :]))
+    return BatchSums(batch_raw, sums, tf.constant(1.0), Reference(batch_raw, frozenset()))
+
+
+def per_example_rows(
+    state: StepState, reference: Reference | None, unscale: tf.Tensor, scale: tf.Tensor
+) -> dict[str, tf.Tensor]:
+    """This replica's `loss`, `sq_norm` and `dot` rows (no `dot` without a `reference`;
+    `input_sq_norm` where inputs are watched); the rules see `c s d l_i / d z_i` and
+    `s G`."""
+    sq_norms, dots = [], []
+    for sq_norm, dot in layers_primitives(state, reference):
+        sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
+        if reference is not None:
+            dots.append(dot * unscale / scale)
+    rows = {"loss": state.backward.shares * unscale, "sq_norm": tf.stack(sq_norms, axis=1)}
+    if reference is not None:
+        rows["dot"] = tf.stack(dots, axis=1)
+    if state.context.watched_inputs:
+        gradients = state.backward.input_gradients
+        rows["input_sq_norm"] = input_sq_norm(gradients, unscale, rows["loss"], state.context.xla)
+    return rows
+
+
+def layers_primitives(
+    state: StepState, reference: Reference | None
+) -> list[tuple[tf.Tensor, tf.Tensor | None]]:
+    """Per covered layer, `(sq_norm, dot)` in the rules' scale, by its form (no dot,
+    and no product with the batch gradient, without a `reference`)."""
+    coupled = state.coupled.primitives(reference) if state.coupled is not None else {}
+    return [
+        coupled[tracked.name]
+        if form == COUPLED
+        else layer_primitives(tracked, calls, form, reference, state.materialized)
+        for tracked, calls, form in zip(state.layers.plan, state.backward.calls, state.layers.forms)
+    ]
+
+
 def as_float(gradient: Any) -> tf.Tensor:
     return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
 
 
-def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan) -> tf.Tensor:
-    """`(L,)` per-layer squared norms; a tensor shared by two entries is squared once."""
+def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan, xla: bool) -> tf.Tensor:
+    """`(L,)` per-layer squared norms; a tensor shared by two entries is squared once
+    (`xla`: the step is compiled by XLA)."""
     squares: dict[int, tf.Tensor] = {}
     per_layer = []
     for tracked in plan:
@@ -120,7 +154,7 @@ def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan) -> tf.Tensor:
         for v in tracked.variables:
             tensor = gradients[id(v)]
             if id(tensor) not in squares:
-                squares[id(tensor)] = sum_of_squares(tensor)
+                squares[id(tensor)] = sum_of_squares(tensor, xla=xla)
             terms.append(squares[id(tensor)])
         per_layer.append(tf.add_n(terms))
     return tf.stack(per_layer)
@@ -130,17 +164,19 @@ def layer_primitives(
     tracked: TrackedLayer,
     calls: Calls,
     form: str,
-    reference: Reference,
-    per_example: dict[int, tf.Tensor],
-    chunk: Chunked | None = None,
-) -> tuple[tf.Tensor, tf.Tensor]:
+    reference: Reference | None,
+    materialized_layers: Materialized,
+) -> tuple[tf.Tensor, tf.Tensor | None]:
     """`(sq_norm, dot)` of one layer, by its form: materialized (whole or chunk by
-    chunk), its rule, or the fallback."""
+    chunk, from `materialized_layers`), its rule, or the fallback."""
+    chunk = materialized_layers.chunks.get(tracked.name)
     if chunk is not None:
-        return chunk.sq_norm, chunk.dot(tracked, calls, reference)
+        dot = None if reference is None else chunk.dot(tracked, calls, reference)
+        return chunk.sq_norm, dot
     if form == MATERIALIZED:
-        grads = [per_example[id(v)] for v in tracked.variables]
-        result = materialized(grads, [reference(v) for v in tracked.variables])
+        grads = [materialized_layers.per_example[id(v)] for v in tracked.variables]
+        references = references_of(reference, tracked.variables)
+        result = materialized(grads, references, calls[0].xla)
     elif tracked.rule is not None:
         result = tracked.rule.primitives(tracked.layer, calls, reference)
     else:
@@ -179,11 +215,14 @@ def step_gram(
     return tf.add_n(grams)
 
 
-def input_sq_norm(gradients: Sequence[Any], unscale: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-    """`(B,)` `||d l_i / d x_i||^2` over the watched float inputs."""
+def input_sq_norm(
+    gradients: Sequence[Any], unscale: tf.Tensor, like: tf.Tensor, xla: bool
+) -> tf.Tensor:
+    """`(B,)` `||d l_i / d x_i||^2` over the watched float inputs (`xla`: the step is
+    compiled by XLA)."""
     batch = tf.shape(like)[0]
     terms = [
-        sum_of_squares(tf.reshape(tf.cast(g, tf.float32), [batch, -1]), axis=1)
+        sum_of_squares(tf.reshape(tf.cast(g, tf.float32), [batch, -1]), axis=1, xla=xla)
         for g in gradients
         if g is not None
     ]

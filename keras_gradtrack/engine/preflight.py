@@ -44,7 +44,6 @@ from keras_gradtrack.engine.plan import (
 )
 from keras_gradtrack.engine.step import layer_forms
 from keras_gradtrack.engine.tracking import TrackingContext
-from keras_gradtrack.rules.ops import compiled_with_xla
 
 REFUSED = "refused"
 FALLBACK = "fallback"
@@ -363,6 +362,7 @@ def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, st
                 found[tracked.name] = (UNKNOWN, "", "not called in the forward pass")
                 continue
             refusal = mixing.get(id(tracked.layer), "")
+            calls = tuple(call.call for call in recorded)
             try:
                 checks.refuse_calls_inside_loops([tracked], [recorded], graph)
                 checks.refuse_tied_variables(
@@ -372,13 +372,12 @@ def trace_forward(model: Any, plan: Plan, specs: Any) -> dict[str, tuple[str, st
                 refusal = refusal or str(error)
             form = UNKNOWN
             if not refusal:
-                (form,) = layer_forms((tracked,), [tuple(call.call for call in recorded)], coupled)
+                (form,) = layer_forms((tracked,), [calls], coupled)
             notes = []
             if any(call.batchless for call in recorded):
                 notes.append("inputs do not depend on the batch: the call is broadcast to it")
             if form == MATERIALIZED and tracked.rule is not None and tracked.rule.kernels:
-                with compiled_with_xla(bool(getattr(model, "jit_compile", False))):
-                    notes.append(tracked.rule.kernels(tracked.layer))
+                notes.append(tracked.rule.kernels(tracked.layer, calls))
             note = "; ".join(notes)
             found[tracked.name] = (form, refusal, note)
 

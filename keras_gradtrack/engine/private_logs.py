@@ -19,6 +19,7 @@ class DPGradNorm(Statistic):
 
     name = "dp_grad_norm"
     per_example = True
+    needs_dot = False
 
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         return primitives.grad_norm
@@ -30,6 +31,7 @@ class DPFractionClipped(Statistic):
 
     name = "dp_fraction_clipped"
     per_example = False
+    needs_dot = False
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -35,6 +35,7 @@ class BatchGradients:
         per_example: Per-example gradients of the materialized layers (rules' scale).
         factor: `c s`, the factor of the rules' scale (results of degree 1 divide by it).
         loss_scale: The step's loss scale, or None.
+        xla: The step is compiled by XLA (the targets' calls are traced in it).
     """
 
     model: Any
@@ -44,6 +45,7 @@ class BatchGradients:
     per_example: dict[int, tf.Tensor]
     factor: tf.Tensor
     loss_scale: tf.Tensor | None
+    xla: bool = False
 
 
 class AttributionRequest:
@@ -81,7 +83,14 @@ def attribution_rows(
             "use kgt.convert_to_group_normalization(model) to log targets or sketches."
         )
     batch = BatchGradients(
-        context.model, plan, backward.calls, forms, per_example, backward.factor, context.loss_scale
+        context.model,
+        plan,
+        backward.calls,
+        forms,
+        per_example,
+        backward.factor,
+        context.loss_scale,
+        context.xla,
     )
     rows = {request.key: request.rows(batch) for request in context.requests}
     return distribute.all_gather_rows(rows)

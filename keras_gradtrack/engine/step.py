@@ -1,9 +1,11 @@
 """The phases of a tracked step after its forward pass, run by `tracked_gradient`.
 
-backward (`engine.backward`: one pass for the weights, every tap, every recorded
-loss and penalty) -> per-example gradients of the layers whose rule builds them
--> batch gradient, reference and sums, all-reduced across replicas, and every
-layer's primitives (`engine.per_layer`) -> statistics.
+checks -> the covered layers and their forms -> backward (`engine.backward`: one
+pass for the weights, every tap, every recorded loss and penalty; then the
+per-example gradients of the layers whose rule builds them), which makes the
+`StepState` the later phases read -> the gradients -> the private step
+(`engine.clipping`) -> batch reference and sums, all-reduced across replicas,
+every layer's primitives (`engine.per_layer`) and the statistics -> the payload.
 The update is the caller's: `tracked_gradient` returns the gradients that
 `tape.gradient` would have, and the step applies them as it always does.
 Each phase takes values and returns values; none writes into shared objects.
@@ -21,12 +23,15 @@ from keras_gradtrack.engine import checks, clipping, distribute
 from keras_gradtrack.engine.backward import (
     Backward,
     Calls,
+    GradientRequest,
+    StepLayers,
     materialized_gradients,
     penalty_gradients,
     run_backward,
     summed_gradient,
 )
 from keras_gradtrack.engine.batchless import refuse_batchless_outputs_mixing_rows
+from keras_gradtrack.engine.clipping import PrivateStep
 from keras_gradtrack.engine.coupled import (
     CoupledGradients,
     chunk_size_of,
@@ -36,9 +41,12 @@ from keras_gradtrack.engine.coupled import (
 from keras_gradtrack.engine.per_layer import step_primitives
 from keras_gradtrack.engine.plan import COUPLED, DIRECT, JACOBIAN, MATERIALIZED, Plan
 from keras_gradtrack.engine.requests import attribution_rows
+from keras_gradtrack.engine.step_state import StepState
+from keras_gradtrack.engine.taps import RecordedCall
 from keras_gradtrack.engine.tracking import StepResult, TrackingContext
-from keras_gradtrack.rules.ops import compiled_with_xla
 from keras_gradtrack.statistics import Statistic
+
+Recorded = Sequence[tuple[RecordedCall, ...]]
 
 
 def tracked_gradient(
@@ -53,9 +61,36 @@ def tracked_gradient(
     Leaves the statistics and each layer's form in `context.result`.
     """
     context.stop_recording()
-    model, sources = context.model, list(sources)
+    request = GradientRequest(tape, loss, tuple(sources), per_example_loss)
     recorded = [tuple(tap.recorded) for tap in context.taps]
-    checks.refuse_activation_losses(model)
+    refuse_untrackable_step(context, recorded)
+    layers = covered_layers(context, request.sources, recorded)
+    state = after_backward(context, request, layers)
+    gradients = batch_gradients(state)
+    # A private model's optimizer receives the clipped, noisy sum instead (DP-SGD).
+    private = clipping.private_step(state)
+    statistics, batch_size = step_statistics(state, gradients, private)
+    attribution = attribution_rows(
+        context, layers.plan, state.backward, layers.forms, state.materialized.per_example
+    )
+    payload = {
+        **statistics,
+        **attribution,
+        "batch_size": tf.cast(batch_size, tf.int32),
+        **step_rows(context, private),
+    }
+    forms = {tracked.name: form for tracked, form in zip(layers.plan, layers.forms)}
+    context.result = StepResult(payload, forms)
+    return gradients if private is None else private.gradients
+
+
+def refuse_untrackable_step(context: TrackingContext, recorded: Recorded) -> None:
+    """The checks a traced step must pass before its backward pass.
+
+    Raises:
+        ValueError: As the first failing check says.
+    """
+    checks.refuse_activation_losses(context.model)
     checks.refuse_calls_inside_loops(context.plan, recorded, context.forward.graph)
     own_ops = [
         [*(c.graph_ops for c in calls), *(p.graph_ops for p in context.penalties)]
@@ -64,77 +99,96 @@ def tracked_gradient(
     checks.refuse_tied_variables(context.plan, own_ops, context.forward.range)
     refuse_coupled_input_gradients(context.coupling, context.statistics)
     refuse_batchless_outputs_mixing_rows(context.taps, context.forward.range, context.batch)
+
+
+def covered_layers(
+    context: TrackingContext, sources: Sequence[Any], recorded: Recorded
+) -> StepLayers:
+    """The tracked layers whose variables are among the sources, their recorded calls
+    and forms."""
     plan = covered_plan(context.plan, sources)
-    columns = [context.plan.index(tracked) for tracked in plan]
-    calls = [tuple(r.call for r in recorded[column]) for column in columns]
+    columns = tuple(context.plan.index(tracked) for tracked in plan)
+    calls = tuple(tuple(r.call for r in recorded[column]) for column in columns)
     forms = layer_forms(plan, calls, coupled_layer_names(context.coupling, plan))
-    with compiled_with_xla(bool(getattr(model, "jit_compile", False))):
-        backward = run_backward(context, tape, loss, sources, plan, calls, forms, per_example_loss)
-        coupled = coupled_gradients(context, plan, forms, backward)
-        keeps_per_example = bool(context.requests) or any(
-            statistic.needs_gram for statistic in context.statistics
-        )
-        materialized = materialized_gradients(plan, backward.calls, forms, keeps_per_example)
-        per_example = materialized.per_example
-        penalties = penalty_gradients(context, backward.penalty_weights)
-        gradients = [
-            backward.weights[id(v)]
-            if id(v) in backward.weights
-            else summed_gradient(v, materialized.sums, penalties.get(id(v)))
-            for v in sources
-        ]
-        gradients = merged_broadcast_rows(plan, recorded, columns, sources, gradients)
-        # A private model's optimizer receives the clipped, noisy sum instead (DP-SGD).
-        private = clipping.private_step(
-            context, plan, backward, forms, materialized, penalties, sources
-        )
-        # A private step without statistics skips them (and their all-reduces).
-        primitives = (
-            None
-            if private is not None and not context.statistics
-            else step_primitives(
-                context,
-                plan,
-                backward,
-                forms,
-                zip(sources, gradients),
-                per_example,
-                penalties,
-                coupled,
-                materialized.chunks,
-            )
-        )
-        attribution = attribution_rows(context, plan, backward, forms, per_example)
-    payload = {}
-    if primitives is not None:
-        payload = {s.name: s.compute(primitives) for s in context.statistics}
-        payload = widened(payload, context.statistics, columns, len(context.plan))
-    payload.update(attribution)
-    if primitives is not None:
-        payload["batch_size"] = tf.cast(primitives.batch_size, tf.int32)
-    elif private is not None:
-        payload["batch_size"] = tf.cast(private.batch_size, tf.int32)
+    # A batchless call broadcast to the batch (see `merged_broadcast_rows`).
+    broadcast = frozenset(
+        id(v)
+        for tracked, column in zip(plan, columns)
+        if any(call.batchless for call in recorded[column])
+        for v in tracked.variables
+    )
+    return StepLayers(plan, columns, calls, tuple(forms), broadcast)
+
+
+def after_backward(
+    context: TrackingContext, request: GradientRequest, layers: StepLayers
+) -> StepState:
+    """The backward pass, and what follows from it alone: the coupled layers' Jacobian
+    rows, the materialized layers' per-example gradients, the penalties' parts."""
+    backward = run_backward(context, request, layers)
+    keeps_per_example = bool(context.requests) or any(
+        statistic.needs_gram for statistic in context.statistics
+    )
+    return StepState(
+        context,
+        request,
+        layers,
+        backward,
+        coupled=coupled_gradients(context, layers.plan, layers.forms, backward),
+        materialized=materialized_gradients(
+            layers.plan, backward.calls, layers.forms, keeps_per_example
+        ),
+        penalties=penalty_gradients(context, backward.penalty_weights),
+    )
+
+
+def batch_gradients(state: StepState) -> list[Any]:
+    """The gradients `tape.gradient` returns: the backward pass' where it took them, the
+    sums of the per-example gradients (plus the penalties' parts) of materialized layers."""
+    weights, sums = state.backward.weights, state.materialized.sums
+    gradients = [
+        weights[id(v)] if id(v) in weights else summed_gradient(v, sums, state.penalties.get(id(v)))
+        for v in state.request.sources
+    ]
+    return merged_broadcast_rows(state.layers.broadcast, state.request.sources, gradients)
+
+
+def step_statistics(
+    state: StepState, gradients: Sequence[Any], private: PrivateStep | None
+) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+    """The statistics, spread over every column of the plan, and the (global) batch size.
+
+    A private step without statistics skips them (and their all-reduces): none, and
+    the private step's batch size.
+    """
+    context = state.context
+    if private is not None and not context.statistics:
+        return {}, private.batch_size
+    primitives = step_primitives(state, gradients)
+    payload = {s.name: s.compute(primitives) for s in context.statistics}
+    payload = widened(payload, context.statistics, state.layers.columns, len(context.plan))
+    return payload, primitives.batch_size
+
+
+def step_rows(context: TrackingContext, private: PrivateStep | None) -> dict[str, tf.Tensor]:
+    """The step's rows besides the statistics: the examples' ids, the learning rate,
+    and a private step's own."""
+    rows = {}
     if context.example_ids is not None:
-        payload["example_id"] = distribute.all_gather_rows(
+        rows["example_id"] = distribute.all_gather_rows(
             {"ids": tf.cast(tf.reshape(context.example_ids, [-1]), tf.int64)}
         )["ids"]
-    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(context.model, "optimizer", None)
     # Read before the update: the rate this step uses (schedules move with it).
     learning_rate = optimizer.learning_rate if optimizer is not None else float("nan")
-    payload["learning_rate"] = tf.cast(learning_rate, tf.float32)
+    rows["learning_rate"] = tf.cast(learning_rate, tf.float32)
     if private is not None:
-        payload.update(private.rows)
-        gradients = private.gradients
-    context.result = StepResult(payload, {t.name: f for t, f in zip(plan, forms)})
-    return gradients
+        rows.update(private.rows)
+    return rows
 
 
 def merged_broadcast_rows(
-    plan: Plan,
-    recorded: Sequence[Sequence[Any]],
-    columns: Sequence[int],
-    sources: Sequence[Any],
-    gradients: list[Any],
+    broadcast: AbstractSet[int], sources: Sequence[Any], gradients: list[Any]
 ) -> list[Any]:
     """The gradients, with each row of a sparse gradient of a broadcast layer once.
 
@@ -143,14 +197,8 @@ def merged_broadcast_rows(
     sparse gradient lists each row B times where plain Keras lists it once.
     Their sum is the same, but an optimizer's sparse update is not linear in the
     rows (Adam squares each row it receives): the rows are summed per index, as
-    plain Keras' gradient holds them.
+    plain Keras' gradient holds them. `broadcast` holds the `id`s of those variables.
     """
-    broadcast = {
-        id(v)
-        for tracked, column in zip(plan, columns)
-        if any(call.batchless for call in recorded[column])
-        for v in tracked.variables
-    }
     return [
         unique_rows(gradient)
         if id(v) in broadcast and isinstance(gradient, tf.IndexedSlices)
@@ -225,7 +273,10 @@ def coupled_gradients(
 
 
 def widened(
-    payload: dict[str, tf.Tensor], statistics: Sequence[Statistic], columns: list[int], width: int
+    payload: dict[str, tf.Tensor],
+    statistics: Sequence[Statistic],
+    columns: Sequence[int],
+    width: int,
 ) -> dict[str, tf.Tensor]:
     """Per-layer statistics of the covered layers spread over all `width` columns, NaN
     in the columns of layers the step's gradient did not cover."""

@@ -54,10 +54,18 @@ class LayerTap:
         rule: The layer's rule (None for the fallback): it says what to record.
         batch: Which tensors depend on the step's batch (None: calls are taken
             as they come).
+        xla: The step is compiled by XLA (`LayerCall.xla` of every call recorded).
     """
 
-    def __init__(self, layer: Any, rule: Rule | None, batch: BatchDependence | None = None):
+    def __init__(
+        self,
+        layer: Any,
+        rule: Rule | None,
+        batch: BatchDependence | None = None,
+        xla: bool = False,
+    ):
         self.layer = layer
+        self.xla = xla
         self.rule = rule
         self.batch = batch
         self.recorded: list[RecordedCall] = []
@@ -90,7 +98,9 @@ class LayerTap:
             outputs, tapped = self._tapped_call(args, kwargs)
             if self.batch is not None and not batchless:
                 args, kwargs = self.batch.with_static_batch_size((args, kwargs))
-        call = LayerCall(args=args, kwargs=kwargs, tapped=tapped.tapped, saved=tapped.saved)
+        call = LayerCall(
+            args=args, kwargs=kwargs, tapped=tapped.tapped, saved=tapped.saved, xla=self.xla
+        )
         self.recorded.append(RecordedCall(call, ops.range, ops.graph, outputs, batchless))
         return outputs
 

@@ -88,7 +88,11 @@ class TrackingContext:
         self.example_ids = example_ids
         self.requests = tuple(requests)
         self.batch = None if batch is None else BatchDependence(batch)
-        self.taps = [LayerTap(tracked.layer, tracked.rule, self.batch) for tracked in plan]
+        # The one place the step's compilation is read: the rules see it as `LayerCall.xla`.
+        self.xla = bool(getattr(model, "jit_compile", False))
+        self.taps = [
+            LayerTap(tracked.layer, tracked.rule, self.batch, self.xla) for tracked in plan
+        ]
         self.losses = LossRecorder()
         self.penalties: list[Penalty] = []
         self.loss_scale: tf.Tensor | None = None

@@ -35,6 +35,10 @@ class LayerCall:
         one_chunk: The engine's own loop over chunks of examples cut this call to
             at most `EXAMPLES_PER_CHUNK` examples (`keras_gradtrack.rules.chunks`):
             a rule adds no loop over chunks of its own.
+        xla: The step is compiled by XLA (`model.jit_compile`), which has no
+            kernel for some operations (`EuclideanNorm`, the grouped and
+            depthwise filter gradients) and fuses elementwise work that
+            TensorFlow runs op by op: a rule picks its forms for it.
     """
 
     args: tuple[Any, ...]
@@ -43,6 +47,7 @@ class LayerCall:
     saved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     output_grads: tuple[tf.Tensor, ...] | None = None
     one_chunk: bool = False
+    xla: bool = False
 
     @property
     def inputs(self) -> Any:
@@ -115,11 +120,12 @@ class LayerPrimitives(NamedTuple):
 
     Attributes:
         sq_norm: `(B,)`, `||g_i^(k)||^2` over the layer's trainable variables.
-        dot: `(B,)`, `<g_i^(k), R^(k)>`.
+        dot: `(B,)`, `<g_i^(k), R^(k)>`; None in a step that asks for no dots (the
+            rule received no `Reference`).
     """
 
     sq_norm: tf.Tensor
-    dot: tf.Tensor
+    dot: tf.Tensor | None
 
 
 # (layer, calls, reference) -> LayerPrimitives. `calls` holds every call of the
@@ -128,8 +134,10 @@ class LayerPrimitives(NamedTuple):
 # the engine divides out afterwards. Every rule must therefore be homogeneous in
 # the output gradients: per-example gradients and `dot` of degree 1, `sq_norm`
 # and Gram matrices of degree 2 (true of every formula built from products with
-# the output gradients).
-RuleFn = Callable[[Any, Sequence[LayerCall], Reference], LayerPrimitives]
+# the output gradients). The reference is None in a step whose statistics read no
+# dots (norms only): the rule then computes no products with it and returns
+# `dot=None`.
+RuleFn = Callable[[Any, Sequence[LayerCall], "Reference | None"], LayerPrimitives]
 
 # Optional: (layer, calls) -> (B, B) Gram matrix <g_i^(k), g_j^(k)>. Rules
 # without one (and without `per_example`) get the layer's Gram matrix from the
@@ -225,13 +233,18 @@ def primitives_from(rule: str, per_example: PerExampleFn) -> RuleFn:
     """The rule function computing a layer's primitives from its per-example
     gradients (checked by `checked_per_example`)."""
 
-    def primitives(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> LayerPrimitives:
+    def primitives(
+        layer: Any, calls: Sequence[LayerCall], reference: Reference | None
+    ) -> LayerPrimitives:
         pairs = checked_per_example(rule, layer, per_example(layer, calls))
         if not pairs:
             raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
         flat = [(tf.reshape(g, [tf.shape(g)[0], -1]), variable) for variable, g in pairs]
+        sq_norm = tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g, _ in flat])
+        if reference is None:
+            return LayerPrimitives(sq_norm=sq_norm, dot=None)
         return LayerPrimitives(
-            sq_norm=tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g, _ in flat]),
+            sq_norm=sq_norm,
             dot=tf.add_n([tf.linalg.matvec(g, tf.reshape(reference(v), [-1])) for g, v in flat]),
         )
 
@@ -287,8 +300,9 @@ class Rule:
             so the layer's calls must hold only tensors whose first axis is the
             batch) and reduced to squared
             norms and the batch gradient as they go: none is held whole.
-        kernels: Optional: which TensorFlow kernels `per_example` runs for the
-            layer on this machine (the summary's note where it materializes).
+        kernels: Optional: `(layer, calls) -> str`, which TensorFlow kernels
+            `per_example` runs for the calls on this machine (the summary's note
+            where it materializes).
 
     Example:
 
@@ -318,7 +332,7 @@ class Rule:
     cross: CrossFn | None = None
     sketch: SketchFn | None = None
     dot: DotFn | None = None
-    kernels: Callable[[Any], str] | None = None
+    kernels: Callable[[Any, Sequence[LayerCall]], str] | None = None
 
     @classmethod
     def from_per_example(cls, name: str, per_example: PerExampleFn, **options: Any) -> Rule:

@@ -45,7 +45,7 @@ def kernel_materializes(
 
 
 def conv_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for Conv1D/2D/3D.
 
@@ -101,7 +101,7 @@ def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, 
 
 
 def depthwise_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for DepthwiseConv1D/2D.
 
@@ -147,8 +147,8 @@ CONV = Rule(
     per_example=conv_per_example,
     materializes=conv_materializes,
     dot=conv_dot,
-    kernels=lambda layer: filter_gradient_kernel(
-        layer.groups, layer.kernel.shape[-2] * layer.groups, Window.of(layer)
+    kernels=lambda layer, calls: filter_gradient_kernel(
+        layer.groups, layer.kernel.shape[-2] * layer.groups, Window.of(layer), calls[0].xla
     ),
 )
 DEPTHWISE_CONV = Rule(
@@ -158,7 +158,7 @@ DEPTHWISE_CONV = Rule(
     per_example=depthwise_per_example,
     materializes=depthwise_materializes,
     dot=depthwise_dot,
-    kernels=lambda layer: filter_gradient_kernel(
-        layer.kernel.shape[-2], layer.kernel.shape[-2], Window.of(layer)
+    kernels=lambda layer, calls: filter_gradient_kernel(
+        layer.kernel.shape[-2], layer.kernel.shape[-2], Window.of(layer), calls[0].xla
     ),
 )

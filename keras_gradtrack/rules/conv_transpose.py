@@ -34,7 +34,7 @@ def conv_transpose_applies(layer: Any) -> bool:
 
 
 def conv_transpose_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for Conv1D/2D/3DTranspose.
 
@@ -91,7 +91,7 @@ CONV_TRANSPOSE = Rule(
     materializes=conv_transpose_materializes,
     dot=conv_transpose_dot,
     # The windows slide over the output gradient (the kernel's `filters` axis).
-    kernels=lambda layer: filter_gradient_kernel(
-        1, layer.kernel.shape[-2], windows.Window.of(layer)
+    kernels=lambda layer, calls: filter_gradient_kernel(
+        1, layer.kernel.shape[-2], windows.Window.of(layer), calls[0].xla
     ),
 )

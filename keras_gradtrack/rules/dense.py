@@ -23,6 +23,7 @@ from keras_gradtrack.rules.ops import (
     has_plain_weights,
     materialized,
     positions_per_example,
+    references_of,
     reshape_per_example,
     sequence_kernel_sq_norm,
     sum_of_squares,
@@ -65,7 +66,7 @@ def as_sequences(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tens
 
 
 def dense_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for a Dense layer.
 
@@ -83,29 +84,34 @@ def dense_primitives(
     a, d = as_sequences(calls, layer)
     kernel, bias = trained_variables(layer)
     if a.shape[1] == 1:
-        return dense_2d_primitives(a[:, 0, :], d[:, 0, :], kernel, bias, reference)
+        return dense_2d_primitives(a[:, 0, :], d[:, 0, :], kernel, bias, reference, calls[0].xla)
     terms = []
     if kernel is not None:
-        projected = tf.einsum("btd,de->bte", a, reference(kernel))
-        terms.append(
-            LayerPrimitives(
-                sq_norm=sequence_kernel_sq_norm(a, d),
-                dot=tf.reduce_sum(projected * d, axis=[1, 2]),
-            )
-        )
+        dot = None
+        if reference is not None:
+            projected = tf.einsum("btd,de->bte", a, reference(kernel))
+            dot = tf.reduce_sum(projected * d, axis=[1, 2])
+        terms.append(LayerPrimitives(sq_norm=sequence_kernel_sq_norm(a, d, calls[0].xla), dot=dot))
     if bias is not None:
-        terms.append(materialized([summed_bias_gradient(calls, bias.shape)], [reference(bias)]))
+        bias_grad = summed_bias_gradient(calls, bias.shape)
+        terms.append(materialized([bias_grad], references_of(reference, [bias]), calls[0].xla))
     if not terms:
-        return zero_primitives(d)
+        return zero_primitives(d, reference)
     return summed(terms)
 
 
 def dense_2d_primitives(
-    a: tf.Tensor, d: tf.Tensor, kernel: Any | None, bias: Any | None, reference: Reference
+    a: tf.Tensor,
+    d: tf.Tensor,
+    kernel: Any | None,
+    bias: Any | None,
+    reference: Reference | None,
+    xla: bool = False,
 ) -> LayerPrimitives:
     """The primitives of a Dense layer on 2-D inputs `a` (B, d_in), `d` (B, d_out).
 
-    `kernel` and `bias` are the trained variables (None when frozen). Directly:
+    `kernel` and `bias` are the trained variables (None when frozen); `xla`: the step
+    is compiled by XLA (`LayerCall.xla`). Directly:
     `||g_i||^2 = (||a_i||^2 + 1) ||d_i||^2` and `<g_i, R> = (a_i^T R_kernel + R_bias) . d_i`,
     one product the size of the layer's forward pass. Where R is the sum of the
     per-example gradients, from the Gram matrix `<g_i, g_j> = (a_i . a_j + 1)(d_i . d_j)`
@@ -113,17 +119,22 @@ def dense_2d_primitives(
     unknown batch size the step chooses at run time.
     """
     variables = [v for v in (kernel, bias) if v is not None]
+    if reference is None:  # norms only: `(||a_i||^2 + 1) ||d_i||^2`, no product
+        input_sq = sum_of_squares(a, axis=1, xla=xla) if kernel is not None else 0.0
+        if bias is not None:
+            input_sq += 1.0
+        return LayerPrimitives(input_sq * sum_of_squares(d, axis=1, xla=xla), None)
 
     def direct() -> tuple[tf.Tensor, tf.Tensor]:
         input_sq = tf.zeros([tf.shape(d)[0]], tf.float32)
         projected = tf.zeros_like(d)
         if kernel is not None:
-            input_sq = sum_of_squares(a, axis=1)
+            input_sq = sum_of_squares(a, axis=1, xla=xla)
             projected = tf.matmul(a, reference(kernel))
         if bias is not None:
             input_sq += 1.0
             projected = tf.nn.bias_add(projected, reference(bias))
-        return input_sq * sum_of_squares(d, axis=1), tf.reduce_sum(projected * d, axis=1)
+        return input_sq * sum_of_squares(d, axis=1, xla=xla), tf.reduce_sum(projected * d, axis=1)
 
     def from_gram() -> tuple[tf.Tensor, tf.Tensor]:
         gram = dense_2d_gram(a, d, kernel is not None, bias is not None)

@@ -148,7 +148,7 @@ def canonical_operands(
 
 
 def einsum_dense_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for an EinsumDense layer.
 
@@ -164,25 +164,31 @@ def einsum_dense_primitives(
     dot = tf.zeros([batch], tf.float32)
     if layer.kernel.trainable:
         roles, x, d = canonical_operands(layer, calls)
-        kernel_ref = tf.einsum(
-            f"{roles.kernel}->{roles.shared}{roles.contracted}{roles.produced}",
-            reference(layer.kernel),
-        )
-        kernel_ref = tf.reshape(kernel_ref, [x.shape[1], x.shape[3], d.shape[3]])
+        kernel_ref = None
+        if reference is not None:
+            kernel_ref = tf.einsum(
+                f"{roles.kernel}->{roles.shared}{roles.contracted}{roles.produced}",
+                reference(layer.kernel),
+            )
+            kernel_ref = tf.reshape(kernel_ref, [x.shape[1], x.shape[3], d.shape[3]])
         if gram_is_cheaper(x.shape[2], x.shape[3], d.shape[3]):
             gram_x = tf.einsum("bstk,bsuk->bstu", x, x)
             gram_d = tf.einsum("bsto,bsuo->bstu", d, d)
             sq_norm += tf.reduce_sum(gram_x * gram_d, axis=[1, 2, 3])
-            dot += tf.reduce_sum(tf.einsum("bstk,sko->bsto", x, kernel_ref) * d, axis=[1, 2, 3])
+            if kernel_ref is not None:
+                projected = tf.einsum("bstk,sko->bsto", x, kernel_ref)
+                dot += tf.reduce_sum(projected * d, axis=[1, 2, 3])
         else:
             per_example_kernel = tf.einsum("bstk,bsto->bsko", x, d)
-            sq_norm += sum_of_squares(per_example_kernel, axis=[1, 2, 3])
-            dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
+            sq_norm += sum_of_squares(per_example_kernel, axis=[1, 2, 3], xla=calls[0].xla)
+            if kernel_ref is not None:
+                dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
     if layer.bias is not None and layer.bias.trainable:
         bias_grad = summed_bias_gradient(calls, layer.bias.shape)
-        sq_norm += sum_of_squares(bias_grad, axis=1)
-        dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
-    return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+        sq_norm += sum_of_squares(bias_grad, axis=1, xla=calls[0].xla)
+        if reference is not None:
+            dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
+    return LayerPrimitives(sq_norm=sq_norm, dot=None if reference is None else dot)
 
 
 def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:

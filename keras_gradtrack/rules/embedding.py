@@ -69,10 +69,10 @@ def masked_gram_sq_norm(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(same_id * gram, axis=[1, 2])
 
 
-def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tensor:
     """`sum_v ||sum_{t: id_t = v} d_t||^2` per example, by sorting ids and segment sums.
 
-    Static-shaped (no `tf.unique`), so it also compiles with XLA.
+    Static-shaped (no `tf.unique`), so it also compiles with XLA (`xla`: the step is).
     """
     batch, steps, dim = tf.shape(d)[0], tf.shape(d)[1], tf.shape(d)[2]
     order = tf.argsort(ids, axis=1, stable=True)
@@ -86,11 +86,11 @@ def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
     sums = tf.math.unsorted_segment_sum(
         tf.reshape(sorted_d, [-1, dim]), tf.reshape(group, [-1]), batch * steps
     )
-    return sum_of_squares(tf.reshape(sums, [batch, -1]), axis=1)
+    return sum_of_squares(tf.reshape(sums, [batch, -1]), axis=1, xla=xla)
 
 
 def embedding_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for an Embedding layer.
 
@@ -106,7 +106,9 @@ def embedding_primitives(
     if steps is not None and steps <= GRAM_MAX_TOKENS:
         sq_norm = masked_gram_sq_norm(ids, d)
     else:
-        sq_norm = segment_sq_norm(ids, d)
+        sq_norm = segment_sq_norm(ids, d, calls[0].xla)
+    if reference is None:
+        return LayerPrimitives(sq_norm=sq_norm, dot=None)
     looked_up_reference = tf.gather(reference(layer.embeddings), ids)
     dot = tf.reduce_sum(looked_up_reference * d, axis=[1, 2])
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)

@@ -21,7 +21,6 @@ import tensorflow as tf
 from keras_gradtrack._keras_seam import is_onednn_enabled
 from keras_gradtrack.rules import chunks
 from keras_gradtrack.rules.contract import LayerCall
-from keras_gradtrack.rules.ops import compiling_with_xla
 from keras_gradtrack.rules.windows import (
     FEW_CHANNELS,
     Pairs,
@@ -38,8 +37,11 @@ GROUPED = "Conv2DBackpropFilter (oneDNN), examples as groups"
 WINDOWS = "window products"
 
 
-def filter_gradient_form(groups: int, channels: int | None, window: Window) -> str:
-    """Which kernel computes the per-example kernel gradients for these shapes here.
+def filter_gradient_form(
+    groups: int, channels: int | None, window: Window, xla: bool = False
+) -> str:
+    """Which kernel computes the per-example kernel gradients for these shapes here
+    (`xla`: in a step compiled by XLA).
 
     Up to `FEW_CHANNELS` ungrouped channels (an image input), the windows' one
     product over all offsets (faster than the depthwise filter gradient there,
@@ -52,24 +54,24 @@ def filter_gradient_form(groups: int, channels: int | None, window: Window) -> s
     """
     if groups == 1 and ((channels or 0) <= FEW_CHANNELS or math.prod(window.kernel_size) == 1):
         return WINDOWS
-    if groups == channels and depthwise_native(window):
+    if groups == channels and depthwise_native(window, xla):
         return DEPTHWISE
-    if groups == 1 and grouped_filter_native(window):
+    if groups == 1 and grouped_filter_native(window, xla):
         return GROUPED
     return WINDOWS
 
 
 def per_example_filter_gradients(
-    pairs: Pairs, window: Window, groups: int, one_chunk: bool = False
+    pairs: Pairs, window: Window, groups: int, one_chunk: bool = False, xla: bool = False
 ) -> tf.Tensor:
     """`(B, n)` per-example kernel gradients, summed over the calls' `(source, target)`
     pairs, by the kernel `filter_gradient_form` picks (`in_chunks`: `one_chunk` says
-    the examples are at most one chunk)."""
-    form = filter_gradient_form(groups, pairs[0][0].shape[-1], window)
+    the examples are at most one chunk; `xla`: the step is compiled by XLA)."""
+    form = filter_gradient_form(groups, pairs[0][0].shape[-1], window, xla=xla)
     kernel = {DEPTHWISE: depthwise_filter_gradients, GROUPED: grouped_filter_gradients}.get(form)
     if kernel is not None:
         return tf.add_n([in_chunks(kernel, s, t, window, one_chunk) for s, t in pairs])
-    if compiling_with_xla():
+    if xla:
         # XLA plans the memory of the whole step itself.
         slices, targets = stacked_windows(pairs, window)
         return per_example_kernel_gradients(slices, targets, groups)
@@ -81,36 +83,37 @@ def per_example_filter_gradients(
     return tf.add_n([in_chunks(products, s, t, window, one_chunk) for s, t in pairs])
 
 
-def filter_gradient_kernel(groups: int, channels: int, window: Window) -> str:
+def filter_gradient_kernel(groups: int, channels: int, window: Window, xla: bool) -> str:
     """The summary's note for a materialized convolution: its kernel here."""
-    return f"per-example kernel gradients: {filter_gradient_form(groups, channels, window)}"
+    form = filter_gradient_form(groups, channels, window, xla=xla)
+    return f"per-example kernel gradients: {form}"
 
 
-def depthwise_native(window: Window) -> bool:
+def depthwise_native(window: Window, xla: bool) -> bool:
     """Whether `depthwise_filter_gradients` applies: 1-D or 2-D windows, equal strides,
     no dilation, and not under XLA (which fuses the windows' products and sums into one
     loop, and runs a depthwise filter gradient over B x C channels as a grouped
     convolution)."""
     return (
-        not compiling_with_xla()
+        not xla
         and len(window.kernel_size) <= 2
         and len(set(window.strides)) == 1
         and all(rate == 1 for rate in window.dilation_rate)
     )
 
 
-def grouped_filter_native(window: Window) -> bool:
+def grouped_filter_native(window: Window, xla: bool) -> bool:
     """Whether `grouped_filter_gradients` applies: a 1-D or 2-D window, and a grouped
     `Conv2DBackpropFilter` runs here (`grouped_filter_gradient_runs`)."""
-    return len(window.kernel_size) <= 2 and grouped_filter_gradient_runs()
+    return len(window.kernel_size) <= 2 and grouped_filter_gradient_runs(xla)
 
 
-def grouped_filter_gradient_runs() -> bool:
+def grouped_filter_gradient_runs(xla: bool = False) -> bool:
     """Whether TensorFlow runs a grouped `Conv2DBackpropFilter` (input channels a multiple
     of the filter's) here: only oneDNN's CPU kernel does, so oneDNN on
     (`TF_ENABLE_ONEDNN_OPTS`), no GPU the step could be placed on, and not under XLA.
     TensorFlow's own CPU kernel and the GPU kernels refuse such shapes at run time."""
-    return not compiling_with_xla() and onednn_cpu_only()
+    return not xla and onednn_cpu_only()
 
 
 @functools.lru_cache(maxsize=1)
@@ -233,8 +236,10 @@ def kernel_and_bias_per_example(
     """
     pairs = []
     if layer.kernel.trainable:
-        window, one_chunk = Window.of(layer), calls[0].one_chunk
-        kernel_grad = per_example_filter_gradients(windowed, window, groups, one_chunk)
+        first = calls[0]
+        kernel_grad = per_example_filter_gradients(
+            windowed, Window.of(layer), groups, one_chunk=first.one_chunk, xla=first.xla
+        )
         pairs.append((layer.kernel, kernel_grad))
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:

@@ -1,11 +1,9 @@
-"""Shared tensor math of the rules, and the switch for XLA-compiled steps."""
+"""Shared tensor math of the rules."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -15,30 +13,11 @@ from keras_gradtrack.rules.contract import (
     LayerPrimitives,
     PerExampleFn,
     Projection,
+    Reference,
     RuleFn,
     primitives_from,
 )
 from keras_gradtrack.rules.cost import gram_is_cheaper
-
-# Whether the step being traced is compiled by XLA, which has no kernel for some
-# operations (EuclideanNorm) and fuses elementwise work that TensorFlow runs
-# op by op, so some rules pick another form under it.
-_XLA = contextvars.ContextVar("compiling_with_xla", default=False)
-
-
-@contextlib.contextmanager
-def compiled_with_xla(jit_compile: bool) -> Iterator[None]:
-    """Rules traced inside use only operations XLA compiles when `jit_compile` is true."""
-    token = _XLA.set(jit_compile)
-    try:
-        yield
-    finally:
-        _XLA.reset(token)
-
-
-def compiling_with_xla() -> bool:
-    """Whether the rules are being traced for an XLA-compiled step."""
-    return _XLA.get()
 
 
 def has_plain_weights(layer: Any) -> bool:
@@ -48,23 +27,35 @@ def has_plain_weights(layer: Any) -> bool:
     )
 
 
-def sum_of_squares(tensor: tf.Tensor, axis: Any = None) -> tf.Tensor:
+def sum_of_squares(tensor: tf.Tensor, axis: Any = None, xla: bool = False) -> tf.Tensor:
     """`sum x^2` over `axis` (every axis by default) in one pass over the tensor
-    (`square` then `reduce_sum` writes and reads a tensor as large as the input)."""
-    if compiling_with_xla():  # XLA fuses square and sum by itself
+    (`square` then `reduce_sum` writes and reads a tensor as large as the input).
+    `xla`: the step is compiled by XLA, which has no `EuclideanNorm` kernel and fuses
+    square and sum by itself (`LayerCall.xla`)."""
+    if xla:
         return tf.reduce_sum(tf.square(tensor), axis=axis)
     return tf.square(tf.math.reduce_euclidean_norm(tensor, axis=axis))
 
 
 def materialized(
-    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor]
+    per_example: Sequence[tf.Tensor], references: Sequence[tf.Tensor] | None, xla: bool = False
 ) -> LayerPrimitives:
-    """The primitives from per-example gradients `(B, n)` and their references (any shape, n values)."""
+    """The primitives from per-example gradients `(B, n)` and their references (any shape,
+    n values; None: no dots, as for a step without a `Reference`); `xla` as for
+    `sum_of_squares`."""
+    sq_norm = tf.add_n([sum_of_squares(g, axis=1, xla=xla) for g in per_example])
+    if references is None:
+        return LayerPrimitives(sq_norm=sq_norm, dot=None)
     flat_references = [tf.reshape(reference, [-1]) for reference in references]
     return LayerPrimitives(
-        sq_norm=tf.add_n([sum_of_squares(g, axis=1) for g in per_example]),
+        sq_norm=sq_norm,
         dot=tf.add_n([tf.linalg.matvec(g, r) for g, r in zip(per_example, flat_references)]),
     )
+
+
+def references_of(reference: Reference | None, variables: Sequence[Any]) -> list[tf.Tensor] | None:
+    """`reference` on each of `variables`, or None for a step without dots."""
+    return None if reference is None else [reference(v) for v in variables]
 
 
 def primitives_of(per_example: PerExampleFn) -> RuleFn:
@@ -99,17 +90,19 @@ def sketch_of(variable: Any, per_example: tf.Tensor, projection: Projection) -> 
     return tf.einsum("brs,rq->bqs", projected, projection.rows(variable))
 
 
-def zero_primitives(like: tf.Tensor) -> LayerPrimitives:
-    """Zero primitives for a batch the size of `like`'s first axis (every variable frozen)."""
+def zero_primitives(like: tf.Tensor, reference: Reference | None) -> LayerPrimitives:
+    """Zero primitives for a batch the size of `like`'s first axis (every variable
+    frozen); no dot for a step without a `reference`."""
     zeros = tf.zeros([tf.shape(like)[0]], tf.float32)
-    return LayerPrimitives(sq_norm=zeros, dot=zeros)
+    return LayerPrimitives(sq_norm=zeros, dot=None if reference is None else zeros)
 
 
 def summed(terms: Sequence[LayerPrimitives]) -> LayerPrimitives:
-    """The primitives of several variables' terms together."""
+    """The primitives of several variables' terms together (dots only if all have one)."""
+    dots = [term.dot for term in terms]
     return LayerPrimitives(
         sq_norm=tf.add_n([term.sq_norm for term in terms]),
-        dot=tf.add_n([term.dot for term in terms]),
+        dot=None if any(dot is None for dot in dots) else tf.add_n(dots),
     )
 
 
@@ -186,16 +179,16 @@ def positions_per_example(tensors: Sequence[Any], channels_first: bool = False) 
     return total
 
 
-def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tensor:
     """`||A_i^T D_i||_F^2` per example for `A` (B, T, in) and `D` (B, T, out), by
     whichever form costs less (`gram_is_cheaper`): `<A_i A_i^T, D_i D_i^T>` or the
-    materialized product."""
+    materialized product (`xla` as for `sum_of_squares`)."""
     if gram_is_cheaper(a.shape[1], a.shape[2], d.shape[2]):
         gram_a = tf.einsum("btd,bsd->bts", a, a)
         gram_d = tf.einsum("bte,bse->bts", d, d)
         return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
     per_example_kernel = tf.einsum("btd,bte->bde", a, d)
-    return sum_of_squares(per_example_kernel, axis=[1, 2])
+    return sum_of_squares(per_example_kernel, axis=[1, 2], xla=xla)
 
 
 # Maps a normalization layer's input (float32) and its call to the `(mean, inverse)`

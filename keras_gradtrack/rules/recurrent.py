@@ -206,7 +206,7 @@ def term_gradient(term: Term) -> tf.Tensor:
 
 
 def recurrent_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference, without per-example gradients.
 
@@ -219,16 +219,18 @@ def recurrent_primitives(
     """
     sq_norms, dots = [], []
     for term in layer_terms(calls):
-        part = restricted(reference(term.variable), term)
+        part = None if reference is None else restricted(reference(term.variable), term)
         if term.inputs is None:
             grad = tf.reduce_sum(term.grads, axis=1)
-            sq_norms.append(sum_of_squares(grad, axis=1))
-            dots.append(tf.linalg.matvec(grad, part))
+            sq_norms.append(sum_of_squares(grad, axis=1, xla=calls[0].xla))
+            if part is not None:
+                dots.append(tf.linalg.matvec(grad, part))
         else:
-            sq_norms.append(sequence_kernel_sq_norm(term.inputs, term.grads))
-            projected = tf.einsum("btd,de->bte", term.inputs, part)
-            dots.append(tf.reduce_sum(projected * term.grads, axis=[1, 2]))
-    return LayerPrimitives(sq_norm=tf.add_n(sq_norms), dot=tf.add_n(dots))
+            sq_norms.append(sequence_kernel_sq_norm(term.inputs, term.grads, calls[0].xla))
+            if part is not None:
+                projected = tf.einsum("btd,de->bte", term.inputs, part)
+                dots.append(tf.reduce_sum(projected * term.grads, axis=[1, 2]))
+    return LayerPrimitives(sq_norm=tf.add_n(sq_norms), dot=tf.add_n(dots) if dots else None)
 
 
 def recurrent_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:

@@ -107,7 +107,7 @@ def pointwise_dot(
 
 
 def separable_primitives(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference
+    layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
     """Per-example squared norm and dot with the reference for SeparableConv1D/2D.
 
@@ -124,15 +124,21 @@ def separable_primitives(
         intermediate, targets = sequences(layer, calls)
         terms.append(
             LayerPrimitives(
-                sq_norm=sequence_kernel_sq_norm(intermediate, targets),
-                dot=pointwise_dot(layer, intermediate, targets, reference),
+                sq_norm=sequence_kernel_sq_norm(intermediate, targets, calls[0].xla),
+                dot=None
+                if reference is None
+                else pointwise_dot(layer, intermediate, targets, reference),
             )
         )
     if depthwise.trainable:
         slices, grads = stacked_windows(depthwise_pairs(layer, calls), Window.of(layer))
-        depthwise_reference = tf.reshape(reference(depthwise), [len(slices), 1, -1])
+        depthwise_reference = None
+        if reference is not None:
+            depthwise_reference = tf.reshape(reference(depthwise), [len(slices), 1, -1])
         terms.append(
-            grouped_kernel_primitives(slices, grads, depthwise.shape[-2], depthwise_reference)
+            grouped_kernel_primitives(
+                slices, grads, depthwise.shape[-2], depthwise_reference, calls[0].xla
+            )
         )
     return with_bias(layer, calls, reference, terms)
 
@@ -173,7 +179,9 @@ def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     if depthwise.trainable:
         window = Window.of(layer)
         channels = depthwise.shape[-2]
-        grads = per_example_filter_gradients(depthwise_pairs(layer, calls), window, channels)
+        grads = per_example_filter_gradients(
+            depthwise_pairs(layer, calls), window, channels, xla=calls[0].xla
+        )
         pairs.append((depthwise, grads))
     if pointwise.trainable:
         intermediate, targets = sequences(layer, calls)
@@ -192,7 +200,10 @@ SEPARABLE_CONV = Rule(
     per_example=separable_per_example,
     materializes=separable_materializes,
     dot=separable_dot,
-    kernels=lambda layer: filter_gradient_kernel(
-        layer.depthwise_kernel.shape[-2], layer.depthwise_kernel.shape[-2], Window.of(layer)
+    kernels=lambda layer, calls: filter_gradient_kernel(
+        layer.depthwise_kernel.shape[-2],
+        layer.depthwise_kernel.shape[-2],
+        Window.of(layer),
+        calls[0].xla,
     ),
 )

@@ -32,6 +32,7 @@ from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
 from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.ops import (
     materialized,
+    references_of,
     reshape_per_example,
     summed,
     summed_bias_gradient,
@@ -258,7 +259,11 @@ def per_example_kernel_gradients(
 
 
 def grouped_kernel_primitives(
-    slices: Sequence[tf.Tensor], targets: tf.Tensor, groups: int, kernel_reference: tf.Tensor
+    slices: Sequence[tf.Tensor],
+    targets: tf.Tensor,
+    groups: int,
+    kernel_reference: tf.Tensor | None,
+    xla: bool = False,
 ) -> LayerPrimitives:
     """`||g_i||^2` and `<g_i, R>` for the kernel gradient `g_i[k] = S_ik^T D_i` per group.
 
@@ -266,30 +271,33 @@ def grouped_kernel_primitives(
         slices: Per kernel offset, `(B, P, C)` windows.
         targets: `(B, P, O)`, the gradient paired with the windows.
         groups: Number of channel groups.
-        kernel_reference: `(K, C / groups, O)`, the reference in the kernel's layout.
+        kernel_reference: `(K, C / groups, O)`, the reference in the kernel's layout;
+            None for no dot.
+        xla: The step is compiled by XLA (`LayerCall.xla`).
     """
     group_channels = slices[0].shape[-1] // groups
     group_filters = targets.shape[-1] // groups
     if not gram_is_cheaper(targets.shape[1], len(slices) * group_channels, group_filters):
+        references = None if kernel_reference is None else [kernel_reference]
         return materialized(
-            [per_example_kernel_gradients(slices, targets, groups)], [kernel_reference]
+            [per_example_kernel_gradients(slices, targets, groups)], references, xla
         )
     batch = tf.shape(targets)[0]
     grouped = [tf.reshape(s, [batch, -1, groups, group_channels]) for s in slices]
     grads = tf.reshape(targets, [batch, -1, groups, group_filters])
     gram_windows = tf.add_n([tf.einsum("bpgc,bqgc->bgpq", s, s) for s in grouped])
     gram_grads = tf.einsum("bpgo,bqgo->bgpq", grads, grads)
+    sq_norm = tf.reduce_sum(gram_windows * gram_grads, axis=[1, 2, 3])
+    if kernel_reference is None:
+        return LayerPrimitives(sq_norm=sq_norm, dot=None)
     response = grouped_response(slices, kernel_reference, groups)
-    return LayerPrimitives(
-        sq_norm=tf.reduce_sum(gram_windows * gram_grads, axis=[1, 2, 3]),
-        dot=tf.reduce_sum(response * targets, axis=[1, 2]),
-    )
+    return LayerPrimitives(sq_norm=sq_norm, dot=tf.reduce_sum(response * targets, axis=[1, 2]))
 
 
 def kernel_and_bias_primitives(
     layer: Any,
     calls: Sequence[LayerCall],
-    reference: Reference,
+    reference: Reference | None,
     pairs: Pairs,
     groups: int,
     layout: Any,
@@ -301,8 +309,12 @@ def kernel_and_bias_primitives(
     terms = []
     if layer.kernel.trainable:
         slices, targets = stacked_windows(pairs, Window.of(layer))
-        kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), *layout])
-        terms.append(grouped_kernel_primitives(slices, targets, groups, kernel_reference))
+        kernel_reference = None
+        if reference is not None:
+            kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), *layout])
+        terms.append(
+            grouped_kernel_primitives(slices, targets, groups, kernel_reference, calls[0].xla)
+        )
     return with_bias(layer, calls, reference, terms)
 
 
@@ -328,14 +340,18 @@ def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tens
 
 
 def with_bias(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference, terms: list[LayerPrimitives]
+    layer: Any,
+    calls: Sequence[LayerCall],
+    reference: Reference | None,
+    terms: list[LayerPrimitives],
 ) -> LayerPrimitives:
     """The layer's primitives: the given kernel terms plus the bias term."""
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
-        terms = [*terms, materialized([bias_grad], [reference(layer.bias)])]
+        references = references_of(reference, [layer.bias])
+        terms = [*terms, materialized([bias_grad], references, calls[0].xla)]
     if not terms:  # every variable of the layer is frozen
-        return zero_primitives(calls[0].output_grad)
+        return zero_primitives(calls[0].output_grad, reference)
     return summed(terms)
 
 
