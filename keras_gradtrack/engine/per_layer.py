@@ -16,7 +16,6 @@ import tensorflow as tf
 
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Calls, Materialized
-from keras_gradtrack.engine.coupled import CoupledGradients
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
 from keras_gradtrack.engine.step_state import StepState
@@ -65,13 +64,7 @@ def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitive
     rows = per_example_rows(state, sums.reference if wants_dots else None, unscale, scale)
     gram = None
     if any(statistic.needs_gram for statistic in context.statistics):
-        gram = step_gram(
-            plan,
-            state.backward.calls,
-            state.layers.forms,
-            state.materialized.per_example,
-            state.coupled,
-        ) * tf.square(unscale)
+        gram = step_gram(state) * tf.square(unscale)
     rows = distribute.all_gather_rows(rows)
     return StepPrimitives(
         loss=rows["loss"],
@@ -184,22 +177,19 @@ def layer_primitives(
     return result.sq_norm, result.dot
 
 
-def step_gram(
-    plan: Plan,
-    calls: Sequence[Calls],
-    forms: Sequence[str],
-    per_example: dict[int, tf.Tensor],
-    coupled: CoupledGradients | None = None,
-) -> tf.Tensor:
-    """`(B, B)` `<g_i, g_j>` over every layer (in the rules' scale squared)."""
+def step_gram(state: StepState) -> tf.Tensor:
+    """`(B, B)` `<g_i, g_j>` over every covered layer (in the rules' scale squared)."""
     if distribute.num_replicas() > 1:
         raise ValueError(
             "Statistics that need the Gram matrix of per-example gradients (such as "
             "pairwise_cosine) pair examples across replicas and are not available "
             "under a tf.distribute strategy."
         )
+    coupled, per_example = state.coupled, state.materialized.per_example
     grams = list(coupled.grams().values()) if coupled is not None else []
-    for tracked, layer_calls, form in zip(plan, calls, forms):
+    for tracked, layer_calls, form in zip(
+        state.layers.plan, state.backward.calls, state.layers.forms
+    ):
         rule = tracked.rule
         if form == COUPLED:
             continue
