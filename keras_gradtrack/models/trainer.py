@@ -555,13 +555,8 @@ class GradientTrackingMixin(BatchNormalizationTracking):
 
         untracked = compiled(self._untracked_step)
         tracked = self._tracked_functions(compiled)
-        prepared = False
 
         def train_function(iterator: Any) -> Any:
-            nonlocal prepared
-            if not prepared:
-                self._build_before_tracing(iterator)
-                prepared = True
             due = state.due()
             private = self.privacy_settings is not None
             if not due and not private:
@@ -577,8 +572,22 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 self.__dict__["_private_steps"] = self.private_steps + 1
             return outputs
 
-        self.train_function = train_function
-        return train_function
+        self.train_function = self._prepared_on_first_call(train_function)
+        return self.train_function
+
+    def _prepared_on_first_call(self, train_function: Callable[[Any], Any]) -> Any:
+        """`train_function`, building what its traces need from the iterator first
+        (`_build_before_tracing`) on its first call."""
+        prepared = False
+
+        def prepared_train_function(iterator: Any) -> Any:
+            nonlocal prepared
+            if not prepared:
+                self._build_before_tracing(iterator)
+                prepared = True
+            return train_function(iterator)
+
+        return prepared_train_function
 
     def _tracked_functions(self, compiled: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """The compiled tracked step for the statistics and requests of `due`
@@ -619,13 +628,8 @@ class GradientTrackingMixin(BatchNormalizationTracking):
 
         untracked = compiled(self._untracked_step)
         tracked = self._tracked_functions(compiled)
-        prepared = False
 
         def train_function(iterator: Any) -> Any:
-            nonlocal prepared
-            if not prepared:
-                self._build_before_tracing(iterator)
-                prepared = True
             due = state.due_within(steps)
             if due:
                 self._check_independence_once()
@@ -635,4 +639,4 @@ class GradientTrackingMixin(BatchNormalizationTracking):
                 state.report(int(payload["batch_size"]), payload if due_now else None, due_now)
             return execution.logs
 
-        return train_function
+        return self._prepared_on_first_call(train_function)
