@@ -12,7 +12,8 @@ positions with `n_in` inputs and `n_out` outputs per position:
   `2 (n_in + n_out)` when `P = 1`), or materialized per-example gradients, which take
   the weight gradient's place and add `3 n_in n_out` (sum and squares);
 * dots with the batch gradient (cosines): `2 P n_in n_out` in the direct form,
-  `2 n_in n_out` more on materialized gradients.
+  `2 n_in n_out` more on materialized gradients, or (for `P = 1`) both norms and dots
+  from the batch's Gram matrix, `2 B (n_in + n_out)` per example.
 
 Each layer takes the cheaper form for the statistics asked; the bound is
 `(plain + extra) / plain`, for the default statistics (norms and dots) and for norms
@@ -25,6 +26,7 @@ python benchmarks/flop_bound.py            # every zoo model, a few seconds
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -64,10 +66,15 @@ class Product:
         direct = 2.0 * (n_in + n_out) * (p * p if p > 1 else 1)
         return min(direct, 3.0 * self.weights)
 
-    def norms_and_dots(self) -> float:
+    def norms_and_dots(self, batch: int) -> float:
         p, n_in, n_out = self.positions, self.inputs, self.outputs
         direct = 2.0 * (n_in + n_out) * (p * p if p > 1 else 1) + 2.0 * p * self.weights
-        return min(direct, 5.0 * self.weights)
+        options = [direct, 5.0 * self.weights]
+        if p == 1:
+            # The batch's Gram matrix (a_i . a_j)(d_i . d_j): its diagonal the norms, its
+            # row sums the dots (the batch gradient is the examples' sum).
+            options.append(2.0 * batch * (n_in + n_out))
+        return min(options)
 
 
 def size(shape: Any) -> int:
@@ -159,19 +166,23 @@ def model_products(name: str) -> tuple[list[Product], list[Product]]:
     return weighted, free
 
 
-def bound_row(name: str) -> dict[str, Any]:
+def bound_row(name: str, batch: int) -> dict[str, Any]:
     weighted, free = model_products(name)
     plain = sum(p.plain for p in weighted + free)
     return {
         "model": name,
         "plain MFLOP/example": plain / 1e6,
-        "default statistics": 1.0 + sum(p.norms_and_dots() for p in weighted) / plain,
+        "default statistics": 1.0 + sum(p.norms_and_dots(batch) for p in weighted) / plain,
         "norms only": 1.0 + sum(p.norms() for p in weighted) / plain,
     }
 
 
 def main() -> None:
-    rows = [bound_row(name) for name in ZOO if name != "separable_jit"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-size", type=int, default=128)
+    args = parser.parse_args()
+    rows = [bound_row(name, args.batch_size) for name in ZOO if name != "separable_jit"]
+    print(f"B={args.batch_size}")
     print("| model | plain MFLOP / example | bound, default statistics | bound, norms only |")
     print("| --- | --- | --- | --- |")
     for row in rows:

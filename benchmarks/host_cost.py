@@ -3,21 +3,24 @@ norm-only statistics, short fits.
 
 For each model, in interleaved rounds (each variant's ratio is paired with plain's in
 the same round, so load drift cancels), every variant runs a whole `fit` of `--steps`
-steps (traced before the rounds) on the same batches:
+steps (traced before the rounds) on the same batches, and a step's time is the
+median of its fit's calls (`on_train_batch_begin` to `on_train_batch_end`; a call of
+`steps_per_execution=16` counts as 16 steps):
 
 * `plain`, `plain_spe16`: `keras.Model`, `steps_per_execution` 1 and 16;
 * `tracked`: `HDF5GradientLogger` with the default statistics;
 * `norms`: the logger with `statistics=["loss", "grad_norm", "layer_grad_norm"]`;
 * `tracked_spe16`: the default logger with `steps_per_execution=16` (paired with
   `plain_spe16`);
-* `short_plain`, `short_tracked`: a whole `fit` of 16 steps, logger open and close
-  and first-step checks included (a fresh logger file each time).
+* `fit of 16`: the wall time of a whole `fit` of 16 steps, tracked over plain: the
+  logger's open and close, the example-independence guard and the first-step checks
+  included (a fresh logger file each time; tf.data autotuning off in every variant).
 
 `host ms/step` is the time each tracked step spends in Python after its compiled call
 (the model's reports to its loggers, the logger's rows, its blocks written to the file).
 
 ```
-python benchmarks/host_cost.py                        # mlp, cnn, text; ~10 min
+python benchmarks/host_cost.py                        # mlp, cnn, text; ~5 min
 python benchmarks/host_cost.py --models mlp --rounds 9
 ```
 """
@@ -36,6 +39,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is impor
 
 import keras
 import tensorflow as tf
+from report import StepTimes
 from zoo import ZOO, build_compiled, synthetic_batches
 
 import keras_gradtrack as kgt
@@ -94,31 +98,44 @@ def variants(name: str, folder: str) -> dict[str, tuple[Any, Callable[[], list[A
     }
 
 
-def fit_seconds(model: Any, dataset: Any, steps: int, callbacks: list[Any]) -> float:
+def fit_times(
+    model: Any, dataset: Any, steps: int, callbacks: list[Any]
+) -> tuple[float, list[float]]:
+    """One `fit`: its wall time and each call's time (`StepTimes`), in seconds."""
+    times = StepTimes()
     began = time.perf_counter()
-    model.fit(dataset, steps_per_epoch=steps, verbose=0, callbacks=callbacks, shuffle=False)
-    return time.perf_counter() - began
+    model.fit(
+        dataset, steps_per_epoch=steps, verbose=0, callbacks=[*callbacks, times], shuffle=False
+    )
+    return time.perf_counter() - began, times.times
 
 
 def measure(name: str, batch_size: int, steps: int, rounds: int) -> dict[str, Any]:
     x, y = synthetic_batches(name, batch_size)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
+    # Without autotuning: TensorFlow's wait when it deletes an autotuned iterator at the
+    # end of a fit (60 to 170 ms, docs/performance.md) would swamp a short fit.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    dataset = dataset.with_options(options)
     timer = HostTimer()
     with tempfile.TemporaryDirectory() as folder:
         runs = variants(name, folder)
         for model, callbacks in runs.values():  # trace every step function
-            fit_seconds(model, dataset, 32, callbacks())
+            fit_times(model, dataset, 32, callbacks())
         timer.take()
         per_step: dict[str, list[float]] = {v: [] for v in runs}
         host: dict[str, list[float]] = {v: [] for v in runs}
         short: dict[str, list[float]] = {"plain": [], "tracked": []}
         for _ in range(rounds):
             for variant, (model, callbacks) in runs.items():
-                per_step[variant].append(fit_seconds(model, dataset, steps, callbacks()) / steps)
+                _, calls = fit_times(model, dataset, steps, callbacks())
+                per_call = statistics.median(calls[1:])  # the first call waits for data
+                per_step[variant].append(per_call / (16 if variant.endswith("spe16") else 1))
                 host[variant].append(timer.take())
             for variant in short:
                 model, callbacks = runs[variant]
-                short[variant].append(fit_seconds(model, dataset, 16, callbacks()))
+                short[variant].append(fit_times(model, dataset, 16, callbacks())[0])
             timer.take()
 
     def paired(variant: str, base: str, table: dict[str, list[float]]) -> float:
