@@ -10,7 +10,7 @@ the compiled train step; only the statistics' values leave it.
 Example:
 
 ```python
-import tensorflow as tf
+from keras import ops
 import keras_gradtrack as kgt
 
 class MaxLayerNorm(kgt.statistics.Statistic):
@@ -18,7 +18,7 @@ class MaxLayerNorm(kgt.statistics.Statistic):
     per_example = True
 
     def compute(self, primitives):
-        return tf.sqrt(tf.reduce_max(primitives.sq_norm, axis=1))
+        return ops.sqrt(ops.max(primitives.sq_norm, axis=1))
 
 logger = kgt.HDF5GradientLogger("run.h5", statistics=["cosine", MaxLayerNorm()])
 ```
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack.io.schema import RESERVED_NAMES
 
@@ -55,34 +56,34 @@ class StepPrimitives:
             when a statistic asks for it (`Statistic.needs_input_gradients`).
     """
 
-    loss: tf.Tensor
-    sq_norm: tf.Tensor
-    dot: tf.Tensor
-    reference_sq_norm: tf.Tensor
-    sum_sq_norm: tf.Tensor
-    batch_size: tf.Tensor
-    gram: tf.Tensor | None = None
-    input_sq_norm: tf.Tensor | None = None
+    loss: Any
+    sq_norm: Any
+    dot: Any
+    reference_sq_norm: Any
+    sum_sq_norm: Any
+    batch_size: Any
+    gram: Any = None
+    input_sq_norm: Any = None
 
     @property
-    def grad_sq_norm(self) -> tf.Tensor:
+    def grad_sq_norm(self) -> Any:
         """`(B,)` `||g_i||^2` over all layers."""
-        return tf.reduce_sum(self.sq_norm, axis=1)
+        return ops.sum(self.sq_norm, axis=1)
 
     @property
-    def grad_norm(self) -> tf.Tensor:
+    def grad_norm(self) -> Any:
         """`(B,)` `||g_i||`."""
-        return tf.sqrt(self.grad_sq_norm)
+        return ops.sqrt(self.grad_sq_norm)
 
     @property
-    def reference_norm(self) -> tf.Tensor:
+    def reference_norm(self) -> Any:
         """Scalar `||G||`."""
-        return tf.sqrt(tf.reduce_sum(self.reference_sq_norm))
+        return ops.sqrt(ops.sum(self.reference_sq_norm))
 
     @property
-    def cosine(self) -> tf.Tensor:
+    def cosine(self) -> Any:
         """`(B,)` `cos(g_i, G)`; NaN where a norm is 0."""
-        return tf.reduce_sum(self.dot, axis=1) / (self.grad_norm * self.reference_norm)
+        return ops.sum(self.dot, axis=1) / (self.grad_norm * self.reference_norm)
 
 
 class Statistic:
@@ -109,7 +110,7 @@ class Statistic:
     needs_gram: bool = False
     needs_input_gradients: bool = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         """Computes the statistic inside the compiled train step.
 
         Args:
@@ -134,7 +135,7 @@ class Loss(Statistic):
 
     name = "loss"
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.loss
 
 
@@ -143,7 +144,7 @@ class GradNorm(Statistic):
 
     name = "grad_norm"
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.grad_norm
 
 
@@ -152,7 +153,7 @@ class Cosine(Statistic):
 
     name = "cosine"
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.cosine
 
 
@@ -162,8 +163,8 @@ class LayerGradNorm(Statistic):
     name = "layer_grad_norm"
     per_layer = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return tf.sqrt(primitives.sq_norm)
+    def compute(self, primitives: StepPrimitives) -> Any:
+        return ops.sqrt(primitives.sq_norm)
 
 
 class LayerCosine(Statistic):
@@ -172,8 +173,8 @@ class LayerCosine(Statistic):
     name = "layer_cosine"
     per_layer = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        norms = tf.sqrt(primitives.sq_norm) * tf.sqrt(primitives.reference_sq_norm)[None, :]
+    def compute(self, primitives: StepPrimitives) -> Any:
+        norms = ops.sqrt(primitives.sq_norm) * ops.sqrt(primitives.reference_sq_norm)[None, :]
         return primitives.dot / norms
 
 
@@ -183,7 +184,7 @@ class BatchGradNorm(Statistic):
     name = "batch_grad_norm"
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.reference_norm
 
 
@@ -193,8 +194,8 @@ class GradientDiversity(Statistic):
     name = "gradient_diversity"
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return tf.reduce_sum(primitives.grad_sq_norm) / tf.reduce_sum(primitives.sum_sq_norm)
+    def compute(self, primitives: StepPrimitives) -> Any:
+        return ops.sum(primitives.grad_sq_norm) / ops.sum(primitives.sum_sq_norm)
 
 
 class NoiseScale(Statistic):
@@ -206,13 +207,13 @@ class NoiseScale(Statistic):
     name = "noise_scale"
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         batch = primitives.batch_size
-        mean_sq_norm = tf.reduce_sum(primitives.sum_sq_norm) / tf.square(batch)
-        total_sq_norm = tf.reduce_sum(primitives.grad_sq_norm)
+        mean_sq_norm = ops.sum(primitives.sum_sq_norm) / ops.square(batch)
+        total_sq_norm = ops.sum(primitives.grad_sq_norm)
         trace = (total_sq_norm - batch * mean_sq_norm) / (batch - 1.0)
         # One example has no spread: NaN by definition, whatever the rounding of 0/0.
-        return tf.where(batch > 1.0, trace / mean_sq_norm, float("nan"))
+        return ops.where(batch > 1.0, trace / mean_sq_norm, float("nan"))
 
 
 class MeanCosine(Statistic):
@@ -221,11 +222,11 @@ class MeanCosine(Statistic):
     name = "mean_cosine"
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         cosine = primitives.cosine
-        finite = tf.math.is_finite(cosine)
-        return tf.reduce_sum(tf.where(finite, cosine, 0.0)) / tf.reduce_sum(
-            tf.cast(finite, tf.float32)
+        finite = ops.isfinite(cosine)
+        return ops.sum(ops.where(finite, cosine, 0.0)) / ops.sum(
+            ops.cast(finite, "float32")
         )
 
 
@@ -235,8 +236,8 @@ class FracNegativeCosine(Statistic):
     name = "frac_negative_cosine"
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return tf.reduce_mean(tf.cast(primitives.cosine < 0.0, tf.float32))
+    def compute(self, primitives: StepPrimitives) -> Any:
+        return ops.mean(ops.cast(primitives.cosine < 0.0, "float32"))
 
 
 class PairwiseCosine(Statistic):
@@ -252,7 +253,7 @@ class PairwiseCosine(Statistic):
     per_layer = False
     needs_gram = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         assert primitives.gram is not None
         norms = primitives.grad_norm
         return primitives.gram / (norms[:, None] * norms[None, :])
@@ -269,9 +270,9 @@ class InputGradNorm(Statistic):
     name = "input_grad_norm"
     needs_input_gradients = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         assert primitives.input_sq_norm is not None
-        return tf.sqrt(primitives.input_sq_norm)
+        return ops.sqrt(primitives.input_sq_norm)
 
 
 # Computed only on request, by name: not part of the defaults.
