@@ -21,6 +21,7 @@ ONEDNN_OFF_TESTS := tests/test_rules_conv.py tests/test_materialized.py
 test: $(STAMP)
 	$(PY) -m pytest
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest -q $(ONEDNN_OFF_TESTS)
+	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax_backend
 
 lint: $(STAMP)
 	$(PY) -m ruff check keras_gradtrack tests benchmarks

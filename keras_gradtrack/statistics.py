@@ -225,9 +225,7 @@ class MeanCosine(Statistic):
     def compute(self, primitives: StepPrimitives) -> Any:
         cosine = primitives.cosine
         finite = ops.isfinite(cosine)
-        return ops.sum(ops.where(finite, cosine, 0.0)) / ops.sum(
-            ops.cast(finite, "float32")
-        )
+        return ops.sum(ops.where(finite, cosine, 0.0)) / ops.sum(ops.cast(finite, "float32"))
 
 
 class FracNegativeCosine(Statistic):

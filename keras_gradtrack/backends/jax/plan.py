@@ -81,19 +81,25 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
             f"Model {model.name!r} holds trainable variables of its own (not in a layer): "
             "the JAX backend tracks the variables of layers. Move them into a layer."
         )
-    plan: list[TrackedLayer] = []
-    seen: dict[str, int] = {}
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    groups = []
     for layer in flatten_layers(model, include_self=False):
         reason = refusal(layer)
         if reason:
             raise ValueError(reason)
-        variables = tuple(v for v in own_trainable_variables(layer) if v.trainable)
-        if not variables:
-            continue
-        count = seen.get(layer.name, 0)
-        seen[layer.name] = count + 1
-        name = layer.name if count == 0 else f"{layer.name}_{count}"
-        plan.append(TrackedLayer(name, layer, variables, lookup(layer)))
+        own = [v for v in own_trainable_variables(layer) if id(v) in position]
+        if own:
+            groups.append((layer, sorted(own, key=lambda v: position[id(v)])))
+    # Columns in Keras' own order of the model's weights, as on TensorFlow.
+    groups.sort(key=lambda group: position[id(group[1][0])])
+    plan: list[TrackedLayer] = []
+    used: set[str] = set()
+    for layer, own in groups:
+        name, suffix = layer.name, 1
+        while name in used:
+            name, suffix = f"{layer.name}_{suffix}", suffix + 1
+        used.add(name)
+        plan.append(TrackedLayer(name, layer, tuple(own), lookup(layer)))
     if not plan:
         raise ValueError(f"Model {model.name!r} has no trainable variables to track.")
     return plan

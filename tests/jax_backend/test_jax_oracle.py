@@ -1,0 +1,152 @@
+"""Every layer in the JAX engine's scope, and three models, against the `jax.grad` oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
+
+import keras_gradtrack as kgt
+
+BATCH = 6
+rng = np.random.default_rng(0)
+
+
+def floats(*shape: int) -> np.ndarray:
+    return rng.normal(size=shape).astype("float32")
+
+
+def classifier(inputs: Any, features: Any, classes: int = 3) -> Any:
+    if len(features.shape) > 2:
+        features = keras.layers.Flatten()(features)
+    outputs = keras.layers.Dense(classes, name="head")(features)
+    model = kgt.GradientTrackingModel(inputs, outputs)
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def labels(classes: int = 3) -> np.ndarray:
+    return rng.integers(0, classes, BATCH)
+
+
+def image_layer(layer: Callable[[], Any], shape: tuple[int, ...]) -> Any:
+    def build() -> tuple[Any, np.ndarray]:
+        inputs = keras.Input(shape)
+        return classifier(inputs, layer()(inputs)), floats(BATCH, *shape)
+
+    return build
+
+
+def token_model() -> tuple[Any, np.ndarray]:
+    inputs = keras.Input((5,), dtype="int32")
+    features = keras.layers.Embedding(7, 4)(inputs)
+    ids = rng.integers(0, 7, (BATCH, 5)).astype("int32")
+    ids[:, 1] = ids[:, 0]  # repeated ids in every example
+    return classifier(inputs, features), ids
+
+
+def shared_dense() -> tuple[Any, np.ndarray]:
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, activation="tanh")
+    return classifier(inputs, shared(shared(inputs))), floats(BATCH, 4)
+
+
+LAYERS = {
+    "dense": image_layer(lambda: keras.layers.Dense(5, activation="relu"), (4,)),
+    "dense_sequence": image_layer(lambda: keras.layers.Dense(5, activation="tanh"), (3, 4)),
+    "dense_long_sequence": image_layer(lambda: keras.layers.Dense(2), (9, 3)),
+    "einsum_dense": image_layer(
+        lambda: keras.layers.EinsumDense("abc,cde->abde", (3, 2, 2), bias_axes="de"), (3, 4)
+    ),
+    "einsum_dense_activation": image_layer(
+        lambda: keras.layers.EinsumDense("ab,bc->ac", (5,), bias_axes="c", activation="relu"),
+        (4,),
+    ),
+    "embedding": token_model,
+    "conv1d": image_layer(lambda: keras.layers.Conv1D(3, 2, strides=2, padding="same"), (7, 2)),
+    "conv2d": image_layer(
+        lambda: keras.layers.Conv2D(3, 3, dilation_rate=2, activation="relu"), (7, 7, 2)
+    ),
+    "depthwise_conv2d": image_layer(lambda: keras.layers.DepthwiseConv2D(3), (5, 5, 2)),
+    "separable_conv2d": image_layer(lambda: keras.layers.SeparableConv2D(3, 2), (5, 5, 2)),
+    "layer_normalization": image_layer(lambda: keras.layers.LayerNormalization(), (3, 4)),
+    "rms_normalization": image_layer(lambda: keras.layers.RMSNormalization(), (3, 4)),
+    "group_normalization": image_layer(lambda: keras.layers.GroupNormalization(2), (3, 4)),
+    "shared_dense": shared_dense,
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_layer_matches_the_oracle(name: str) -> None:
+    model, x = LAYERS[name]()
+    y = labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
+def test_frozen_batch_normalization_is_not_tracked_and_the_rest_is_exact() -> None:
+    inputs = keras.Input((4,))
+    normalization = keras.layers.BatchNormalization()
+    features = normalization(keras.layers.Dense(5)(inputs))
+    normalization.trainable = False
+    model = classifier(inputs, features)
+    x, y = floats(BATCH, 4), labels()
+    assert len(model.tracked_layer_names) == 2
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
+def test_sample_weights_and_sum_reduction() -> None:
+    inputs = keras.Input((4,))
+    model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    x, y, weights = floats(BATCH, 4), floats(BATCH, 2), rng.uniform(size=BATCH).astype("float32")
+    expected = oracle_statistics(model, x, y, weights)
+    assert_matches_oracle(tracked_statistics(model, x, y, weights), expected)
+
+
+def mlp() -> Any:
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    hidden = keras.layers.Dense(16, activation="relu")(hidden)
+    return classifier(inputs, hidden)
+
+
+def cnn() -> Any:
+    inputs = keras.Input((8, 8, 1))
+    hidden = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+    hidden = keras.layers.Conv2D(4, 3, activation="relu")(hidden)
+    return classifier(inputs, hidden)
+
+
+def transformer_block(length: int = 6, dim: int = 8) -> Any:
+    inputs = keras.Input((length, dim))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    hidden = keras.layers.LayerNormalization()(inputs + attended)
+    feed_forward = keras.layers.Dense(16, activation="relu")(hidden)
+    feed_forward = keras.layers.Dense(dim)(feed_forward)
+    hidden = keras.layers.LayerNormalization()(hidden + feed_forward)
+    return classifier(inputs, keras.layers.GlobalAveragePooling1D()(hidden))
+
+
+MODELS = {
+    "mlp": (mlp, (12,)),
+    "cnn": (cnn, (8, 8, 1)),
+    "transformer_block": (transformer_block, (6, 8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_matches_the_oracle(name: str) -> None:
+    build, shape = MODELS[name]
+    model = build()
+    x, y = floats(BATCH, *shape), labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
