@@ -46,7 +46,10 @@ def is_chief(model: Any) -> bool:
 
 def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
     """Raises unless `model` can compute gradient statistics for `callback`."""
-    from keras_gradtrack.mixin import GradientTrackingMixin
+    if keras.backend.backend() == "jax":
+        from keras_gradtrack.backends.jax import GradientTrackingMixin
+    else:
+        from keras_gradtrack.mixin import GradientTrackingMixin
 
     if not isinstance(model, GradientTrackingMixin):
         raise TypeError(
@@ -307,6 +310,8 @@ class HDF5GradientLogger(keras.callbacks.Callback):
                 "keras_version": keras.__version__,
                 "tensorflow_version": tf.__version__,
                 "model_name": self.model.name,
+                # Which Keras backend's engine computed the statistics.
+                "backend": keras.backend.backend(),
                 **privacy_attrs(self.model),
             },
             overwrite=self.overwrite,

@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from jax_models import MODELS, compiled
 from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
 
 import keras_gradtrack as kgt
@@ -112,41 +113,10 @@ def test_sample_weights_and_sum_reduction() -> None:
     assert_matches_oracle(tracked_statistics(model, x, y, weights), expected)
 
 
-def mlp() -> Any:
-    inputs = keras.Input((12,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    hidden = keras.layers.Dense(16, activation="relu")(hidden)
-    return classifier(inputs, hidden)
-
-
-def cnn() -> Any:
-    inputs = keras.Input((8, 8, 1))
-    hidden = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
-    hidden = keras.layers.Conv2D(4, 3, activation="relu")(hidden)
-    return classifier(inputs, hidden)
-
-
-def transformer_block(length: int = 6, dim: int = 8) -> Any:
-    inputs = keras.Input((length, dim))
-    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
-    hidden = keras.layers.LayerNormalization()(inputs + attended)
-    feed_forward = keras.layers.Dense(16, activation="relu")(hidden)
-    feed_forward = keras.layers.Dense(dim)(feed_forward)
-    hidden = keras.layers.LayerNormalization()(hidden + feed_forward)
-    return classifier(inputs, keras.layers.GlobalAveragePooling1D()(hidden))
-
-
-MODELS = {
-    "mlp": (mlp, (12,)),
-    "cnn": (cnn, (8, 8, 1)),
-    "transformer_block": (transformer_block, (6, 8)),
-}
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_model_matches_the_oracle(name: str) -> None:
     build, shape = MODELS[name]
-    model = build()
+    model = compiled(build(kgt.GradientTrackingModel))
     x, y = floats(BATCH, *shape), labels()
     expected = oracle_statistics(model, x, y)
     assert_matches_oracle(tracked_statistics(model, x, y), expected)

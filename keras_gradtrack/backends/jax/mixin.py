@@ -136,6 +136,16 @@ class GradientTrackingMixin:
                 f"A tracked step of a model with its own train_step ({type(self).__name__})"
             )
 
+    def _restore_variables(self, state: Any) -> None:
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        self._jax_state = {
+            "trainable_variables": trainable,
+            "non_trainable_variables": non_trainable,
+            "optimizer_variables": optimizer_variables,
+            "metrics_variables": metrics_variables,
+        }
+        self.jax_state_sync()  # type: ignore[attr-defined]
+
     def make_train_function(self, force: bool = False) -> None:
         if self.train_function is not None and not force:  # type: ignore[has-type]
             return
@@ -156,10 +166,16 @@ class GradientTrackingMixin:
                 tracking.report(batch_size, None, due)
                 return logs, state
             statistics, requests = tracking.statistics(due), tracking.requests(due)
-            self._refuse_untrackable(statistics, requests)
             key = tuple(statistic.name for statistic in statistics)
             if key not in tracked_by_statistics:
-                plan = build_plan(self)  # type: ignore[arg-type]
+                try:
+                    self._refuse_untrackable(statistics, requests)
+                    plan = build_plan(self)  # type: ignore[arg-type]
+                except Exception:
+                    # Keras moved the variables' values into `state` for the fit:
+                    # the model keeps the weights it had before the refused step.
+                    self._restore_variables(state)
+                    raise
 
                 def step(state: Any, data: Any) -> Any:
                     return tracked_train_step(self, plan, statistics, state, data)  # type: ignore[arg-type]
