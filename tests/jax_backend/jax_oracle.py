@@ -4,7 +4,8 @@ statistic by its textbook definition (in float64, from float32 gradients).
 For example i, `l_i` is the compiled loss on that example alone (with its sample
 weight) and `g_i = d l_i / d theta`; the layers are the owners of
 `model.trainable_variables` (read from the variables' paths, not from the
-engine's plan). `G` is the gradient of the compiled loss on the whole batch.
+engine's plan). `G` is the gradient of the compiled loss on the whole batch, plus
+the model's weight penalties: the gradient the optimizer receives.
 """
 
 from __future__ import annotations
@@ -32,13 +33,21 @@ def _loss_function(model: Any) -> Any:
     return loss
 
 
-def _loss(model: Any, trainable: Any, x: Any, y: Any, sample_weight: Any) -> Any:
+def _loss(
+    model: Any, trainable: Any, x: Any, y: Any, sample_weight: Any, penalties: bool = False
+) -> Any:
+    """The compiled loss of the batch; with `penalties`, plus the model's own losses
+    (weight regularization: the loss whose gradient the optimizer receives)."""
     non_trainable = [v.value for v in model.non_trainable_variables]
-    y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+    y_pred, _, losses = model.stateless_call(
+        trainable, non_trainable, x, training=True, return_losses=True
+    )
     loss = _loss_function(model)
     if sample_weight is None:
-        return loss(y, y_pred)
-    return loss(y, y_pred, sample_weight=sample_weight)
+        value = loss(y, y_pred)
+    else:
+        value = loss(y, y_pred, sample_weight=sample_weight)
+    return value + sum(losses) if penalties else value
 
 
 def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
@@ -56,7 +65,7 @@ def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None)
         loss, grads = value_and_grad(trainable, take(x, i), take(y, i), weight)
         losses.append(float(loss))
         rows.append([np.asarray(g, np.float64).ravel() for g in grads])
-    full = jax.grad(lambda t: _loss(model, t, x, y, sample_weight))(trainable)
+    full = jax.grad(lambda t: _loss(model, t, x, y, sample_weight, penalties=True))(trainable)
     columns = layer_columns(model)
     g = [np.stack([np.concatenate([row[p] for p in ps]) for row in rows]) for ps in columns]
     G = [np.concatenate([np.asarray(full[p], np.float64).ravel() for p in ps]) for ps in columns]

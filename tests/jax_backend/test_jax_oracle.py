@@ -113,6 +113,15 @@ def test_sample_weights_and_sum_reduction() -> None:
     assert_matches_oracle(tracked_statistics(model, x, y, weights), expected)
 
 
+def test_weight_penalties_are_in_the_batch_gradient_not_in_the_examples() -> None:
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(5, kernel_regularizer=keras.regularizers.L2(0.1))(inputs)
+    model = classifier(inputs, hidden)
+    x, y = floats(BATCH, 4), labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_model_matches_the_oracle(name: str) -> None:
     build, shape = MODELS[name]

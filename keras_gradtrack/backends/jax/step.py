@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import keras
 from keras import tree
 
+from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
@@ -107,8 +108,27 @@ def layer_primitives(
     calls: Sequence[ProbedCall],
     lookup_value: Any,
     lookup_gradient: Any,
+    factor: float | None = None,
 ) -> tuple[LayerPrimitives, Any]:
-    """One layer's primitives and `||G^(k)||^2`, from its calls in the step."""
+    """One layer's primitives and `||G^(k)||^2`, from its calls in the step.
+
+    With `factor` (`c`, when the loss is `c sum_i l_i` and nothing else), `||sum_i
+    g_i||^2` is `||G||^2 / c^2`, and what the rule computes for it is left unused
+    (the compiler drops it).
+    """
+    primitives, reference_sq_norm = _layer_primitives(tracked, calls, lookup_value, lookup_gradient)
+    if factor is not None:
+        sum_sq_norm = reference_sq_norm / factor**2
+        primitives = LayerPrimitives(primitives.sq_norm, primitives.dot, sum_sq_norm)
+    return primitives, reference_sq_norm
+
+
+def _layer_primitives(
+    tracked: TrackedLayer,
+    calls: Sequence[ProbedCall],
+    lookup_value: Any,
+    lookup_gradient: Any,
+) -> tuple[LayerPrimitives, Any]:
     layer = tracked.layer
     all_variables = list(layer.trainable_variables)
     references = [f32(lookup_gradient(v)) for v in all_variables]
@@ -170,7 +190,19 @@ def tracked_train_step(
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
         return loss, (aux, inputs, list(probes.probed))
 
-    shapes = jax.eval_shape(lambda t: forward(t, None), trainable)[1][2]
+    # A first trace records the probed shapes, and whether the forward pass adds
+    # losses of its own (weight penalties, `add_loss`) to the examples' losses.
+    added_losses: list[int] = []
+
+    def recording_stateless_call(*args: Any, **kwargs: Any) -> Any:
+        outputs = stateless_call(*args, **kwargs)
+        if kwargs.get("return_losses"):
+            added_losses.append(len(outputs[-1]))
+        return outputs
+
+    stateless_call = model.stateless_call
+    with patched(model, "stateless_call", recording_stateless_call):
+        shapes = jax.eval_shape(lambda t: forward(t, None), trainable)[1][2]
     calls = [(index, kwargs) for index, _, kwargs in probes.calls]
     zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
     (_, (aux, inputs, _)), (grads, probe_grads) = jax.value_and_grad(
@@ -196,6 +228,8 @@ def tracked_train_step(
     def lookup_gradient(variable: Any) -> Any:
         return grads[position[id(variable)]]
 
+    # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
+    exact_factor = factor if added_losses == [0] else None
     columns = []
     for index, tracked in enumerate(plan):
         layer_calls = [
@@ -203,7 +237,9 @@ def tracked_train_step(
             for n, (owner, kwargs) in enumerate(calls)
             if owner == index
         ]
-        columns.append(layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient))
+        columns.append(
+            layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient, exact_factor)
+        )
     batch = batch_size_of(x)
     primitives = StepPrimitives(
         loss=losses,
