@@ -99,6 +99,7 @@ def child(name: str, batch_size: int, rounds: int, seconds: float) -> dict[str, 
         "memory_tracked_mib": memory_tracked / 2**20,
         "memory_ratio": (memory_tracked - memory_before) / max(memory_plain - memory_before, 1),
         "paths": [t.path for t in tracked.gradient_tracking_plan()],
+        "tensorflow_imported": "tensorflow" in sys.modules,
         "device": str(jax.devices()[0].device_kind),
         "platform": jax.devices()[0].platform,
     }
@@ -166,6 +167,8 @@ def main() -> None:
             rows.append(row)
             if "error" in row:
                 print(f"{name} B={batch_size} failed:\n{row['error']}", file=sys.stderr)
+            elif row["tensorflow_imported"]:
+                print(f"{name} B={batch_size}: TensorFlow was imported", file=sys.stderr)
             else:
                 print(
                     f"{name:12s} B={batch_size:<4d} plain {row['plain_ms']:8.2f} ms  "
