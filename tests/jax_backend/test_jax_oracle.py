@@ -12,6 +12,7 @@ from jax_models import MODELS, compiled
 from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
 
 import keras_gradtrack as kgt
+from keras_gradtrack.backends.jax import rules as jax_rules
 
 BATCH = 6
 rng = np.random.default_rng(0)
@@ -111,6 +112,15 @@ def test_sample_weights_and_sum_reduction() -> None:
     x, y, weights = floats(BATCH, 4), floats(BATCH, 2), rng.uniform(size=BATCH).astype("float32")
     expected = oracle_statistics(model, x, y, weights)
     assert_matches_oracle(tracked_statistics(model, x, y, weights), expected)
+
+
+def test_sequence_dense_in_the_gram_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Per-example gradients too large to hold: the Gram form `<A_i A_i^T, D_i D_i^T>`.
+    monkeypatch.setattr(jax_rules, "MATERIALIZED_VALUES", 0)
+    model, x = LAYERS["dense_sequence"]()
+    y = labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
 
 
 def test_weight_penalties_are_in_the_batch_gradient_not_in_the_examples() -> None:

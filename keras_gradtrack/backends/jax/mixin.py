@@ -10,9 +10,16 @@ import keras
 import numpy as np
 
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
-from keras_gradtrack.backends.jax.step import batch_size_of, split_example_ids, tracked_train_step
+from keras_gradtrack.backends.jax.step import (
+    Layout,
+    batch_size_of,
+    packed,
+    split_example_ids,
+    tracked_train_step,
+    unpacked,
+)
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
-from keras_gradtrack.io.schema import EXAMPLE_ID
+from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID
 from keras_gradtrack.statistics import Statistic
 
 
@@ -177,13 +184,22 @@ class GradientTrackingMixin:
                     self._restore_variables(state)
                     raise
 
-                def step(state: Any, data: Any) -> Any:
-                    return tracked_train_step(self, plan, statistics, state, data)  # type: ignore[arg-type]
+                layouts: list[Layout] = []
 
-                tracked_by_statistics[key] = self._compiled(step)
-            logs, state = tracked_by_statistics[key](state, data)
+                def step(state: Any, data: Any) -> Any:
+                    logs, state = tracked_train_step(self, plan, statistics, state, data)  # type: ignore[arg-type]
+                    logs = dict(logs)
+                    vector, layout = packed(logs.pop(PAYLOAD_KEY))
+                    layouts.append(layout)  # when traced
+                    return {**logs, PAYLOAD_KEY: vector}, state
+
+                tracked_by_statistics[key] = (self._compiled(step), layouts)
+            compiled_step, layouts = tracked_by_statistics[key]
+            logs, state = compiled_step(state, data)
             logs = dict(logs)
-            payload = dict(logs.pop(PAYLOAD_KEY))
+            # One transfer of the whole payload (it waits for the step).
+            payload = unpacked(logs.pop(PAYLOAD_KEY), layouts[-1])
+            payload[BATCH_SIZE] = np.asarray(batch_size, np.int32)
             if ids is not None:
                 payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
             tracking.report(batch_size, payload, due)

@@ -40,11 +40,14 @@ class ProbedCall:
         kwargs: The call's other keyword arguments (`training`, ...).
         output_grad: `(B, ...)` float32, `d l_i / d z_i` at the layer's
             pre-activation output (its output when it has no `activation`).
+        reference_factor: `c` where the layer's batch gradient is exactly
+            `c sum_i g_i` (its only call, no added losses), else None.
     """
 
     inputs: Any
     kwargs: dict[str, Any]
     output_grad: Any
+    reference_factor: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +138,16 @@ def _split_kernel_bias(layer: Any, refs: Sequence[Any]) -> tuple[Any, Any]:
     return by_name["kernel"], by_name.get("bias")
 
 
+# Per-example gradients of a sequence Dense layer are materialized (one einsum of the
+# forward's cost, which also gives <g_i, R> for free) up to this many float32 values;
+# beyond, the Gram form `<A_i A_i^T, D_i D_i^T>` avoids holding them.
+MATERIALIZED_VALUES = 1 << 26
+
+
 def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> LayerPrimitives | None:
-    """Dense: `||g_i||^2 = ||a_i||^2 ||d_i||^2` (2-D), the cheaper of the Gram and the
-    materialized form on sequences; `<g_i, R> = sum(a_i R * d_i)`."""
+    """Dense: `||g_i||^2 = ||a_i||^2 ||d_i||^2` and `<g_i, R> = a_i^T R d_i` on 2-D
+    inputs; on sequences `g_i = A_i^T D_i` materialized, or the Gram form when that
+    would hold too many values."""
     if not _plain(layer) or len(layer.trainable_variables) != len(refs):
         return None
     kernel_ref, bias_ref = _split_kernel_bias(layer, refs)
@@ -147,14 +157,24 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
     d = d.reshape(batch, -1, d.shape[-1])
     steps, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
     if steps == 1:
-        sq_norm = jnp.sum(a[:, 0] ** 2, axis=1) * jnp.sum(d[:, 0] ** 2, axis=1)
-    elif steps * steps * (d_in + d_out) < steps * d_in * d_out:
+        rows, grads = a[:, 0], d[:, 0]
+        sq_norm = jnp.sum(rows**2, axis=1) * jnp.sum(grads**2, axis=1)
+        if call.reference_factor is not None and batch * (d_in + d_out) < d_in * d_out:
+            # R = c sum_j a_j d_j^T: <g_i, R> = c sum_j <a_i, a_j> <d_i, d_j>, cheaper
+            # than a_i^T R d_i when the batch is smaller than the layer.
+            gram = (rows @ rows.T) * (grads @ grads.T)
+            dot = call.reference_factor * jnp.sum(gram, axis=1)
+        else:
+            dot = jnp.sum((rows @ kernel_ref) * grads, axis=1)
+    elif batch * d_in * d_out <= MATERIALIZED_VALUES:
+        per_example = jnp.einsum("bti,bto->bio", a, d)
+        sq_norm = jnp.sum(per_example**2, axis=(1, 2))
+        dot = jnp.einsum("bio,io->b", per_example, kernel_ref)
+    else:
         gram_a = jnp.einsum("bti,bsi->bts", a, a)
         gram_d = jnp.einsum("bto,bso->bts", d, d)
         sq_norm = jnp.sum(gram_a * gram_d, axis=(1, 2))
-    else:
-        sq_norm = jnp.sum(jnp.einsum("bti,bto->bio", a, d) ** 2, axis=(1, 2))
-    dot = jnp.sum(jnp.einsum("bti,io->bto", a, kernel_ref) * d, axis=(1, 2))
+        dot = jnp.sum(jnp.einsum("bti,io->bto", a, kernel_ref) * d, axis=(1, 2))
     summed = jnp.einsum("bti,bto->io", a, d)
     sum_sq_norm = jnp.sum(summed**2)
     if bias_ref is not None:

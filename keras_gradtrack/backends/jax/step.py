@@ -17,6 +17,7 @@ logs[PAYLOAD_KEY]["cosine"]     # (B,)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from keras import tree
 
 from keras_gradtrack._patching import patched
@@ -37,7 +39,7 @@ from keras_gradtrack.backends.jax.rules import (
     fallback_per_example,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
-from keras_gradtrack.io.schema import BATCH_SIZE, LEARNING_RATE
+from keras_gradtrack.io.schema import LEARNING_RATE
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
 EXAMPLE_ID_KEY = "example_id"
@@ -237,6 +239,8 @@ def tracked_train_step(
             for n, (owner, kwargs) in enumerate(calls)
             if owner == index
         ]
+        if exact_factor is not None and len(layer_calls) == 1:
+            layer_calls = [dataclasses.replace(layer_calls[0], reference_factor=exact_factor)]
         columns.append(
             layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient, exact_factor)
         )
@@ -250,10 +254,31 @@ def tracked_train_step(
         batch_size=jnp.asarray(batch, jnp.float32),
     )
     payload = {s.name: f32(s.compute(primitives)) for s in statistics}
-    payload[BATCH_SIZE] = jnp.asarray(batch, jnp.int32)
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
     return {**logs, PAYLOAD_KEY: payload}, state
+
+
+Layout = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def packed(payload: dict[str, Any]) -> tuple[Any, Layout]:
+    """The payload as one float32 vector (one transfer to the host instead of one per
+    statistic), and its layout; in the compiled step."""
+    layout = tuple((name, tuple(value.shape)) for name, value in payload.items())
+    vector = jnp.concatenate([f32(value).reshape(-1) for value in payload.values()])
+    return vector, layout
+
+
+def unpacked(vector: Any, layout: Layout) -> dict[str, np.ndarray]:
+    """The payload's arrays (views of `vector`), on the host."""
+    values, offset = {}, 0
+    flat = np.asarray(vector)
+    for name, shape in layout:
+        size = math.prod(shape)
+        values[name] = flat[offset : offset + size].reshape(shape)
+        offset += size
+    return values
 
 
 def learning_rate(model: keras.Model, optimizer_variables: Any) -> Any:
