@@ -139,3 +139,24 @@ def test_model_matches_the_oracle(name: str) -> None:
     x, y = floats(BATCH, *shape), labels()
     expected = oracle_statistics(model, x, y)
     assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
+def test_gradient_statistics_match_the_oracle_and_change_no_weight() -> None:
+    model = compiled(MODELS["mlp"][0](kgt.GradientTrackingModel))
+    x, y = floats(BATCH, 12), labels()
+    ids = np.arange(BATCH, dtype=np.int64) + 2**40
+    before = model.get_weights()
+    expected = oracle_statistics(model, x, y)
+    stats = model.gradient_statistics({"x": x, "example_id": ids}, y)
+    assert_matches_oracle(stats, expected)
+    np.testing.assert_array_equal(stats["example_id"], ids)
+    assert int(stats["batch_size"]) == BATCH
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_summary_names_each_layers_path() -> None:
+    model = compiled(MODELS["transformer_block"][0](kgt.GradientTrackingModel))
+    text = model.gradient_tracking_summary(print_fn=lambda _: None)
+    assert "rule:einsum_dense" in text and "rule:dense" in text and "fallback" in text
+    assert len(text.splitlines()) == 2 + len(model.tracked_layer_names)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import keras
 import numpy as np
 
+from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.step import (
     Layout,
@@ -19,7 +21,7 @@ from keras_gradtrack.backends.jax.step import (
     unpacked,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
-from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID
+from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
 
@@ -96,6 +98,91 @@ class GradientTrackingMixin:
         """Names of the per-layer statistic columns."""
         return [tracked.name for tracked in self.gradient_tracking_plan()]
 
+    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
+        """Prints (and returns) which path computes each layer's per-example gradients.
+
+        Example:
+
+        ```python
+        model.gradient_tracking_summary()
+        # column  layer   class  params  path
+        # 0       hidden  Dense  8256    rule:dense
+        ```
+        """
+        rows = [("column", "layer", "class", "params", "path")]
+        for column, tracked in enumerate(self.gradient_tracking_plan()):
+            params = sum(math.prod(v.shape) for v in tracked.variables)
+            rows.append(
+                (str(column), tracked.name, type(tracked.layer).__name__, str(params), tracked.path)
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        text = "\n".join(lines)
+        (print_fn or print)(text)
+        return text
+
+    def gradient_statistics(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        statistics: Sequence[str | Statistic] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Computes gradient statistics for one batch, without updating the weights.
+
+        The computation of a tracked `fit` step (same per-example losses, same batch
+        gradient `G`), whose updated weights, optimizer state and metrics are dropped.
+        The model must be compiled (the loss defines `l_i`).
+
+        Returns:
+            A dict of numpy arrays: each statistic, plus `batch_size` (and
+            `example_id` when `x` holds ids).
+
+        Example:
+
+        ```python
+        stats = model.gradient_statistics(x[:128], y[:128])
+        stats["cosine"]           # (128,)
+        ```
+        """
+        resolved = statistics_module.resolve(statistics)
+        self._refuse_untrackable(resolved, (), own_step=False)
+        data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        optimizer = self.optimizer  # type: ignore[attr-defined]
+        if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
+            self._symbolic_build(data_batch=data)
+        key = tuple(statistic.name for statistic in resolved)
+        functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
+        if key not in functions:
+            plan = build_plan(self)  # type: ignore[arg-type]
+            layouts: list[Layout] = []
+
+            def compute(state: Any, data: Any) -> Any:
+                logs, _ = tracked_train_step(self, plan, resolved, state, data)  # type: ignore[arg-type]
+                vector, layout = packed(logs[PAYLOAD_KEY])
+                layouts.append(layout)
+                return vector
+
+            functions[key] = (jax.jit(compute), layouts)
+        compute, layouts = functions[key]
+        state = tuple(
+            self._get_jax_state(  # type: ignore[attr-defined]
+                trainable_variables=True,
+                non_trainable_variables=True,
+                optimizer_variables=True,
+                metrics_variables=True,
+            )
+        )
+        payload = unpacked(compute(state, data), layouts[-1])
+        payload.pop(LEARNING_RATE)
+        payload[BATCH_SIZE] = np.asarray(
+            batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0]), np.int32
+        )
+        if ids is not None:
+            payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+        return {name: np.array(value) for name, value in payload.items()}
+
     # -- Keras hooks --------------------------------------------------------
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -128,7 +215,9 @@ class GradientTrackingMixin:
             return jax.jit(step, donate_argnums=0)
         return step
 
-    def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
+    def _refuse_untrackable(
+        self, statistics: Sequence[Statistic], requests: Sequence[Any], own_step: bool = True
+    ) -> None:
         if requests:
             raise unsupported("Attribution (`targets=`, `sketch_dim=`)")
         opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
@@ -138,7 +227,7 @@ class GradientTrackingMixin:
             raise unsupported("Tracking under keras.distribution")
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
-        if type(self).train_step is not keras.Model.train_step:
+        if own_step and type(self).train_step is not keras.Model.train_step:
             raise unsupported(
                 f"A tracked step of a model with its own train_step ({type(self).__name__})"
             )
