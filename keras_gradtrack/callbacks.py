@@ -47,11 +47,14 @@ def is_chief(model: Any) -> bool:
 def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
     """Raises unless `model` can compute gradient statistics for `callback`."""
     if keras.backend.backend() == "jax":
-        from keras_gradtrack.backends.jax import GradientTrackingMixin
+        from keras_gradtrack.backends.jax import GradientTrackingMixin as JaxTrackingMixin
+
+        tracking_mixin: type = JaxTrackingMixin
     else:
         from keras_gradtrack.mixin import GradientTrackingMixin
 
-    if not isinstance(model, GradientTrackingMixin):
+        tracking_mixin = GradientTrackingMixin
+    if not isinstance(model, tracking_mixin):
         raise TypeError(
             f"{type(callback).__name__} needs a model built with "
             "keras_gradtrack.GradientTrackingModel (or GradientTrackingMixin). "

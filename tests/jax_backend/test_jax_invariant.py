@@ -33,3 +33,24 @@ def test_a_tracked_step_trains_as_keras_does(name: str) -> None:
     for key in expected:
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
     assert tracked.gradient_tracking.step == 2
+
+
+def test_without_jit_the_statistics_are_the_same() -> None:
+    build, shape = MODELS["mlp"]
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(BATCH, *shape)).astype("float32"), rng.integers(0, 3, BATCH)
+    models = [compiled(build(kgt.GradientTrackingModel)) for _ in range(2)]
+    models[1].compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    models[1].set_weights(models[0].get_weights())
+    found = []
+    for model in models:
+        reports: list = []
+        model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, reports.append)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        found.append(reports[0].values)
+    for name, value in found[0].items():
+        np.testing.assert_allclose(found[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -91,7 +91,7 @@ class GradientTrackingMixin:
                 f"Model {self.name!r} is not built yet; call it on a batch or `build()` "  # type: ignore[attr-defined]
                 "it before asking for its tracking plan."
             )
-        return build_plan(self)  # type: ignore[arg-type]
+        return build_plan(self)
 
     @property
     def tracked_layer_names(self) -> list[str]:
@@ -155,11 +155,11 @@ class GradientTrackingMixin:
         key = tuple(statistic.name for statistic in resolved)
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
-            plan = build_plan(self)  # type: ignore[arg-type]
+            plan = build_plan(self)
             layouts: list[Layout] = []
 
             def compute(state: Any, data: Any) -> Any:
-                logs, _ = tracked_train_step(self, plan, resolved, state, data)  # type: ignore[arg-type]
+                logs, _ = tracked_train_step(self, plan, resolved, state, data)
                 vector, layout = packed(logs[PAYLOAD_KEY])
                 layouts.append(layout)
                 return vector
@@ -227,7 +227,7 @@ class GradientTrackingMixin:
             raise unsupported("Tracking under keras.distribution")
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
-        if own_step and type(self).train_step is not keras.Model.train_step:
+        if own_step and getattr(type(self), "train_step", None) is not keras.Model.train_step:
             raise unsupported(
                 f"A tracked step of a model with its own train_step ({type(self).__name__})"
             )
@@ -266,7 +266,7 @@ class GradientTrackingMixin:
             if key not in tracked_by_statistics:
                 try:
                     self._refuse_untrackable(statistics, requests)
-                    plan = build_plan(self)  # type: ignore[arg-type]
+                    plan = build_plan(self)
                 except Exception:
                     # Keras moved the variables' values into `state` for the fit:
                     # the model keeps the weights it had before the refused step.
@@ -276,7 +276,7 @@ class GradientTrackingMixin:
                 layouts: list[Layout] = []
 
                 def step(state: Any, data: Any) -> Any:
-                    logs, state = tracked_train_step(self, plan, statistics, state, data)  # type: ignore[arg-type]
+                    logs, state = tracked_train_step(self, plan, statistics, state, data)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
                     layouts.append(layout)  # when traced

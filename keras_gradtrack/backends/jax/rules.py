@@ -286,7 +286,8 @@ def lookup(layer: Any) -> JaxRule | None:
     for cls in type(layer).__mro__:
         rule = REGISTRY.get(cls)
         if rule is not None:
-            return rule if type(layer).call is cls.call else None
+            keeps_call = getattr(type(layer), "call", None) is getattr(cls, "call", None)
+            return rule if keeps_call else None
     return None
 
 
