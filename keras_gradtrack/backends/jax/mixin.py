@@ -284,7 +284,14 @@ class GradientTrackingMixin:
 
                 tracked_by_statistics[key] = (self._compiled(step), layouts)
             compiled_step, layouts = tracked_by_statistics[key]
-            logs, state = compiled_step(state, data)
+            try:
+                logs, state = compiled_step(state, data)
+            except Exception:
+                if not layouts:
+                    # Refused while tracing (a loss the engine cannot split into
+                    # examples, say): nothing ran, the model keeps its weights.
+                    self._restore_variables(state)
+                raise
             logs = dict(logs)
             # One transfer of the whole payload (it waits for the step).
             payload = unpacked(logs.pop(PAYLOAD_KEY), layouts[-1])
