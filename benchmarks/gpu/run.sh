@@ -26,13 +26,21 @@ if ! ls "$WHEELS"/keras_gradtrack-*.whl >/dev/null 2>&1; then
     echo "No wheels in $WHEELS: run 'make gpu-wheels' on a machine with network first." >&2
     exit 1
 fi
-"$PYTHON" -m venv --system-site-packages "$VENV"
-PY="$VENV/bin/python"
+if "$PYTHON" -m venv --system-site-packages "$VENV" 2>/dev/null; then
+    PY="$VENV/bin/python"
+    TARGET=()
+else
+    # No venv module on this machine: install into a folder put on the path instead.
+    PY="$PYTHON"
+    TARGET=(--target "$HERE/site-packages")
+    export PYTHONPATH="$HERE/site-packages${PYTHONPATH:+:$PYTHONPATH}"
+fi
 # Keras and what it needs beyond the machine's packages, from the wheels only.
-"$PY" -m pip install --quiet --no-index --find-links "$WHEELS" \
+"$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "${TARGET[@]}" \
     keras optree absl-py rich namex
 # The project without its TensorFlow dependency (the JAX engine imports none).
-"$PY" -m pip install --quiet --no-index --no-deps --force-reinstall "$WHEELS"/keras_gradtrack-*.whl
+"$PY" -m pip install --quiet --no-index --no-deps --force-reinstall "${TARGET[@]}" \
+    "$WHEELS"/keras_gradtrack-*.whl
 
 export KERAS_BACKEND=jax
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the allocator's peak is then the models' own
