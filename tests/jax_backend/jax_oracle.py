@@ -10,6 +10,7 @@ the model's weight penalties: the gradient the optimizer receives.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -39,8 +40,9 @@ def _loss(
     """The compiled loss of the batch; with `penalties`, plus the model's own losses
     (weight regularization: the loss whose gradient the optimizer receives)."""
     non_trainable = [v.value for v in model.non_trainable_variables]
+    kwargs = {"training": True} if "training" in inspect.signature(model.call).parameters else {}
     y_pred, _, losses = model.stateless_call(
-        trainable, non_trainable, x, training=True, return_losses=True
+        trainable, non_trainable, x, return_losses=True, **kwargs
     )
     loss = _loss_function(model)
     if sample_weight is None:

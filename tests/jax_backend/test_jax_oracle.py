@@ -160,3 +160,30 @@ def test_the_summary_names_each_layers_path() -> None:
     text = model.gradient_tracking_summary(print_fn=lambda _: None)
     assert "rule:einsum_dense" in text and "rule:dense" in text and "fallback" in text
     assert len(text.splitlines()) == 2 + len(model.tracked_layer_names)
+
+
+class Subclassed(kgt.GradientTrackingMixin, keras.Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):  # type: ignore[no-untyped-def]
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("style", ["sequential", "subclassed"])
+def test_sequential_and_subclassed_models_match_the_oracle(style: str) -> None:
+    if style == "sequential":
+        model = kgt.GradientTrackingSequential(
+            [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
+        )
+    else:
+        model = Subclassed()
+        model(floats(1, 4))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x, y = floats(BATCH, 4), labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
