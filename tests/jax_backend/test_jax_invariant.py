@@ -54,3 +54,12 @@ def test_without_jit_the_statistics_are_the_same() -> None:
         found.append(reports[0].values)
     for name, value in found[0].items():
         np.testing.assert_allclose(found[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_model_saves_and_loads_as_its_class(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = compiled(MODELS["mlp"][0](kgt.GradientTrackingModel))
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras", compile=False)
+    assert isinstance(loaded, kgt.GradientTrackingModel)
+    x = np.ones((2, 12), "float32")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
