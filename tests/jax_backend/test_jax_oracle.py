@@ -60,7 +60,17 @@ def shared_dense() -> tuple[Any, np.ndarray]:
     return classifier(inputs, shared(shared(inputs))), floats(BATCH, 4)
 
 
+def lora_dense() -> tuple[Any, np.ndarray]:
+    # LoRA: the kernel is frozen (non-trainable), two low-rank factors train.
+    inputs = keras.Input((4,))
+    dense = keras.layers.Dense(5, activation="tanh")
+    features = dense(inputs)
+    dense.enable_lora(2, b_initializer="ones")
+    return classifier(inputs, features), floats(BATCH, 4)
+
+
 LAYERS = {
+    "lora_dense": lora_dense,
     "dense": image_layer(lambda: keras.layers.Dense(5, activation="relu"), (4,)),
     "dense_sequence": image_layer(lambda: keras.layers.Dense(5, activation="tanh"), (3, 4)),
     "dense_long_sequence": image_layer(lambda: keras.layers.Dense(2), (9, 3)),

@@ -59,8 +59,9 @@ class LayerPrimitives:
     sum_sq_norm: Any
 
 
-# (layer, variables' values, call) -> one `(B, *variable.shape)` gradient per variable.
-PerExample = Callable[[Any, Sequence[Any], ProbedCall], list[Any]]
+# (layer, its trainable variables' values, call, its non-trainable variables' values)
+# -> one `(B, *variable.shape)` gradient per trainable variable.
+PerExample = Callable[[Any, Sequence[Any], ProbedCall, Sequence[Any]], list[Any]]
 # (layer, call, the batch gradient per variable) -> the primitives, or None (not applicable).
 Primitives = Callable[[Any, ProbedCall, Sequence[Any]], "LayerPrimitives | None"]
 
@@ -185,9 +186,11 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
     return LayerPrimitives(sq_norm, dot, sum_sq_norm)
 
 
-def dense_per_example(layer: Any, values: Sequence[Any], call: ProbedCall) -> list[Any]:
+def dense_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
     if not _plain(layer):
-        return fallback_per_example(layer, values, call)
+        return fallback_per_example(layer, values, call, others)
     a, d = f32(call.inputs), f32(call.output_grad)
     batch = a.shape[0]
     a = a.reshape(batch, -1, a.shape[-1])
@@ -211,7 +214,9 @@ def _bias_per_example(d: Any, bias_shape: Sequence[int]) -> Any:
     return jnp.sum(d, axis=axes, keepdims=True).reshape(batch, *bias_shape)
 
 
-def einsum_dense_per_example(layer: Any, values: Sequence[Any], call: ProbedCall) -> list[Any]:
+def einsum_dense_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
     """EinsumDense `x,k->y`: example i's kernel gradient is `einsum(x_i, d_i)` over the
     axes the kernel does not have; the bias's is `d_i` summed where it is broadcast."""
     equation = layer.equation
@@ -225,7 +230,7 @@ def einsum_dense_per_example(layer: Any, values: Sequence[Any], call: ProbedCall
         or batch_axis in kernel_spec
         or output_spec[:1] != batch_axis
     ):
-        return fallback_per_example(layer, values, call)
+        return fallback_per_example(layer, values, call, others)
     x, d = f32(call.inputs), f32(call.output_grad)
     grads = {"kernel": jnp.einsum(f"{x_spec},{output_spec}->{batch_axis}{kernel_spec}", x, d)}
     for variable in layer.trainable_variables:
@@ -260,9 +265,11 @@ def embedding_primitives(
     return LayerPrimitives(sq_norm, dot, jnp.sum(summed**2))
 
 
-def embedding_per_example(layer: Any, values: Sequence[Any], call: ProbedCall) -> list[Any]:
+def embedding_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
     if not _plain(layer):
-        return fallback_per_example(layer, values, call)
+        return fallback_per_example(layer, values, call, others)
     ids, d = call.inputs, f32(call.output_grad)
     batch, dim = ids.shape[0], d.shape[-1]
     ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)

@@ -147,7 +147,7 @@ def _layer_primitives(
     summed: list[Any] | None = None
     for call in calls:
         if rule is not None and rule.per_example is not None:
-            grads = rule.per_example(layer, values, call)
+            grads = rule.per_example(layer, values, call, others)
         else:
             grads = fallback_per_example(layer, values, call, others)
         summed = grads if summed is None else [s + g for s, g in zip(summed, grads)]
