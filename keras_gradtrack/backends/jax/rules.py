@@ -20,7 +20,6 @@ rule = lookup(keras.layers.Dense(4))   # DENSE: norms from ||a_i||^2 ||d_i||^2
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -296,7 +295,3 @@ def lookup(layer: Any) -> JaxRule | None:
             keeps_call = getattr(type(layer), "call", None) is getattr(cls, "call", None)
             return rule if keeps_call else None
     return None
-
-
-def num_parameters(variables: Sequence[Any]) -> int:
-    return sum(math.prod(v.shape) for v in variables)
