@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo docs lint typecheck bench bench-mislabeled clean
+.PHONY: install test demo docs lint typecheck bench bench-mislabeled gpu-wheels clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,7 @@ ONEDNN_OFF_TESTS := tests/test_rules_conv.py tests/test_materialized.py
 test: $(STAMP)
 	$(PY) -m pytest
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest -q $(ONEDNN_OFF_TESTS)
+	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax_backend
 
 lint: $(STAMP)
 	$(PY) -m ruff check keras_gradtrack tests benchmarks
@@ -40,6 +41,21 @@ bench: $(STAMP)
 
 bench-mislabeled: $(STAMP)
 	$(PY) benchmarks/mislabeled_digits.py
+
+# What benchmarks/gpu/run.sh installs on a machine without network: the project's wheel
+# and the pure-Python (and cp312 manylinux) wheels of Keras and its dependencies that
+# a machine with JAX, h5py and numpy lacks, at the tested versions.
+GPU_WHEELS := benchmarks/gpu/wheels
+GPU_WHEEL_PACKAGES := keras optree absl-py rich namex markdown-it-py mdurl pygments packaging typing_extensions
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --dest $(GPU_WHEELS) \
+		--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-c .ci/constraints.txt $(GPU_WHEEL_PACKAGES)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir $(GPU_WHEELS) .
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache .ruff_cache .mypy_cache

@@ -77,10 +77,24 @@ __all__ = [
 ]
 
 
+# On the JAX backend the model classes come from the JAX engine (which imports no
+# TensorFlow); everything else is shared.
+_JAX_ENGINE = "keras_gradtrack.backends.jax"
+_JAX_NAMES = ("GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential")
+
+
+def _keras_runs_on_jax() -> bool:
+    import keras
+
+    return bool(keras.backend.backend() == "jax")
+
+
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'keras_gradtrack' has no attribute {name!r}")
     module = _LAZY[name]
+    if name in _JAX_NAMES and _keras_runs_on_jax():
+        module = _JAX_ENGINE
     value = (
         importlib.import_module(f"keras_gradtrack.{name}")
         if module is None
@@ -97,4 +111,4 @@ def __dir__() -> list[str]:
 # `keras.models.load_model` finds the model classes only once they are
 # registered: when Keras is already in use, register them now.
 if "keras" in sys.modules:
-    importlib.import_module("keras_gradtrack.models.model")
+    importlib.import_module(_JAX_ENGINE if _keras_runs_on_jax() else "keras_gradtrack.models.model")

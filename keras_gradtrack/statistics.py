@@ -10,7 +10,7 @@ the compiled train step; only the statistics' values leave it.
 Example:
 
 ```python
-import tensorflow as tf
+from keras import ops
 import keras_gradtrack as kgt
 
 class MaxLayerNorm(kgt.statistics.Statistic):
@@ -18,7 +18,7 @@ class MaxLayerNorm(kgt.statistics.Statistic):
     per_example = True
 
     def compute(self, primitives):
-        return tf.sqrt(tf.reduce_max(primitives.sq_norm, axis=1))
+        return ops.sqrt(ops.max(primitives.sq_norm, axis=1))
 
 logger = kgt.HDF5GradientLogger("run.h5", statistics=["cosine", MaxLayerNorm()])
 ```
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack.io.schema import RESERVED_NAMES
 
@@ -56,35 +57,35 @@ class StepPrimitives:
             when a statistic asks for it (`Statistic.needs_input_gradients`).
     """
 
-    loss: tf.Tensor
-    sq_norm: tf.Tensor
-    dot: tf.Tensor | None
-    reference_sq_norm: tf.Tensor
-    sum_sq_norm: tf.Tensor
-    batch_size: tf.Tensor
-    gram: tf.Tensor | None = None
-    input_sq_norm: tf.Tensor | None = None
+    loss: Any
+    sq_norm: Any
+    dot: Any
+    reference_sq_norm: Any
+    sum_sq_norm: Any
+    batch_size: Any
+    gram: Any = None
+    input_sq_norm: Any = None
 
     @property
-    def grad_sq_norm(self) -> tf.Tensor:
+    def grad_sq_norm(self) -> Any:
         """`(B,)` `||g_i||^2` over all layers."""
-        return tf.reduce_sum(self.sq_norm, axis=1)
+        return ops.sum(self.sq_norm, axis=1)
 
     @property
-    def grad_norm(self) -> tf.Tensor:
+    def grad_norm(self) -> Any:
         """`(B,)` `||g_i||`."""
-        return tf.sqrt(self.grad_sq_norm)
+        return ops.sqrt(self.grad_sq_norm)
 
     @property
-    def reference_norm(self) -> tf.Tensor:
+    def reference_norm(self) -> Any:
         """Scalar `||G||`."""
-        return tf.sqrt(tf.reduce_sum(self.reference_sq_norm))
+        return ops.sqrt(ops.sum(self.reference_sq_norm))
 
     @property
-    def cosine(self) -> tf.Tensor:
+    def cosine(self) -> Any:
         """`(B,)` `cos(g_i, G)`; NaN where a norm is 0."""
         assert self.dot is not None, "a statistic that reads dots sets needs_dot"
-        return tf.reduce_sum(self.dot, axis=1) / (self.grad_norm * self.reference_norm)
+        return ops.sum(self.dot, axis=1) / (self.grad_norm * self.reference_norm)
 
 
 class Statistic:
@@ -115,7 +116,7 @@ class Statistic:
     needs_input_gradients: bool = False
     needs_dot: bool = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         """Computes the statistic inside the compiled train step.
 
         Args:
@@ -141,7 +142,7 @@ class Loss(Statistic):
     name = "loss"
     needs_dot = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.loss
 
 
@@ -151,7 +152,7 @@ class GradNorm(Statistic):
     name = "grad_norm"
     needs_dot = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.grad_norm
 
 
@@ -160,7 +161,7 @@ class Cosine(Statistic):
 
     name = "cosine"
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.cosine
 
 
@@ -171,8 +172,8 @@ class LayerGradNorm(Statistic):
     needs_dot = False
     per_layer = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return tf.sqrt(primitives.sq_norm)
+    def compute(self, primitives: StepPrimitives) -> Any:
+        return ops.sqrt(primitives.sq_norm)
 
 
 class LayerCosine(Statistic):
@@ -181,8 +182,8 @@ class LayerCosine(Statistic):
     name = "layer_cosine"
     per_layer = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        norms = tf.sqrt(primitives.sq_norm) * tf.sqrt(primitives.reference_sq_norm)[None, :]
+    def compute(self, primitives: StepPrimitives) -> Any:
+        norms = ops.sqrt(primitives.sq_norm) * ops.sqrt(primitives.reference_sq_norm)[None, :]
         return primitives.dot / norms
 
 
@@ -193,7 +194,7 @@ class BatchGradNorm(Statistic):
     needs_dot = False
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.reference_norm
 
 
@@ -204,8 +205,8 @@ class GradientDiversity(Statistic):
     needs_dot = False
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return tf.reduce_sum(primitives.grad_sq_norm) / tf.reduce_sum(primitives.sum_sq_norm)
+    def compute(self, primitives: StepPrimitives) -> Any:
+        return ops.sum(primitives.grad_sq_norm) / ops.sum(primitives.sum_sq_norm)
 
 
 class NoiseScale(Statistic):
@@ -218,13 +219,13 @@ class NoiseScale(Statistic):
     needs_dot = False
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         batch = primitives.batch_size
-        mean_sq_norm = tf.reduce_sum(primitives.sum_sq_norm) / tf.square(batch)
-        total_sq_norm = tf.reduce_sum(primitives.grad_sq_norm)
+        mean_sq_norm = ops.sum(primitives.sum_sq_norm) / ops.square(batch)
+        total_sq_norm = ops.sum(primitives.grad_sq_norm)
         trace = (total_sq_norm - batch * mean_sq_norm) / (batch - 1.0)
         # One example has no spread: NaN by definition, whatever the rounding of 0/0.
-        return tf.where(batch > 1.0, trace / mean_sq_norm, float("nan"))
+        return ops.where(batch > 1.0, trace / mean_sq_norm, float("nan"))
 
 
 class MeanCosine(Statistic):
@@ -233,12 +234,10 @@ class MeanCosine(Statistic):
     name = "mean_cosine"
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         cosine = primitives.cosine
-        finite = tf.math.is_finite(cosine)
-        return tf.reduce_sum(tf.where(finite, cosine, 0.0)) / tf.reduce_sum(
-            tf.cast(finite, tf.float32)
-        )
+        finite = ops.isfinite(cosine)
+        return ops.sum(ops.where(finite, cosine, 0.0)) / ops.sum(ops.cast(finite, "float32"))
 
 
 class FracNegativeCosine(Statistic):
@@ -247,8 +246,8 @@ class FracNegativeCosine(Statistic):
     name = "frac_negative_cosine"
     per_example = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return tf.reduce_mean(tf.cast(primitives.cosine < 0.0, tf.float32))
+    def compute(self, primitives: StepPrimitives) -> Any:
+        return ops.mean(ops.cast(primitives.cosine < 0.0, "float32"))
 
 
 class PairwiseCosine(Statistic):
@@ -265,7 +264,7 @@ class PairwiseCosine(Statistic):
     per_layer = False
     needs_gram = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         assert primitives.gram is not None
         norms = primitives.grad_norm
         return primitives.gram / (norms[:, None] * norms[None, :])
@@ -283,9 +282,9 @@ class InputGradNorm(Statistic):
     needs_dot = False
     needs_input_gradients = True
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         assert primitives.input_sq_norm is not None
-        return tf.sqrt(primitives.input_sq_norm)
+        return ops.sqrt(primitives.input_sq_norm)
 
 
 # Computed only on request, by name: not part of the defaults.

@@ -8,6 +8,10 @@ import keras
 import pytest
 import tensorflow as tf
 
+# The JAX engine's tests need Keras on JAX, chosen when Keras is imported: they run
+# in a process of their own (`KERAS_BACKEND=jax pytest tests/jax_backend`).
+collect_ignore = [] if keras.backend.backend() == "jax" else ["jax_backend"]
+
 # Two logical CPU devices, so tf.distribute.MirroredStrategy runs real replicas here.
 # This must happen before TensorFlow initializes its devices.
 _cpu = tf.config.list_physical_devices("CPU")[0]

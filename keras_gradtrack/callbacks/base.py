@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import keras
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.statistics import Statistic
+from keras_gradtrack.version import __version__
 
 
 def is_chief(model: Any) -> bool:
@@ -32,15 +34,39 @@ def is_chief(model: Any) -> bool:
 
 
 def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> None:
-    """Raises unless `model` can compute gradient statistics for `callback`."""
-    from keras_gradtrack.models.trainer import GradientTrackingMixin
+    """Raises unless `model` can compute gradient statistics for `callback` (with the
+    engine of Keras' backend)."""
+    if keras.backend.backend() == "jax":
+        from keras_gradtrack.backends.jax import GradientTrackingMixin as JaxTrackingMixin
 
-    if not isinstance(model, GradientTrackingMixin):
+        tracking_mixin: type = JaxTrackingMixin
+    else:
+        from keras_gradtrack.models.trainer import GradientTrackingMixin
+
+        tracking_mixin = GradientTrackingMixin
+    if not isinstance(model, tracking_mixin):
         raise TypeError(
             f"{type(callback).__name__} needs a model built with "
             "keras_gradtrack.GradientTrackingModel (or GradientTrackingMixin). "
             f"Received: a {type(model).__name__}"
         )
+
+
+def log_attrs(model: Any) -> dict[str, str]:
+    """The attributes a log of `model`'s training carries: the versions, the model's
+    name, and the Keras backend whose engine computed the values (TensorFlow's version
+    read from its installed metadata: a JAX process need not import it)."""
+    try:
+        tensorflow_version = importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:
+        tensorflow_version = "not installed"
+    return {
+        "library_version": __version__,
+        "keras_version": keras.__version__,
+        "tensorflow_version": tensorflow_version,
+        "model_name": model.name,
+        "backend": keras.backend.backend(),
+    }
 
 
 def check_positive_counts(counts: Iterable[tuple[str, Any]]) -> None:

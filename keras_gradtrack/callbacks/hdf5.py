@@ -7,9 +7,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
@@ -20,6 +18,7 @@ from keras_gradtrack.callbacks.base import (
     StatisticsCallback,
     check_positive_counts,
     is_chief,
+    log_attrs,
     refuse_square_statistics,
     require_tracking_model,
 )
@@ -38,7 +37,6 @@ from keras_gradtrack.io.schema import (
 )
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
-from keras_gradtrack.version import __version__
 
 
 class HDF5GradientLogger(StatisticsCallback, FileLogger):
@@ -255,10 +253,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
             target_ids=target_ids,
             sketch=sketch,
             attrs={
-                "library_version": __version__,
-                "keras_version": keras.__version__,
-                "tensorflow_version": tf.__version__,
-                "model_name": self.model.name,
+                **log_attrs(self.model),
                 **privacy_attrs(self.model),
             },
             overwrite=self.overwrite,

@@ -5,17 +5,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack import autodiff
-from keras_gradtrack.callbacks.base import FileLogger, check_positive_counts, is_chief
+from keras_gradtrack.callbacks.base import FileLogger, check_positive_counts, is_chief, log_attrs
 from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io import output_schema, schema
 from keras_gradtrack.io.block_writer import BlockWriter
 from keras_gradtrack.rules.ops import sum_of_squares
-from keras_gradtrack.version import __version__
 
 
 class OutputGradientLogger(FileLogger):
@@ -119,12 +117,7 @@ class OutputGradientLogger(FileLogger):
         self.writer = BlockWriter(
             self.path,
             layout,
-            attrs={
-                "library_version": __version__,
-                "keras_version": keras.__version__,
-                "tensorflow_version": tf.__version__,
-                "model_name": self.model.name,
-            },
+            attrs=log_attrs(self.model),
             overwrite=self.overwrite,
             append=self.append,
             compression=self.compression,

@@ -15,15 +15,14 @@ import tensorflow as tf
 from keras import ops
 
 from keras_gradtrack._keras_seam import causal_padding
-from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
-    filter_gradient_kernel,
+    convolution_rule,
     kernel_and_bias_per_example,
 )
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
 from keras_gradtrack.rules.windows import (
-    Window,
     channels_last_pairs,
     convolution_options,
     forward_dot,
@@ -140,25 +139,15 @@ def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     return kernel_and_bias_per_example(layer, calls, channels_last_pairs(layer, calls), channels)
 
 
-CONV = Rule(
+CONV = convolution_rule(
     "conv",
-    conv_primitives,
+    (conv_primitives, conv_per_example, conv_materializes, conv_dot),
     has_plain_weights,
-    per_example=conv_per_example,
-    materializes=conv_materializes,
-    dot=conv_dot,
-    kernels=lambda layer, calls: filter_gradient_kernel(
-        layer.groups, layer.kernel.shape[-2] * layer.groups, Window.of(layer), calls[0].xla
-    ),
+    lambda layer: (layer.groups, layer.kernel.shape[-2] * layer.groups),
 )
-DEPTHWISE_CONV = Rule(
+DEPTHWISE_CONV = convolution_rule(
     "depthwise_conv",
-    depthwise_primitives,
+    (depthwise_primitives, depthwise_per_example, depthwise_materializes, depthwise_dot),
     has_plain_weights,
-    per_example=depthwise_per_example,
-    materializes=depthwise_materializes,
-    dot=depthwise_dot,
-    kernels=lambda layer, calls: filter_gradient_kernel(
-        layer.kernel.shape[-2], layer.kernel.shape[-2], Window.of(layer), calls[0].xla
-    ),
+    lambda layer: (layer.kernel.shape[-2], layer.kernel.shape[-2]),
 )

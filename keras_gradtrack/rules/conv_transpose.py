@@ -18,10 +18,10 @@ import tensorflow as tf
 from keras import ops
 
 from keras_gradtrack.rules import windows
-from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
+from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
 from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
-    filter_gradient_kernel,
+    convolution_rule,
     kernel_and_bias_per_example,
 )
 from keras_gradtrack.rules.ops import has_plain_weights, positions_per_example
@@ -83,15 +83,15 @@ def conv_transpose_per_example(
     )
 
 
-CONV_TRANSPOSE = Rule(
+CONV_TRANSPOSE = convolution_rule(
     "conv_transpose",
-    conv_transpose_primitives,
-    conv_transpose_applies,
-    per_example=conv_transpose_per_example,
-    materializes=conv_transpose_materializes,
-    dot=conv_transpose_dot,
-    # The windows slide over the output gradient (the kernel's `filters` axis).
-    kernels=lambda layer, calls: filter_gradient_kernel(
-        1, layer.kernel.shape[-2], windows.Window.of(layer), calls[0].xla
+    (
+        conv_transpose_primitives,
+        conv_transpose_per_example,
+        conv_transpose_materializes,
+        conv_transpose_dot,
     ),
+    conv_transpose_applies,
+    # The windows slide over the output gradient (the kernel's `filters` axis).
+    lambda layer: (1, layer.kernel.shape[-2]),
 )

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack._keras_seam import is_onednn_enabled
 from keras_gradtrack.rules import chunks
-from keras_gradtrack.rules.contract import LayerCall
+from keras_gradtrack.rules.contract import DotFn, LayerCall, PerExampleFn, Rule, RuleFn
 from keras_gradtrack.rules.windows import (
     FEW_CHANNELS,
     Pairs,
@@ -245,3 +245,26 @@ def kernel_and_bias_per_example(
     if bias_grad is not None:
         pairs.append((layer.bias, bias_grad))
     return pairs
+
+
+def convolution_rule(
+    name: str,
+    functions: tuple[RuleFn, PerExampleFn, Callable[..., bool], DotFn],
+    applies: Callable[[Any], bool],
+    grouping: Callable[[Any], tuple[int, int]],
+) -> Rule:
+    """The rule of a convolution family from its `(primitives, per_example,
+    materializes, dot)` functions; `grouping(layer)` is `(groups, channels)` of its
+    per-example filter gradient (the summary names the kernel that computes it)."""
+    primitives, per_example, materializes, dot = functions
+    return Rule(
+        name,
+        primitives,
+        applies,
+        per_example=per_example,
+        materializes=materializes,
+        dot=dot,
+        kernels=lambda layer, calls: filter_gradient_kernel(
+            *grouping(layer), Window.of(layer), calls[0].xla
+        ),
+    )

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The JAX overhead benchmark on a machine with an NVIDIA GPU, JAX with CUDA, h5py and
+# numpy, without TensorFlow and without network.
+#
+# Prepare the wheels here first, on a machine with network: `make gpu-wheels`
+# (benchmarks/gpu/wheels: the project and Keras' pure-Python dependencies, ~5 MiB).
+# Then, on the GPU machine, from a copy of the repository:
+#
+#   bash benchmarks/gpu/run.sh [table.md]
+#
+# It makes a virtual environment that sees the machine's packages (jax[cuda], h5py,
+# numpy), installs what is missing from the wheels only, checks that JAX sees the GPU,
+# and runs benchmarks/jax_overhead.py on mlp, cnn and transformer at B=128 and 512
+# (ms/step of plain and tracked fit, their ratio, peak GPU memory), writing the
+# markdown table to the file given (default benchmarks/gpu/results-<time>.md).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-$HERE/.venv}"
+WHEELS="$HERE/wheels"
+OUT="${1:-$HERE/results-$(date -u +%Y%m%dT%H%M%S).md}"
+
+if ! ls "$WHEELS"/keras_gradtrack-*.whl >/dev/null 2>&1; then
+    echo "No wheels in $WHEELS: run 'make gpu-wheels' on a machine with network first." >&2
+    exit 1
+fi
+if "$PYTHON" -m venv --system-site-packages "$VENV" 2>/dev/null; then
+    PY="$VENV/bin/python"
+    TARGET=()
+else
+    # No venv module on this machine: install into a folder put on the path instead.
+    PY="$PYTHON"
+    TARGET=(--target "$HERE/site-packages")
+    export PYTHONPATH="$HERE/site-packages${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# Keras and what it needs beyond the machine's packages, from the wheels only.
+"$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "${TARGET[@]}" \
+    keras optree absl-py rich namex
+# The project without its TensorFlow dependency (the JAX engine imports none).
+"$PY" -m pip install --quiet --no-index --no-deps --force-reinstall "${TARGET[@]}" \
+    "$WHEELS"/keras_gradtrack-*.whl
+
+export KERAS_BACKEND=jax
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the allocator's peak is then the models' own
+"$PY" - <<'PYTHON'
+import sys
+
+import jax
+
+devices = jax.devices()
+print("JAX", jax.__version__, devices)
+if devices[0].platform != "gpu":
+    sys.exit("JAX sees no GPU: install jax with CUDA (jax[cuda12]) on this machine.")
+PYTHON
+
+cd "$ROOT"
+"$PY" benchmarks/jax_overhead.py --models mlp,cnn,transformer --batch-sizes 128,512 \
+    --rounds 3 --seconds 1.0 --out "$OUT"
+echo "Table written to $OUT"

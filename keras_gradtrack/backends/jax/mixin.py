@@ -1,0 +1,304 @@
+"""`GradientTrackingMixin` on the JAX backend: per-example gradient tracking in Keras' JAX trainer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
+from keras_gradtrack.backends.jax.step import (
+    Layout,
+    batch_size_of,
+    packed,
+    split_example_ids,
+    tracked_train_step,
+    unpacked,
+)
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
+from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
+from keras_gradtrack.statistics import Statistic
+
+
+def unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{what} runs on the TensorFlow backend only; it is not available on the {BACKEND} "
+        "backend yet (keras.backend.backend() == 'jax'). Train with "
+        "KERAS_BACKEND=tensorflow for it."
+    )
+
+
+class GradientTrackingMixin:
+    """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
+
+    Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
+    Untracked steps are Keras' own JAX `train_step`. On the steps a gradient
+    callback (`HDF5GradientLogger`) asks for, the step differentiates Keras'
+    `compute_loss_and_updates` with respect to the trainable variables and to a
+    zero probe on each tracked layer's (pre-activation) output, in one
+    `jax.value_and_grad`: the optimizer receives the same gradients as in
+    Keras' step, and the probes' gradients give the per-example statistics.
+
+    Not on JAX yet (each refused with an error naming the backend): a model's
+    own `train_step` on tracked steps, recurrent layers, BatchNormalization in
+    training, attribution targets and sketches, `keras.distribution`, loss
+    scaling, `make_private`, opt-in statistics (`pairwise_cosine`,
+    `input_grad_norm`), and the example-independence guard (not run).
+
+    Example:
+
+    ```python
+    import os; os.environ["KERAS_BACKEND"] = "jax"
+    import keras, keras_gradtrack as kgt
+
+    model = kgt.GradientTrackingModel(inputs, outputs)    # this class on JAX
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5")])
+    ```
+    """
+
+    @property
+    def gradient_tracking(self) -> GradientTrackingState:
+        """The model's step counter and its gradient callbacks' subscriptions."""
+        state = self.__dict__.get("_gradient_tracking_state")
+        if state is None:
+            state = GradientTrackingState()
+            self.__dict__["_gradient_tracking_state"] = state
+        return state
+
+    @property
+    def distribute_strategy(self) -> None:
+        """None: `tf.distribute` strategies do not exist on JAX (loggers ask for one)."""
+        return None
+
+    @property
+    def privacy_settings(self) -> None:
+        """None: private training runs on the TensorFlow backend only."""
+        return None
+
+    def make_private(self, *args: Any, **kwargs: Any) -> None:
+        raise unsupported("Private training (make_private)")
+
+    def gradient_tracking_plan(self) -> list[TrackedLayer]:
+        """The tracked layers, in the column order of the per-layer statistics."""
+        if not self.built:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"Model {self.name!r} is not built yet; call it on a batch or `build()` "  # type: ignore[attr-defined]
+                "it before asking for its tracking plan."
+            )
+        return build_plan(self)
+
+    @property
+    def tracked_layer_names(self) -> list[str]:
+        """Names of the per-layer statistic columns."""
+        return [tracked.name for tracked in self.gradient_tracking_plan()]
+
+    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
+        """Prints (and returns) which path computes each layer's per-example gradients.
+
+        Example:
+
+        ```python
+        model.gradient_tracking_summary()
+        # column  layer   class  params  path
+        # 0       hidden  Dense  8256    rule:dense
+        ```
+        """
+        rows = [("column", "layer", "class", "params", "path")]
+        for column, tracked in enumerate(self.gradient_tracking_plan()):
+            params = sum(math.prod(v.shape) for v in tracked.variables)
+            rows.append(
+                (str(column), tracked.name, type(tracked.layer).__name__, str(params), tracked.path)
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        text = "\n".join(lines)
+        (print_fn or print)(text)
+        return text
+
+    def gradient_statistics(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        statistics: Sequence[str | Statistic] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Computes gradient statistics for one batch, without updating the weights.
+
+        The computation of a tracked `fit` step (same per-example losses, same batch
+        gradient `G`), whose updated weights, optimizer state and metrics are dropped.
+        The model must be compiled (the loss defines `l_i`).
+
+        Returns:
+            A dict of numpy arrays: each statistic, plus `batch_size` (and
+            `example_id` when `x` holds ids).
+
+        Example:
+
+        ```python
+        stats = model.gradient_statistics(x[:128], y[:128])
+        stats["cosine"]           # (128,)
+        ```
+        """
+        resolved = statistics_module.resolve(statistics)
+        self._refuse_untrackable(resolved, (), own_step=False)
+        data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        optimizer = self.optimizer  # type: ignore[attr-defined]
+        if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
+            self._symbolic_build(data_batch=data)
+        key = tuple(statistic.name for statistic in resolved)
+        functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
+        if key not in functions:
+            plan = build_plan(self)
+            layouts: list[Layout] = []
+
+            def compute(state: Any, data: Any) -> Any:
+                logs, _ = tracked_train_step(self, plan, resolved, state, data)
+                vector, layout = packed(logs[PAYLOAD_KEY])
+                layouts.append(layout)
+                return vector
+
+            functions[key] = (jax.jit(compute), layouts)
+        compute, layouts = functions[key]
+        state = tuple(
+            self._get_jax_state(  # type: ignore[attr-defined]
+                trainable_variables=True,
+                non_trainable_variables=True,
+                optimizer_variables=True,
+                metrics_variables=True,
+            )
+        )
+        payload = unpacked(compute(state, data), layouts[-1])
+        payload.pop(LEARNING_RATE)
+        payload[BATCH_SIZE] = np.asarray(
+            batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0]), np.int32
+        )
+        if ids is not None:
+            payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+        return {name: np.array(value) for name, value in payload.items()}
+
+    # -- Keras hooks --------------------------------------------------------
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().fit(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            # However fit ends, its subscribers finish: their files get every step.
+            self.gradient_tracking.end_fit()
+
+    def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        if data_batch is None and iterator is not None:
+            for _, _, data_or_iterator in iterator:
+                if isinstance(data_or_iterator, (list, tuple)):
+                    data_batch = data_or_iterator[0]
+                else:
+                    data_batch = next(data_or_iterator)
+                break
+        if data_batch is not None:
+            data_batch, _ = split_example_ids(data_batch)
+        return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
+
+    def test_step(self, state: Any, data: Any) -> Any:
+        return super().test_step(state, split_example_ids(data)[0])  # type: ignore[misc]
+
+    def predict_step(self, state: Any, data: Any) -> Any:
+        return super().predict_step(state, split_example_ids(data)[0])  # type: ignore[misc]
+
+    def _compiled(self, step: Any) -> Any:
+        if not self.run_eagerly and self.jit_compile:  # type: ignore[attr-defined]
+            return jax.jit(step, donate_argnums=0)
+        return step
+
+    def _refuse_untrackable(
+        self, statistics: Sequence[Statistic], requests: Sequence[Any], own_step: bool = True
+    ) -> None:
+        if requests:
+            raise unsupported("Attribution (`targets=`, `sketch_dim=`)")
+        opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
+        if opt_in:
+            raise unsupported(f"The statistics {opt_in}")
+        if keras.distribution.distribution() is not None:
+            raise unsupported("Tracking under keras.distribution")
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
+            raise unsupported("Tracking with a LossScaleOptimizer")
+        if own_step and getattr(type(self), "train_step", None) is not keras.Model.train_step:
+            raise unsupported(
+                f"A tracked step of a model with its own train_step ({type(self).__name__})"
+            )
+
+    def _restore_variables(self, state: Any) -> None:
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        self._jax_state = {
+            "trainable_variables": trainable,
+            "non_trainable_variables": non_trainable,
+            "optimizer_variables": optimizer_variables,
+            "metrics_variables": metrics_variables,
+        }
+        self.jax_state_sync()  # type: ignore[attr-defined]
+
+    def make_train_function(self, force: bool = False) -> None:
+        if self.train_function is not None and not force:  # type: ignore[has-type]
+            return
+        if self.steps_per_execution > 1:  # type: ignore[attr-defined]
+            # Loggers refuse such a model; it trains as plain Keras.
+            super().make_train_function(force)  # type: ignore[misc]
+            return
+        tracking = self.gradient_tracking
+        untracked = self._compiled(self.train_step)  # type: ignore[attr-defined]
+        tracked_by_statistics: dict[tuple[str, ...], Any] = {}
+
+        def train_function(state: Any, iterator: Any) -> Any:
+            data, ids = split_example_ids(next(iterator))
+            batch_size = batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0])
+            due = tracking.due()
+            if not due:
+                logs, state = untracked(state, data)
+                tracking.report(batch_size, None, due)
+                return logs, state
+            statistics, requests = tracking.statistics(due), tracking.requests(due)
+            key = tuple(statistic.name for statistic in statistics)
+            if key not in tracked_by_statistics:
+                try:
+                    self._refuse_untrackable(statistics, requests)
+                    plan = build_plan(self)
+                except Exception:
+                    # Keras moved the variables' values into `state` for the fit:
+                    # the model keeps the weights it had before the refused step.
+                    self._restore_variables(state)
+                    raise
+
+                layouts: list[Layout] = []
+
+                def step(state: Any, data: Any) -> Any:
+                    logs, state = tracked_train_step(self, plan, statistics, state, data)
+                    logs = dict(logs)
+                    vector, layout = packed(logs.pop(PAYLOAD_KEY))
+                    layouts.append(layout)  # when traced
+                    return {**logs, PAYLOAD_KEY: vector}, state
+
+                tracked_by_statistics[key] = (self._compiled(step), layouts)
+            compiled_step, layouts = tracked_by_statistics[key]
+            try:
+                logs, state = compiled_step(state, data)
+            except Exception:
+                if not layouts:
+                    # Refused while tracing (a loss the engine cannot split into
+                    # examples, say): nothing ran, the model keeps its weights.
+                    self._restore_variables(state)
+                raise
+            logs = dict(logs)
+            # One transfer of the whole payload (it waits for the step).
+            payload = unpacked(logs.pop(PAYLOAD_KEY), layouts[-1])
+            payload[BATCH_SIZE] = np.asarray(batch_size, np.int32)
+            if ids is not None:
+                payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+            tracking.report(batch_size, payload, due)
+            return logs, state
+
+        self.train_function = train_function

@@ -1,0 +1,105 @@
+"""Which layers the JAX engine tracks, and what it refuses before training.
+
+Example:
+
+```python
+plan = build_plan(model)
+[tracked.name for tracked in plan]    # the per-layer columns
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+
+from keras_gradtrack.backends.jax._keras_seam import flatten_layers, own_trainable_variables
+from keras_gradtrack.backends.jax.rules import JaxRule, lookup
+
+FALLBACK_PATH = "fallback (per-layer vmap of jax.grad)"
+BACKEND = "JAX"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackedLayer:
+    """One column of the per-layer statistics.
+
+    Attributes:
+        name: Column name (the layer's name, made unique within the model).
+        layer: The Keras layer.
+        variables: The layer's own trainable variables.
+        rule: Its rule, or None for the exact per-layer fallback.
+    """
+
+    name: str
+    layer: Any
+    variables: tuple[Any, ...]
+    rule: JaxRule | None
+
+    @property
+    def path(self) -> str:
+        return f"rule:{self.rule.name}" if self.rule else FALLBACK_PATH
+
+
+def refusal(layer: Any) -> str:
+    """Why the JAX engine cannot track the layer yet (empty when it can)."""
+    name = f"Layer {layer.name!r} ({type(layer).__name__})"
+    if isinstance(layer, keras.layers.RNN):
+        return (
+            f"{name} is recurrent: its per-time-step rule runs on the TensorFlow backend "
+            "only; on the JAX backend it is not tracked yet. Train with "
+            "KERAS_BACKEND=tensorflow to track it."
+        )
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+        return (
+            f"{name} normalizes with statistics of the whole batch in training, so example "
+            "i's loss depends on the other examples; its tracking "
+            "(`track_batch_normalization`) runs on the TensorFlow backend only. On the JAX "
+            "backend, freeze it (`layer.trainable = False`: exact and cheap) or replace it "
+            "with GroupNormalization."
+        )
+    if getattr(layer, "activity_regularizer", None) is not None and own_trainable_variables(layer):
+        return (
+            f"{name} has an activity regularizer, a penalty on its output that mixes into "
+            "the output gradients; the JAX backend does not track such layers yet."
+        )
+    return ""
+
+
+def build_plan(model: keras.Model) -> list[TrackedLayer]:
+    """The tracked layers of a built model, in column order.
+
+    Raises:
+        ValueError: For a layer the JAX engine refuses (recurrent, BatchNormalization
+            in training, activity regularizers), trainable variables of the model
+            itself, or a model without trainable variables.
+    """
+    if own_trainable_variables(model):
+        raise ValueError(
+            f"Model {model.name!r} holds trainable variables of its own (not in a layer): "
+            "the JAX backend tracks the variables of layers. Move them into a layer."
+        )
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    groups = []
+    for layer in flatten_layers(model, include_self=False):
+        reason = refusal(layer)
+        if reason:
+            raise ValueError(reason)
+        own = [v for v in own_trainable_variables(layer) if id(v) in position]
+        if own:
+            groups.append((layer, sorted(own, key=lambda v: position[id(v)])))
+    # Columns in Keras' own order of the model's weights, as on TensorFlow.
+    groups.sort(key=lambda group: position[id(group[1][0])])
+    plan: list[TrackedLayer] = []
+    used: set[str] = set()
+    for layer, own in groups:
+        name, suffix = layer.name, 1
+        while name in used:
+            name, suffix = f"{layer.name}_{suffix}", suffix + 1
+        used.add(name)
+        plan.append(TrackedLayer(name, layer, tuple(own), lookup(layer)))
+    if not plan:
+        raise ValueError(f"Model {model.name!r} has no trainable variables to track.")
+    return plan

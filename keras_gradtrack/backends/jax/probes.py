@@ -1,0 +1,98 @@
+"""Probes: zeros added to each tracked layer's (pre-activation) output in the forward pass.
+
+The tracked step differentiates the loss with respect to the trainable variables
+and to these probes in one `jax.value_and_grad`: a probe's gradient is the
+gradient of the loss at that output, per example (no example's output reaches
+another example's loss). The probes are installed on the layer instances while
+the step is traced, as the layer's `call` (and `activation`, to reach the output
+before it), and record what each call received.
+
+Example:
+
+```python
+probes = Probes(layers)
+with probes.installed(None):          # a first trace records the probed shapes
+    model(x)
+shapes = [z.shape for z in probes.probed]
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.jax.rules import splits_activation
+
+
+class Probes:
+    """Installs probes on `layers` and records, per call, the inputs and probed tensors.
+
+    Args:
+        layers: The tracked layers.
+    """
+
+    def __init__(self, layers: Sequence[Any]):
+        self.layers = list(layers)
+        self.calls: list[tuple[int, Any, dict[str, Any]]] = []
+        self.probed: list[Any] = []
+        self._probes: Sequence[Any] | None = None
+
+    @contextlib.contextmanager
+    def installed(self, probes: Sequence[Any] | None) -> Iterator[Probes]:
+        """The probes on their layers for the block. With `probes=None` nothing is added
+        (a first trace that records the probed shapes)."""
+        self.calls, self.probed, self._probes = [], [], probes
+        with contextlib.ExitStack() as stack:
+            for index, layer in enumerate(self.layers):
+                stack.enter_context(patched(layer, "call", self._probing_call(index, layer)))
+            yield self
+
+    def _add_probe(self, tensor: Any) -> Any:
+        position = len(self.probed)
+        self.probed.append(tensor)
+        if self._probes is None:
+            return tensor
+        return tensor + self._probes[position].astype(tensor.dtype)
+
+    def _probing_call(self, index: int, layer: Any) -> Any:
+        original = layer.call
+
+        def probing_call(*args: Any, **kwargs: Any) -> Any:
+            if not args:
+                raise ValueError(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) was called without a "
+                    "positional input: the JAX engine tracks a layer's first argument."
+                )
+            self.calls.append((index, args[0], dict(kwargs)))
+            if splits_activation(layer):
+                activation = layer.activation
+                applied = []
+
+                def probed_activation(z: Any) -> Any:
+                    applied.append(z)
+                    return activation(self._add_probe(z))
+
+                with patched(layer, "activation", probed_activation):
+                    outputs = original(*args, **kwargs)
+                if len(applied) != 1:
+                    raise RuntimeError(
+                        f"Layer {layer.name!r} ({type(layer).__name__}) applied its "
+                        f"`activation` {len(applied)} times in `call` (expected once), so "
+                        "its pre-activation output cannot be probed."
+                    )
+                return outputs
+            outputs = original(*args, **kwargs)
+            if not hasattr(outputs, "shape") or not jnp.issubdtype(outputs.dtype, jnp.floating):
+                raise ValueError(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) returned "
+                    f"{type(outputs).__name__}: the JAX engine probes layers whose output "
+                    "is one float tensor."
+                )
+            return self._add_probe(outputs)
+
+        return probing_call

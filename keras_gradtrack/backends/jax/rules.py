@@ -1,0 +1,297 @@
+"""The JAX engine's per-layer rules: per-example primitives from one backward pass.
+
+A rule receives, per call of its layer in the step, a `ProbedCall`: the layer's
+inputs and `output_grad`, example i's gradient of its own loss `l_i` at the
+layer's (pre-activation) output. From them it computes, without a per-example
+pass over the model, either the layer's per-example gradients (`per_example`,
+laid out `(B, *variable.shape)`, float32) or directly the primitives
+(`primitives`: `||g_i||^2`, `<g_i, R>` and `||sum_i g_i||^2`) without building
+them. A layer without a rule runs on `fallback_per_example`: the exact
+per-example gradient of that layer alone, `jax.vmap(jax.grad)` over its inputs
+and output gradients (never the whole model).
+
+Example:
+
+```python
+rule = lookup(keras.layers.Dense(4))   # DENSE: norms from ||a_i||^2 ||d_i||^2
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_gradtrack._patching import patched
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbedCall:
+    """One call of a tracked layer in the step, as the rules see it.
+
+    Attributes:
+        inputs: The layer's first argument, `(B, ...)`.
+        kwargs: The call's other keyword arguments (`training`, ...).
+        output_grad: `(B, ...)` float32, `d l_i / d z_i` at the layer's
+            pre-activation output (its output when it has no `activation`).
+        reference_factor: `c` where the layer's batch gradient is exactly
+            `c sum_i g_i` (its only call, no added losses), else None.
+    """
+
+    inputs: Any
+    kwargs: dict[str, Any]
+    output_grad: Any
+    reference_factor: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrimitives:
+    """A layer's primitives for the step: `(B,)` `sq_norm`, `(B,)` `dot`, scalar `sum_sq_norm`."""
+
+    sq_norm: Any
+    dot: Any
+    sum_sq_norm: Any
+
+
+# (layer, its trainable variables' values, call, its non-trainable variables' values)
+# -> one `(B, *variable.shape)` gradient per trainable variable.
+PerExample = Callable[[Any, Sequence[Any], ProbedCall, Sequence[Any]], list[Any]]
+# (layer, call, the batch gradient per variable) -> the primitives, or None (not applicable).
+Primitives = Callable[[Any, ProbedCall, Sequence[Any]], "LayerPrimitives | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxRule:
+    """How one layer family's per-example primitives are computed on JAX.
+
+    Attributes:
+        name: Shown in the path of the layer (`rule:<name>`).
+        per_example: The layer's per-example gradients (None: the fallback's).
+        primitives: The primitives without per-example gradients, for a layer
+            called once in the step (None, or returning None: from `per_example`).
+    """
+
+    name: str
+    per_example: PerExample | None = None
+    primitives: Primitives | None = None
+
+
+def f32(value: Any) -> Any:
+    return jnp.asarray(value, jnp.float32)
+
+
+def splits_activation(layer: Any) -> bool:
+    """Whether the layer's probe goes before its `activation` (at `z` of `activation(z)`)."""
+    return getattr(layer, "activation", None) is not None and callable(layer.activation)
+
+
+def preactivation_call(
+    layer: Any, trainable: Sequence[Any], others: Sequence[Any], x: Any, kwargs: Any
+) -> Any:
+    """The layer's output before its activation, as a stateless call on `trainable` values."""
+    if splits_activation(layer):
+        with patched(layer, "activation", None):
+            outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
+    else:
+        outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
+    return outputs
+
+
+def fallback_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """Exact per-example gradients of the layer's own variables: `vmap(grad)` of the layer alone.
+
+    Example i's gradient is `d <z(x_i; theta), d_i> / d theta`, with `z` the
+    layer's pre-activation output on example i alone and `d_i` its output gradient.
+    """
+
+    def one_example(x: Any, d: Any) -> list[Any]:
+        def contracted(trainable: Sequence[Any]) -> Any:
+            z = preactivation_call(layer, trainable, others, x[None], call.kwargs)
+            return jnp.sum(f32(z) * d[None])
+
+        return jax.grad(contracted)(list(values))
+
+    grads = jax.vmap(one_example)(call.inputs, f32(call.output_grad))
+    return [f32(g) for g in grads]
+
+
+# -- Dense ------------------------------------------------------------------
+
+
+def _plain(layer: Any) -> bool:
+    """A layer without LoRA and not quantized: its variables are its kernel and bias."""
+    return (
+        not getattr(layer, "lora_enabled", False)
+        and getattr(layer, "quantization_mode", None) is None
+    )
+
+
+def _split_kernel_bias(layer: Any, refs: Sequence[Any]) -> tuple[Any, Any]:
+    by_name = {v.name: ref for v, ref in zip(layer.trainable_variables, refs)}
+    return by_name["kernel"], by_name.get("bias")
+
+
+# Per-example gradients of a sequence Dense layer are materialized (one einsum of the
+# forward's cost, which also gives <g_i, R> for free) up to this many float32 values;
+# beyond, the Gram form `<A_i A_i^T, D_i D_i^T>` avoids holding them.
+MATERIALIZED_VALUES = 1 << 26
+
+
+def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> LayerPrimitives | None:
+    """Dense: `||g_i||^2 = ||a_i||^2 ||d_i||^2` and `<g_i, R> = a_i^T R d_i` on 2-D
+    inputs; on sequences `g_i = A_i^T D_i` materialized, or the Gram form when that
+    would hold too many values."""
+    if not _plain(layer) or len(layer.trainable_variables) != len(refs):
+        return None
+    kernel_ref, bias_ref = _split_kernel_bias(layer, refs)
+    a, d = f32(call.inputs), f32(call.output_grad)
+    batch = a.shape[0]
+    a = a.reshape(batch, -1, a.shape[-1])
+    d = d.reshape(batch, -1, d.shape[-1])
+    steps, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
+    if steps == 1:
+        rows, grads = a[:, 0], d[:, 0]
+        sq_norm = jnp.sum(rows**2, axis=1) * jnp.sum(grads**2, axis=1)
+        if call.reference_factor is not None and batch * (d_in + d_out) < d_in * d_out:
+            # R = c sum_j a_j d_j^T: <g_i, R> = c sum_j <a_i, a_j> <d_i, d_j>, cheaper
+            # than a_i^T R d_i when the batch is smaller than the layer.
+            gram = (rows @ rows.T) * (grads @ grads.T)
+            dot = call.reference_factor * jnp.sum(gram, axis=1)
+        else:
+            dot = jnp.sum((rows @ kernel_ref) * grads, axis=1)
+    elif batch * d_in * d_out <= MATERIALIZED_VALUES:
+        per_example = jnp.einsum("bti,bto->bio", a, d)
+        sq_norm = jnp.sum(per_example**2, axis=(1, 2))
+        dot = jnp.einsum("bio,io->b", per_example, kernel_ref)
+    else:
+        gram_a = jnp.einsum("bti,bsi->bts", a, a)
+        gram_d = jnp.einsum("bto,bso->bts", d, d)
+        sq_norm = jnp.sum(gram_a * gram_d, axis=(1, 2))
+        dot = jnp.sum(jnp.einsum("bti,io->bto", a, kernel_ref) * d, axis=(1, 2))
+    summed = jnp.einsum("bti,bto->io", a, d)
+    sum_sq_norm = jnp.sum(summed**2)
+    if bias_ref is not None:
+        bias_grad = jnp.sum(d, axis=1)
+        sq_norm = sq_norm + jnp.sum(bias_grad**2, axis=1)
+        dot = dot + bias_grad @ bias_ref
+        sum_sq_norm = sum_sq_norm + jnp.sum(jnp.sum(bias_grad, axis=0) ** 2)
+    return LayerPrimitives(sq_norm, dot, sum_sq_norm)
+
+
+def dense_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    if not _plain(layer):
+        return fallback_per_example(layer, values, call, others)
+    a, d = f32(call.inputs), f32(call.output_grad)
+    batch = a.shape[0]
+    a = a.reshape(batch, -1, a.shape[-1])
+    d = d.reshape(batch, -1, d.shape[-1])
+    grads = {"kernel": jnp.einsum("bti,bto->bio", a, d), "bias": jnp.sum(d, axis=1)}
+    return [grads[v.name] for v in layer.trainable_variables]
+
+
+DENSE = JaxRule("dense", dense_per_example, dense_primitives)
+
+
+# -- EinsumDense ------------------------------------------------------------
+
+
+def _bias_per_example(d: Any, bias_shape: Sequence[int]) -> Any:
+    """Example i's gradient of a bias broadcast over the output: `d_i` summed over the
+    axes the bias is broadcast along."""
+    batch, output_shape = d.shape[0], d.shape[1:]
+    full = (1,) * (len(output_shape) - len(bias_shape)) + tuple(bias_shape)
+    axes = tuple(1 + j for j, (b, o) in enumerate(zip(full, output_shape)) if b == 1 and o != 1)
+    return jnp.sum(d, axis=axes, keepdims=True).reshape(batch, *bias_shape)
+
+
+def einsum_dense_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """EinsumDense `x,k->y`: example i's kernel gradient is `einsum(x_i, d_i)` over the
+    axes the kernel does not have; the bias's is `d_i` summed where it is broadcast."""
+    equation = layer.equation
+    inputs_spec, _, output_spec = equation.partition("->")
+    x_spec, _, kernel_spec = inputs_spec.partition(",")
+    batch_axis = x_spec[:1]
+    if (
+        not _plain(layer)
+        or "." in equation
+        or not batch_axis
+        or batch_axis in kernel_spec
+        or output_spec[:1] != batch_axis
+    ):
+        return fallback_per_example(layer, values, call, others)
+    x, d = f32(call.inputs), f32(call.output_grad)
+    grads = {"kernel": jnp.einsum(f"{x_spec},{output_spec}->{batch_axis}{kernel_spec}", x, d)}
+    for variable in layer.trainable_variables:
+        if variable.name == "bias":
+            grads["bias"] = _bias_per_example(d, variable.shape)
+    return [grads[v.name] for v in layer.trainable_variables]
+
+
+EINSUM_DENSE = JaxRule("einsum_dense", einsum_dense_per_example)
+
+
+# -- Embedding --------------------------------------------------------------
+
+
+def embedding_primitives(
+    layer: Any, call: ProbedCall, refs: Sequence[Any]
+) -> LayerPrimitives | None:
+    """Embedding: example i's gradient adds `d_it` to row `id_it`; `||g_i||^2` sums
+    `<d_it, d_is>` over the positions with equal ids, `<g_i, R> = sum_t <d_it, R[id_it]>`."""
+    if not _plain(layer) or len(refs) != 1:
+        return None
+    (table_ref,) = refs
+    ids, d = call.inputs, f32(call.output_grad)
+    batch, dim = ids.shape[0], d.shape[-1]
+    ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)
+    d = d.reshape(batch, -1, dim)
+    same = ids[:, :, None] == ids[:, None, :]
+    gram = jnp.einsum("btk,bsk->bts", d, d)
+    sq_norm = jnp.sum(jnp.where(same, gram, 0.0), axis=(1, 2))
+    dot = jnp.sum(d * table_ref[ids], axis=(1, 2))
+    summed = jnp.zeros(table_ref.shape, jnp.float32).at[ids.reshape(-1)].add(d.reshape(-1, dim))
+    return LayerPrimitives(sq_norm, dot, jnp.sum(summed**2))
+
+
+def embedding_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    if not _plain(layer):
+        return fallback_per_example(layer, values, call, others)
+    ids, d = call.inputs, f32(call.output_grad)
+    batch, dim = ids.shape[0], d.shape[-1]
+    ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)
+    rows = jnp.zeros((batch, *values[0].shape), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
+    return [rows.at[positions, ids].add(d.reshape(batch, -1, dim))]
+
+
+EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives)
+
+
+REGISTRY: dict[type, JaxRule] = {
+    keras.layers.Dense: DENSE,
+    keras.layers.EinsumDense: EINSUM_DENSE,
+    keras.layers.Embedding: EMBEDDING,
+}
+
+
+def lookup(layer: Any) -> JaxRule | None:
+    """The rule of the layer's class, or of the nearest base class whose `call` it keeps."""
+    for cls in type(layer).__mro__:
+        rule = REGISTRY.get(cls)
+        if rule is not None:
+            keeps_call = getattr(type(layer), "call", None) is getattr(cls, "call", None)
+            return rule if keeps_call else None
+    return None

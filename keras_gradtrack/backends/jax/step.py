@@ -1,0 +1,288 @@
+"""The tracked train step on JAX: Keras' own step, plus the statistics from its one backward pass.
+
+`jax.value_and_grad` differentiates Keras' `compute_loss_and_updates` with respect
+to the trainable variables and to a zero probe on each tracked layer's
+(pre-activation) output (`probes.py`); the layers' inputs come back as auxiliary
+outputs. The optimizer receives the variables' gradients, exactly as in Keras'
+`train_step`; the probes' gradients, divided by the loss's reduction factor, are
+the per-example output gradients the rules need.
+
+Example:
+
+```python
+logs, state = tracked_train_step(model, plan, statistics, state, data)
+logs[PAYLOAD_KEY]["cosine"]     # (B,)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from keras import tree
+
+from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.jax._keras_seam import LossFunctionWrapper, update_metrics_variables
+from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.probes import Probes
+from keras_gradtrack.backends.jax.rules import (
+    LayerPrimitives,
+    ProbedCall,
+    f32,
+    fallback_per_example,
+)
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY
+from keras_gradtrack.io.schema import LEARNING_RATE
+from keras_gradtrack.statistics import Statistic, StepPrimitives
+
+EXAMPLE_ID_KEY = "example_id"
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def split_example_ids(data: Any) -> tuple[Any, Any]:
+    """`(data without ids, ids or None)`: a dict `x` holding `"example_id"` loses the key
+    (and, with exactly one other entry, becomes that entry's value)."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if not isinstance(x, dict) or EXAMPLE_ID_KEY not in x:
+        return data, None
+    rest = {k: v for k, v in x.items() if k != EXAMPLE_ID_KEY}
+    ids = x[EXAMPLE_ID_KEY]
+    x = next(iter(rest.values())) if len(rest) == 1 else rest
+    return keras.utils.pack_x_y_sample_weight(x, y, sample_weight), ids
+
+
+def batch_size_of(x: Any) -> int:
+    return int(next(t for t in tree.flatten(x) if t is not None).shape[0])
+
+
+def loss_object(model: keras.Model) -> Any:
+    """The compiled loss as one `keras.losses.Loss`, or a clear refusal."""
+    loss = model.loss
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        return loss
+    if callable(loss):
+        return LossFunctionWrapper(loss)
+    raise ValueError(
+        f"On the {BACKEND} backend a tracked model is compiled with one loss (a name, a "
+        f"function or a keras.losses.Loss) for its one output. Received: loss={loss!r}"
+    )
+
+
+def per_example_losses(
+    model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
+) -> tuple[Any, float]:
+    """`(l, c)`: the `(B,)` losses `l_i` (sample weights included) and the factor `c`
+    with which the compiled loss reduces them (`loss = c sum_i l_i`)."""
+    loss = loss_object(model)
+    if loss.reduction not in (*MEAN_REDUCTIONS, "sum"):
+        raise ValueError(
+            f"On the {BACKEND} backend a tracked model's loss reduces with "
+            f"'sum_over_batch_size' (the default) or 'sum'. Received: reduction={loss.reduction!r}"
+        )
+    y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
+    y = keras.ops.convert_to_tensor(y, dtype=loss.dtype)
+    values = f32(loss.call(y, y_pred))
+    batch = values.shape[0]
+    if sample_weight is not None:
+        weights = f32(sample_weight)
+        while weights.ndim > values.ndim and weights.shape[-1] == 1:
+            weights = weights[..., 0]
+        weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))
+        values = values * weights
+    per_example = jnp.sum(values.reshape(batch, -1), axis=1)
+    if loss.reduction in MEAN_REDUCTIONS:
+        elements = math.prod(values.shape[1:])
+        return per_example / elements, 1.0 / batch
+    return per_example, 1.0
+
+
+def layer_primitives(
+    tracked: TrackedLayer,
+    calls: Sequence[ProbedCall],
+    lookup_value: Any,
+    lookup_gradient: Any,
+    factor: float | None = None,
+) -> tuple[LayerPrimitives, Any]:
+    """One layer's primitives and `||G^(k)||^2`, from its calls in the step.
+
+    With `factor` (`c`, when the loss is `c sum_i l_i` and nothing else), `||sum_i
+    g_i||^2` is `||G||^2 / c^2`, and what the rule computes for it is left unused
+    (the compiler drops it).
+    """
+    primitives, reference_sq_norm = _layer_primitives(tracked, calls, lookup_value, lookup_gradient)
+    if factor is not None:
+        sum_sq_norm = reference_sq_norm / factor**2
+        primitives = LayerPrimitives(primitives.sq_norm, primitives.dot, sum_sq_norm)
+    return primitives, reference_sq_norm
+
+
+def _layer_primitives(
+    tracked: TrackedLayer,
+    calls: Sequence[ProbedCall],
+    lookup_value: Any,
+    lookup_gradient: Any,
+) -> tuple[LayerPrimitives, Any]:
+    layer = tracked.layer
+    all_variables = list(layer.trainable_variables)
+    references = [f32(lookup_gradient(v)) for v in all_variables]
+    positions = {id(v): i for i, v in enumerate(all_variables)}
+    own = [positions[id(v)] for v in tracked.variables]
+    reference_sq_norm = sum(jnp.sum(references[i] ** 2) for i in own)
+    rule = tracked.rule
+    if len(calls) == 1 and rule is not None and rule.primitives is not None:
+        direct = rule.primitives(layer, calls[0], references)
+        if direct is not None:
+            return direct, reference_sq_norm
+    values = [lookup_value(v) for v in all_variables]
+    others = [lookup_value(v) for v in layer.non_trainable_variables]
+    summed: list[Any] | None = None
+    for call in calls:
+        if rule is not None and rule.per_example is not None:
+            grads = rule.per_example(layer, values, call, others)
+        else:
+            grads = fallback_per_example(layer, values, call, others)
+        summed = grads if summed is None else [s + g for s, g in zip(summed, grads)]
+    assert summed is not None
+    batch = summed[0].shape[0]
+    flat = jnp.concatenate([summed[i].reshape(batch, -1) for i in own], axis=1)
+    reference = jnp.concatenate([references[i].reshape(-1) for i in own])
+    primitives = LayerPrimitives(
+        jnp.sum(flat**2, axis=1), flat @ reference, jnp.sum(jnp.sum(flat, axis=0) ** 2)
+    )
+    return primitives, reference_sq_norm
+
+
+def tracked_train_step(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    state: Any,
+    data: Any,
+) -> tuple[dict[str, Any], Any]:
+    """Keras' JAX `train_step`, whose logs also carry the statistics under `PAYLOAD_KEY`.
+
+    `data` holds no example ids (`split_example_ids` takes them off first, outside
+    the compiled step, so that int64 ids stay exact).
+    """
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    probes = Probes([tracked.layer for tracked in plan])
+
+    def forward(trainable: Any, probe_values: Any) -> Any:
+        with probes.installed(probe_values):
+            loss, aux = model.compute_loss_and_updates(
+                trainable,
+                non_trainable,
+                metrics_variables,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=optimizer_variables,
+            )
+        inputs = [call_inputs for _, call_inputs, _ in probes.calls]
+        return loss, (aux, inputs, list(probes.probed))
+
+    # A first trace records the probed shapes, and whether the forward pass adds
+    # losses of its own (weight penalties, `add_loss`) to the examples' losses.
+    added_losses: list[int] = []
+
+    def recording_stateless_call(*args: Any, **kwargs: Any) -> Any:
+        outputs = stateless_call(*args, **kwargs)
+        if kwargs.get("return_losses"):
+            added_losses.append(len(outputs[-1]))
+        return outputs
+
+    stateless_call = model.stateless_call
+    with patched(model, "stateless_call", recording_stateless_call):
+        shapes = jax.eval_shape(lambda t: forward(t, None), trainable)[1][2]
+    calls = [(index, kwargs) for index, _, kwargs in probes.calls]
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+    (_, (aux, inputs, _)), (grads, probe_grads) = jax.value_and_grad(
+        forward, argnums=(0, 1), has_aux=True
+    )(trainable, zeros)
+    unscaled_loss, y_pred, new_non_trainable, new_metrics_variables = aux
+    new_trainable, new_optimizer_variables = model.optimizer.stateless_apply(
+        optimizer_variables, grads, trainable
+    )
+    logs, new_metrics_variables = update_metrics_variables(
+        model, new_metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
+    )
+
+    losses, factor = per_example_losses(model, y, y_pred, sample_weight)
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+    def lookup_value(variable: Any) -> Any:
+        if id(variable) in position:
+            return trainable[position[id(variable)]]
+        return non_trainable[others[id(variable)]]
+
+    def lookup_gradient(variable: Any) -> Any:
+        return grads[position[id(variable)]]
+
+    # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
+    exact_factor = factor if added_losses == [0] else None
+    columns = []
+    for index, tracked in enumerate(plan):
+        layer_calls = [
+            ProbedCall(inputs[n], kwargs, f32(probe_grads[n]) / factor)
+            for n, (owner, kwargs) in enumerate(calls)
+            if owner == index
+        ]
+        if exact_factor is not None and len(layer_calls) == 1:
+            layer_calls = [dataclasses.replace(layer_calls[0], reference_factor=exact_factor)]
+        columns.append(
+            layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient, exact_factor)
+        )
+    batch = batch_size_of(x)
+    primitives = StepPrimitives(
+        loss=losses,
+        sq_norm=jnp.stack([c.sq_norm for c, _ in columns], axis=1),
+        dot=jnp.stack([c.dot for c, _ in columns], axis=1),
+        reference_sq_norm=jnp.stack([r for _, r in columns]),
+        sum_sq_norm=jnp.stack([c.sum_sq_norm for c, _ in columns]),
+        batch_size=jnp.asarray(batch, jnp.float32),
+    )
+    payload = {s.name: f32(s.compute(primitives)) for s in statistics}
+    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
+    state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
+    return {**logs, PAYLOAD_KEY: payload}, state
+
+
+Layout = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def packed(payload: dict[str, Any]) -> tuple[Any, Layout]:
+    """The payload as one float32 vector (one transfer to the host instead of one per
+    statistic), and its layout; in the compiled step."""
+    layout = tuple((name, tuple(value.shape)) for name, value in payload.items())
+    vector = jnp.concatenate([f32(value).reshape(-1) for value in payload.values()])
+    return vector, layout
+
+
+def unpacked(vector: Any, layout: Layout) -> dict[str, np.ndarray]:
+    """The payload's arrays (views of `vector`), on the host."""
+    values, offset = {}, 0
+    flat = np.asarray(vector)
+    for name, shape in layout:
+        size = math.prod(shape)
+        values[name] = flat[offset : offset + size].reshape(shape)
+        offset += size
+    return values
+
+
+def learning_rate(model: keras.Model, optimizer_variables: Any) -> Any:
+    """The rate the optimizer uses in this step (its schedule at the step's iteration)."""
+    optimizer = model.optimizer
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_variables))):
+        return f32(keras.ops.convert_to_tensor(optimizer.learning_rate))

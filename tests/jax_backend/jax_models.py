@@ -1,0 +1,55 @@
+"""Models of the JAX engine's tests: an MLP, a CNN and a Transformer block, each built
+with a given model class (`kgt.GradientTrackingModel` or `keras.Model`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+
+def head(model_class: type, inputs: Any, features: Any, classes: int = 3) -> Any:
+    if len(features.shape) > 2:
+        features = keras.layers.Flatten()(features)
+    return model_class(inputs, keras.layers.Dense(classes, name="head")(features))
+
+
+def mlp(model_class: type) -> Any:
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    hidden = keras.layers.Dense(16, activation="relu")(hidden)
+    return head(model_class, inputs, hidden)
+
+
+def cnn(model_class: type) -> Any:
+    inputs = keras.Input((8, 8, 1))
+    hidden = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+    hidden = keras.layers.Conv2D(4, 3, activation="relu")(hidden)
+    return head(model_class, inputs, hidden)
+
+
+def transformer_block(model_class: type, length: int = 6, dim: int = 8) -> Any:
+    inputs = keras.Input((length, dim))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    hidden = keras.layers.LayerNormalization()(inputs + attended)
+    feed_forward = keras.layers.Dense(16, activation="relu")(hidden)
+    feed_forward = keras.layers.Dense(dim)(feed_forward)
+    hidden = keras.layers.LayerNormalization()(hidden + feed_forward)
+    return head(model_class, inputs, keras.layers.GlobalAveragePooling1D()(hidden))
+
+
+# name -> (builder, input shape without the batch)
+MODELS = {
+    "mlp": (mlp, (12,)),
+    "cnn": (cnn, (8, 8, 1)),
+    "transformer_block": (transformer_block, (6, 8)),
+}
+
+
+def compiled(model: Any) -> Any:
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model

@@ -1,0 +1,138 @@
+"""The JAX engine's oracle: `jax.grad` of each example's loss alone, then every
+statistic by its textbook definition (in float64, from float32 gradients).
+
+For example i, `l_i` is the compiled loss on that example alone (with its sample
+weight) and `g_i = d l_i / d theta`; the layers are the owners of
+`model.trainable_variables` (read from the variables' paths, not from the
+engine's plan). `G` is the gradient of the compiled loss on the whole batch, plus
+the model's weight penalties: the gradient the optimizer receives.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+RTOL = 1e-4
+COSINE_ATOL = 1e-5
+
+
+def layer_columns(model: Any) -> list[list[int]]:
+    """Positions in `model.trainable_variables` of each owning layer's variables."""
+    owners: dict[str, list[int]] = {}
+    for position, variable in enumerate(model.trainable_variables):
+        owners.setdefault(variable.path.rpartition("/")[0], []).append(position)
+    return list(owners.values())
+
+
+def _loss_function(model: Any) -> Any:
+    loss = keras.losses.get(model.loss) if isinstance(model.loss, str) else model.loss
+    return loss
+
+
+def _loss(
+    model: Any, trainable: Any, x: Any, y: Any, sample_weight: Any, penalties: bool = False
+) -> Any:
+    """The compiled loss of the batch; with `penalties`, plus the model's own losses
+    (weight regularization: the loss whose gradient the optimizer receives)."""
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    kwargs = {"training": True} if "training" in inspect.signature(model.call).parameters else {}
+    y_pred, _, losses = model.stateless_call(
+        trainable, non_trainable, x, return_losses=True, **kwargs
+    )
+    loss = _loss_function(model)
+    if sample_weight is None:
+        value = loss(y, y_pred)
+    else:
+        value = loss(y, y_pred, sample_weight=sample_weight)
+    return value + sum(losses) if penalties else value
+
+
+def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
+    """`l` (B,), `g` per layer (B, n_k) and `G` per layer, from one `jax.grad` per example."""
+    trainable = [v.value for v in model.trainable_variables]
+    batch = len(keras.tree.flatten(x)[0])
+
+    def take(data: Any, i: int) -> Any:
+        return keras.tree.map_structure(lambda a: np.asarray(a)[i : i + 1], data)
+
+    losses, rows = [], []
+    value_and_grad = jax.value_and_grad(lambda t, xi, yi, wi: _loss(model, t, xi, yi, wi))
+    for i in range(batch):
+        weight = None if sample_weight is None else take(sample_weight, i)
+        loss, grads = value_and_grad(trainable, take(x, i), take(y, i), weight)
+        losses.append(float(loss))
+        rows.append([np.asarray(g, np.float64).ravel() for g in grads])
+    full = jax.grad(lambda t: _loss(model, t, x, y, sample_weight, penalties=True))(trainable)
+    columns = layer_columns(model)
+    g = [np.stack([np.concatenate([row[p] for p in ps]) for row in rows]) for ps in columns]
+    G = [np.concatenate([np.asarray(full[p], np.float64).ravel() for p in ps]) for ps in columns]
+    return {"loss": np.asarray(losses), "g": g, "G": G}
+
+
+def oracle_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
+    """Every built-in statistic by its definition."""
+    found = per_example_gradients(model, x, y, sample_weight)
+    g, G = np.concatenate(found["g"], axis=1), np.concatenate(found["G"])
+    batch = g.shape[0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        norms = np.linalg.norm(g, axis=1)
+        cosine = g @ G / (norms * np.linalg.norm(G))
+        summed = g.sum(axis=0)
+        mean = summed / batch
+        trace = ((g - mean) ** 2).sum() / (batch - 1) if batch > 1 else np.nan
+        return {
+            "loss": found["loss"],
+            "grad_norm": norms,
+            "cosine": cosine,
+            "layer_grad_norm": np.stack([np.linalg.norm(gk, axis=1) for gk in found["g"]], 1),
+            "layer_cosine": np.stack(
+                [
+                    gk @ Gk / (np.linalg.norm(gk, axis=1) * np.linalg.norm(Gk))
+                    for gk, Gk in zip(found["g"], found["G"])
+                ],
+                axis=1,
+            ),
+            "batch_grad_norm": np.linalg.norm(G),
+            "gradient_diversity": (norms**2).sum() / (summed**2).sum(),
+            "noise_scale": trace / (mean**2).sum(),
+            "mean_cosine": np.nanmean(cosine),
+            "frac_negative_cosine": np.mean(cosine < 0),
+        }
+
+
+BOOKKEEPING = ("batch_size", "learning_rate", "example_id")
+
+
+def assert_matches_oracle(stats: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Compares every statistic in `stats` with the oracle's value."""
+    unknown = sorted(set(stats) - set(expected) - set(BOOKKEEPING))
+    assert not unknown, f"no oracle value for {unknown}"
+    compared = 0
+    for name, value in stats.items():
+        if name in BOOKKEEPING:
+            continue
+        atol = COSINE_ATOL if "cosine" in name else 0.0
+        rtol = 1e-3 if name == "noise_scale" else RTOL
+        np.testing.assert_allclose(
+            np.asarray(value, np.float64), expected[name], rtol=rtol, atol=atol, err_msg=name
+        )
+        compared += 1
+    assert compared > 0, "nothing was compared"
+
+
+def tracked_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
+    """The statistics of one tracked `fit` step on the whole batch (default statistics)."""
+    from keras_gradtrack import statistics
+
+    reports: list[Any] = []
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, reports.append)
+    batch = len(keras.tree.flatten(x)[0])
+    model.fit(x, y, sample_weight=sample_weight, batch_size=batch, shuffle=False, verbose=0)
+    (report,) = reports
+    assert report.values is not None
+    return dict(report.values)

@@ -1,0 +1,71 @@
+"""The HDF5 log on JAX: the same schema as on TensorFlow, and the backend that wrote it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import h5py
+import keras
+import numpy as np
+from jax_models import compiled, mlp
+
+import keras_gradtrack as kgt
+from keras_gradtrack.statistics import DEFAULT_STATISTICS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_logger_writes_the_schema_and_names_the_backend(tmp_path: Path) -> None:
+    model = compiled(mlp(kgt.GradientTrackingModel))
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(40, 12)).astype("float32"), rng.integers(0, 3, 40)
+    ids = np.arange(40, dtype=np.int64) + 2**40
+    path = tmp_path / "run.h5"
+    logger = kgt.HDF5GradientLogger(path, every_n_steps=2)
+    model.fit({"x": x, "example_id": ids}, y, batch_size=8, epochs=2, verbose=0, callbacks=[logger])
+    with h5py.File(path, "r") as f:
+        assert f.attrs["backend"] == "jax"
+        assert f.attrs["schema_version"] == 2
+        assert list(f["layers"].attrs["names"]) == model.tracked_layer_names
+        assert f["per_example/example_id"].dtype == np.int64
+        # Every second of the ten steps (two epochs of five): 5 tracked steps of 8.
+        assert f["per_example/cosine"].shape == (40,)
+        assert f["per_example/layer_grad_norm"].shape == (40, 3)
+        assert set(f["per_example/example_id"][:]) <= set(ids)
+        assert f["per_step/step"][:].tolist() == [0, 2, 4, 6, 8]
+        for name in DEFAULT_STATISTICS:
+            group = "per_example" if name in f["per_example"] else "per_step"
+            assert name in f[group], name
+    log = kgt.GradientLog(path)
+    assert np.all(np.isfinite(log.per_example("cosine")))
+
+
+def test_a_tracked_fit_imports_no_tensorflow() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        import keras, numpy as np
+        import keras_gradtrack as kgt
+        from keras_gradtrack import statistics
+        inputs = keras.Input((4,))
+        model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        reports = []
+        model.gradient_tracking.subscribe("k", statistics.resolve(None), 1, reports.append)
+        model.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), verbose=0)
+        assert reports[0].values["cosine"].shape == (8,)
+        assert "tensorflow" not in sys.modules, "tensorflow was imported"
+        """
+    )
+    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_keras_runs_on_jax_here() -> None:
+    assert keras.backend.backend() == "jax"

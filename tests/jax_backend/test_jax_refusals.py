@@ -1,0 +1,97 @@
+"""What the JAX engine does not do yet is refused before training, naming the backend."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_gradtrack as kgt
+from keras_gradtrack import statistics
+
+X, Y = np.ones((8, 3, 4), "float32"), np.zeros(8, "int32")
+
+
+def model_with(layer: keras.layers.Layer) -> keras.Model:
+    inputs = keras.Input((3, 4))
+    features = layer(inputs)
+    if len(features.shape) > 2:
+        features = keras.layers.Flatten()(features)
+    model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(features))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def fit_tracked(model: keras.Model, names: list[str] | None = None) -> None:
+    model.gradient_tracking.subscribe("test", statistics.resolve(names), 1, lambda r: None)
+    model.fit(X, Y, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize(
+    ("layer", "match"),
+    [
+        (keras.layers.LSTM(3), "recurrent.*JAX backend"),
+        (keras.layers.BatchNormalization(), "BatchNormalization.*JAX backend"),
+    ],
+)
+def test_layers_refused_on_jax(layer: keras.layers.Layer, match: str) -> None:
+    model = model_with(layer)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=match):
+        fit_tracked(model)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_opt_in_statistics_are_refused_on_jax() -> None:
+    with pytest.raises(NotImplementedError, match="JAX backend"):
+        fit_tracked(model_with(keras.layers.Dense(3)), ["pairwise_cosine"])
+
+
+def test_attribution_targets_are_refused_on_jax(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = model_with(keras.layers.Dense(3))
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", targets=(X[:2], Y[:2]))
+    with pytest.raises(NotImplementedError, match="JAX backend"):
+        model.fit(X, Y, batch_size=8, verbose=0, callbacks=[logger])
+
+
+def test_make_private_is_refused_on_jax() -> None:
+    with pytest.raises(NotImplementedError, match="JAX backend"):
+        model_with(keras.layers.Dense(3)).make_private(1.0, 1.0)
+
+
+def test_a_model_of_its_own_train_step_is_refused_on_tracked_steps() -> None:
+    class OwnStep(kgt.GradientTrackingModel):
+        def train_step(self, state, data):  # type: ignore[no-untyped-def]
+            return super().train_step(state, data)
+
+    inputs = keras.Input((3, 4))
+    model = OwnStep(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(inputs)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(X, Y, batch_size=8, verbose=0)  # untracked: its own step runs
+    with pytest.raises(NotImplementedError, match="own train_step"):
+        fit_tracked(model)
+
+
+def test_untracked_fit_is_plain_keras() -> None:
+    model = model_with(keras.layers.Dense(3))
+    model.fit(X, Y, batch_size=4, verbose=0)
+    assert model.gradient_tracking.step == 2
+
+
+def test_a_loss_of_several_outputs_is_refused_before_any_weight_changes() -> None:
+    inputs = keras.Input((3, 4))
+    flat = keras.layers.Flatten()(inputs)
+    outputs = {
+        "a": keras.layers.Dense(2, name="a")(flat),
+        "b": keras.layers.Dense(2, name="b")(flat),
+    }
+    model = kgt.GradientTrackingModel(inputs, outputs)
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+    before = model.get_weights()
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    targets = {"a": np.zeros((8, 2), "float32"), "b": np.zeros((8, 2), "float32")}
+    with pytest.raises(ValueError, match=r"JAX backend.*one loss"):
+        model.fit(X, targets, batch_size=8, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
