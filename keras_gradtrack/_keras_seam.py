@@ -16,6 +16,7 @@ in `TRAINER_ATTRIBUTES`, and a test compares the copy with the installed source.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,14 +24,27 @@ import keras
 from keras.src import backend as keras_backend
 from keras.src.applications.convnext import LayerScale
 from keras.src.backend.common.tensor_attributes import get_tensor_attr, set_tensor_attr
-from keras.src.backend.tensorflow.trainer import (
-    _collective_all_reduce_multi_worker as collective_all_reduce_multi_worker,
-)
 from keras.src.losses import loss as loss_module
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving import saving_lib
-from tensorflow.python.util import _pywrap_util_port
+
+# The two TensorFlow-only names are imported where they are used, so that this module
+# (and the loggers that read Keras objects through it) imports no TensorFlow on JAX.
+
+
+def collective_all_reduce_multi_worker(strategy: Any) -> bool:
+    """Whether `strategy` all-reduces across workers (Keras' own test)."""
+    from keras.src.backend.tensorflow.trainer import _collective_all_reduce_multi_worker
+
+    return bool(_collective_all_reduce_multi_worker(strategy))
+
+
+def _is_mkl_enabled() -> Callable[[], Any]:
+    from tensorflow.python.util import _pywrap_util_port
+
+    return _pywrap_util_port.IsMklEnabled
+
 
 # The attribute Keras attaches a tensor's mask under (`tensor_attributes`).
 KERAS_MASK = "_keras_mask"
@@ -73,7 +87,7 @@ def reshape_into_groups(layer: Any, x: Any) -> Any:
 
 def is_onednn_enabled() -> bool:
     """Whether TensorFlow runs oneDNN's CPU kernels in this process."""
-    return bool(_pywrap_util_port.IsMklEnabled())
+    return bool(_is_mkl_enabled()())
 
 
 def tf_variable(variable: Any) -> Any:
@@ -142,7 +156,11 @@ PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
     "keras.src.backend.common.tensor_attributes.get_tensor_attr": lambda: get_tensor_attr,
     "keras.src.backend.common.tensor_attributes.set_tensor_attr": lambda: set_tensor_attr,
     "keras.src.backend.tensorflow.trainer._collective_all_reduce_multi_worker": (
-        lambda: collective_all_reduce_multi_worker
+        lambda: (
+            importlib.import_module(
+                "keras.src.backend.tensorflow.trainer"
+            )._collective_all_reduce_multi_worker
+        )
     ),
     "keras.src.losses.loss.reduce_values": lambda: loss_module.reduce_values,
     "keras.src.losses.loss.unscale_loss_for_distribution": (
@@ -152,9 +170,7 @@ PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
     "keras.src.models.model.functional_init_arguments": lambda: functional_init_arguments,
     "keras.src.saving.saving_lib.save_weights_only": lambda: saving_lib.save_weights_only,
     "keras.src.saving.saving_lib.load_weights_only": lambda: saving_lib.load_weights_only,
-    "tensorflow.python.util._pywrap_util_port.IsMklEnabled": (
-        lambda: _pywrap_util_port.IsMklEnabled
-    ),
+    "tensorflow.python.util._pywrap_util_port.IsMklEnabled": _is_mkl_enabled,
     "Layer._flatten_layers": _probe_attribute("_flatten_layers"),
     "Layer._trainable_variables": _probe_attribute("_trainable_variables"),
     "Layer._losses": _probe_attribute("_losses"),

@@ -5,14 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import compiled_loss, flatten_layers
-from keras_gradtrack.attribution.sketches import GradientSketch, save_checkpoint
-from keras_gradtrack.attribution.targets import TargetSet
 from keras_gradtrack.callbacks.base import (
     FileLogger,
     StatisticsCallback,
@@ -22,8 +20,6 @@ from keras_gradtrack.callbacks.base import (
     refuse_square_statistics,
     require_tracking_model,
 )
-from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
-from keras_gradtrack.engine.requests import AttributionRequest
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.io.checkpoints import check_checkpoints, checkpoint_path, remove_checkpoints
 from keras_gradtrack.io.checks import check_flush_seconds
@@ -37,6 +33,19 @@ from keras_gradtrack.io.schema import (
 )
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
+
+if TYPE_CHECKING:
+    from keras_gradtrack.engine.requests import AttributionRequest
+
+
+def privacy_of(model: Any) -> tuple[list[Statistic], dict[str, Any]]:
+    """A private model's extra statistics and log attributes (none for another model:
+    the private step is the TensorFlow engine's, imported only for a private model)."""
+    if getattr(model, "privacy_settings", None) is None:
+        return [], {}
+    from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
+
+    return privacy_statistics(model), privacy_attrs(model)
 
 
 class HDF5GradientLogger(StatisticsCallback, FileLogger):
@@ -134,8 +143,17 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self.compression = compression
-        self.targets = None if targets is None else TargetSet.from_argument(targets)
-        self.sketch = None if sketch_dim is None else GradientSketch(sketch_dim, sketch_seed)
+        # Attribution is the TensorFlow engine's: imported only when asked for.
+        self.targets = None
+        if targets is not None:
+            from keras_gradtrack.attribution.targets import TargetSet
+
+            self.targets = TargetSet.from_argument(targets)
+        self.sketch = None
+        if sketch_dim is not None:
+            from keras_gradtrack.attribution.sketches import GradientSketch
+
+            self.sketch = GradientSketch(sketch_dim, sketch_seed)
         self.checkpoint_every = checkpoint_every
         # Sketches are only of use with weights to sketch targets at.
         self._checkpoints = checkpoint_every is not None or sketch_dim is not None
@@ -175,7 +193,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         if self.sketch is not None:
             requests.append(self.sketch)
         # A private model's log also holds the pre-clip norms and the fraction clipped.
-        private = privacy_statistics(self.model)
+        private, _ = privacy_of(self.model)
         names = {statistic.name for statistic in private}
         self.statistics = [s for s in self.statistics if s.name not in names] + private
         self._first_step = self.model.gradient_tracking.step
@@ -202,6 +220,8 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         path = checkpoint_path(self.path, self.writer.step_offset + step)
         path.parent.mkdir(exist_ok=True)
         # Before the step runs: the weights of its gradients, as the log's rows use them.
+        from keras_gradtrack.attribution.sketches import save_checkpoint
+
         save_checkpoint(self.model, path)
 
     def _consume(self, report: StepReport) -> None:
@@ -254,7 +274,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
             sketch=sketch,
             attrs={
                 **log_attrs(self.model),
-                **privacy_attrs(self.model),
+                **privacy_of(self.model)[1],
             },
             overwrite=self.overwrite,
             append=self.append,
