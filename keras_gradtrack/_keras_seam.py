@@ -12,6 +12,8 @@ that instead (`keras.utils.pack_x_y_sample_weight`, calling a model with
 `GradientTrackingMixin.train_step` is Keras' own `TensorFlowTrainer.train_step`
 with `tape.gradient` replaced; the private attributes that copy reads are listed
 in `TRAINER_ATTRIBUTES`, and a test compares the copy with the installed source.
+Both engines use this module (the JAX engine too): it imports no TensorFlow itself,
+its two TensorFlow names are imported where they are used.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from keras.src import backend as keras_backend
 from keras.src.applications.convnext import LayerScale
 from keras.src.backend.common.tensor_attributes import get_tensor_attr, set_tensor_attr
 from keras.src.losses import loss as loss_module
+from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving import saving_lib
@@ -93,6 +96,21 @@ def is_onednn_enabled() -> bool:
 def tf_variable(variable: Any) -> Any:
     """The `tf.Variable` under a Keras variable (the variable itself otherwise)."""
     return getattr(variable, "_value", variable)
+
+
+def update_metrics_variables(
+    model: Any,
+    metrics_variables: Any,
+    unscaled_loss: Any,
+    x: Any,
+    y: Any,
+    y_pred: Any,
+    sample_weight: Any,
+) -> tuple[Any, Any]:
+    """`(logs, metrics_variables)` after the step, as Keras' JAX `train_step` computes them."""
+    return model._update_metrics_variables(
+        metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
+    )
 
 
 def functional_inputs(model: Any) -> Any:
@@ -166,6 +184,7 @@ PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
     "keras.src.losses.loss.unscale_loss_for_distribution": (
         lambda: loss_module.unscale_loss_for_distribution
     ),
+    "keras.src.losses.losses.LossFunctionWrapper": lambda: LossFunctionWrapper,
     "keras.src.models.functional.Functional": lambda: Functional,
     "keras.src.models.model.functional_init_arguments": lambda: functional_init_arguments,
     "keras.src.saving.saving_lib.save_weights_only": lambda: saving_lib.save_weights_only,
@@ -189,5 +208,10 @@ PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
         lambda: keras.layers.GroupNormalization(1), "_reshape_into_groups"
     ),
     "tensor attribute _keras_mask": lambda: _masked_tensor_attribute(),
+    "JAXTrainer._update_metrics_variables": lambda: (
+        importlib.import_module(
+            "keras.src.backend.jax.trainer"
+        ).JAXTrainer._update_metrics_variables
+    ),
     **{f"Model.{name}": _probe_attribute(name) for name in TRAINER_ATTRIBUTES},
 }

@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.backends.jax._keras_seam import Functional, functional_init_arguments
+from keras_gradtrack._keras_seam import Functional, functional_init_arguments
 from keras_gradtrack.backends.jax.mixin import GradientTrackingMixin
 
 __all__ = ["GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.backends.jax._keras_seam import flatten_layers, own_trainable_variables
+from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
 from keras_gradtrack.backends.jax.rules import JaxRule, lookup
 
 FALLBACK_PATH = "fallback (per-layer vmap of jax.grad)"

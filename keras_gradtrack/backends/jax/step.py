@@ -28,8 +28,8 @@ import keras
 import numpy as np
 from keras import tree
 
+from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.jax._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import (
