@@ -113,6 +113,39 @@ def update_metrics_variables(
     )
 
 
+# A `keras.Model` subclass -> its variant with `Functional` mixed in.
+_FUNCTIONAL_VARIANTS: dict[type, type] = {}
+
+
+def functional_variant(cls: type, variant: type | None = None) -> type:
+    """`cls` with `Functional` mixed in (same name and module, so saving finds `cls`);
+    `variant` registers a class declared for it instead."""
+    if variant is not None:
+        _FUNCTIONAL_VARIANTS[cls] = variant
+    if cls not in _FUNCTIONAL_VARIANTS:
+        _FUNCTIONAL_VARIANTS[cls] = type(
+            cls.__name__,
+            (cls, Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+    return _FUNCTIONAL_VARIANTS[cls]
+
+
+class FunctionalWhenGivenInputs:
+    """Put before `keras.Model` in a subclass's bases: constructed with inputs and
+    outputs, the class builds its `functional_variant`.
+
+    Keras makes a `Model` subclass functional by rewriting its bases in place, after
+    which subclass-style construction of the same class fails; a functional variant
+    of the class keeps both styles working.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            cls = functional_variant(cls)
+        return super().__new__(cls)  # type: ignore[misc]
+
+
 def functional_inputs(model: Any) -> Any:
     """The input structure of a functional (or Sequential's inner functional) model,
     or None."""
