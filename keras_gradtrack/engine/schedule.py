@@ -146,3 +146,40 @@ class GradientTrackingState:
                     errors.append(error)
         if errors:
             raise errors[0]
+
+
+class TracksGradients:
+    """What a tracking model has on every backend: its `GradientTrackingState` and
+    its plan's columns. Each engine's mixin supplies `_build_tracking_plan`."""
+
+    @property
+    def gradient_tracking(self) -> GradientTrackingState:
+        """The model's step counter and its gradient callbacks' subscriptions."""
+        state = self.__dict__.get("_gradient_tracking_state")
+        if state is None:
+            state = GradientTrackingState()
+            self.__dict__["_gradient_tracking_state"] = state
+        return state
+
+    def gradient_tracking_plan(self) -> Any:
+        """The tracked layers, in the column order of the per-layer statistics.
+
+        Raises:
+            ValueError: If the model is not built, or cannot be tracked (no trainable
+                weights, a BatchNormalization layer that may train without
+                `track_batch_normalization`, variables outside layers).
+        """
+        if not self.built:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"Model {self.name!r} is not built yet; call it on a batch or `build()` "  # type: ignore[attr-defined]
+                "it before asking for its tracking plan."
+            )
+        return self._build_tracking_plan()
+
+    def _build_tracking_plan(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def tracked_layer_names(self) -> list[str]:
+        """Names of the per-layer statistic columns."""
+        return [tracked.name for tracked in self.gradient_tracking_plan()]

@@ -24,13 +24,13 @@ from keras_gradtrack.engine.independence import (
     subscribes_to_gradients,
 )
 from keras_gradtrack.engine.plan import Plan, build_plan
-from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
 from keras_gradtrack.engine.step import tracked_gradient
 from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.statistics import Statistic
 
 
-class GradientTrackingMixin(BatchNormalizationTracking):
+class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
     """Adds per-example gradient tracking to a `keras.Model` (TensorFlow backend).
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -68,15 +68,6 @@ class GradientTrackingMixin(BatchNormalizationTracking):
             return self.out(self.hidden(x))
     ```
     """
-
-    @property
-    def gradient_tracking(self) -> GradientTrackingState:
-        """The model's step counter and its gradient callbacks' subscriptions."""
-        state = self.__dict__.get("_gradient_tracking_state")
-        if state is None:
-            state = GradientTrackingState()
-            self.__dict__["_gradient_tracking_state"] = state
-        return state
 
     @property
     def check_example_independence(self) -> bool:
@@ -160,26 +151,8 @@ class GradientTrackingMixin(BatchNormalizationTracking):
         """Private steps this model has taken since `make_private` (for the accountant)."""
         return int(self.__dict__.get("_private_steps", 0))
 
-    def gradient_tracking_plan(self) -> Plan:
-        """The tracked layers, in the column order of the per-layer statistics.
-
-        Raises:
-            ValueError: If the model cannot be tracked (no trainable weights, a
-                BatchNormalization layer that may train without
-                `track_batch_normalization`, variables outside layers). Call it
-                on a built model.
-        """
-        if not self.built:
-            raise ValueError(
-                f"Model {self.name!r} is not built yet; call it on a batch or `build()` it "
-                "before asking for its tracking plan."
-            )
+    def _build_tracking_plan(self) -> Plan:
         return build_plan(self)
-
-    @property
-    def tracked_layer_names(self) -> list[str]:
-        """Names of the per-layer statistic columns."""
-        return [tracked.name for tracked in self.gradient_tracking_plan()]
 
     def gradient_tracking_summary(
         self, print_fn: Callable[[str], Any] | None = None, *, x: Any = None

@@ -20,7 +20,7 @@ from keras_gradtrack.backends.jax.step import (
     tracked_train_step,
     unpacked,
 )
-from keras_gradtrack.engine.schedule import PAYLOAD_KEY, GradientTrackingState
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
@@ -33,7 +33,7 @@ def unsupported(what: str) -> NotImplementedError:
     )
 
 
-class GradientTrackingMixin:
+class GradientTrackingMixin(TracksGradients):
     """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -63,15 +63,6 @@ class GradientTrackingMixin:
     """
 
     @property
-    def gradient_tracking(self) -> GradientTrackingState:
-        """The model's step counter and its gradient callbacks' subscriptions."""
-        state = self.__dict__.get("_gradient_tracking_state")
-        if state is None:
-            state = GradientTrackingState()
-            self.__dict__["_gradient_tracking_state"] = state
-        return state
-
-    @property
     def distribute_strategy(self) -> None:
         """None: `tf.distribute` strategies do not exist on JAX (loggers ask for one)."""
         return None
@@ -84,19 +75,8 @@ class GradientTrackingMixin:
     def make_private(self, *args: Any, **kwargs: Any) -> None:
         raise unsupported("Private training (make_private)")
 
-    def gradient_tracking_plan(self) -> list[TrackedLayer]:
-        """The tracked layers, in the column order of the per-layer statistics."""
-        if not self.built:  # type: ignore[attr-defined]
-            raise ValueError(
-                f"Model {self.name!r} is not built yet; call it on a batch or `build()` "  # type: ignore[attr-defined]
-                "it before asking for its tracking plan."
-            )
+    def _build_tracking_plan(self) -> list[TrackedLayer]:
         return build_plan(self)
-
-    @property
-    def tracked_layer_names(self) -> list[str]:
-        """Names of the per-layer statistic columns."""
-        return [tracked.name for tracked in self.gradient_tracking_plan()]
 
     def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
         """Prints (and returns) which path computes each layer's per-example gradients.
