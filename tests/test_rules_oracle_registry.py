@@ -75,7 +75,9 @@ SETTINGS: dict[type, Setting] = {
 # (relative tolerance for norms and losses, absolute tolerance for cosines) under
 # mixed_float16, whose float16 keeps 11 significant bits (as in test_mixed_precision).
 MIXED_FLOAT16 = (5e-3, 1e-2)
-MODES = ["float32", "mixed_float16", "jit_compile"]
+MODES = ["float32", "mixed_float16", "jit_compile", "norms_only"]
+# Statistics that read no dots: the rule receives no Reference (its product-free path).
+NORMS_ONLY = ["loss", "grad_norm", "layer_grad_norm", "gradient_diversity"]
 
 
 def registered_classes() -> list[type]:
@@ -142,6 +144,10 @@ def test_registered_rule_matches_the_oracle(
         assert_matches_oracle(reference.gradient_statistics(x, y), expected)
     elif mode == "jit_compile":
         assert_matches_oracle(fitted_statistics(reference, x, y, tmp_path / "run.h5"), expected)
+    elif mode == "norms_only":
+        stats = reference.gradient_statistics(x, y, statistics=NORMS_ONLY)
+        assert stats.keys() >= set(NORMS_ONLY)
+        assert_matches_oracle(stats, expected)
     else:
         keras.mixed_precision.set_global_policy(mode)
         model = build(setting)
