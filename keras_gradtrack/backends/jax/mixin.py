@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.backends.jax.independence import find_example_mixing
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.step import (
     Layout,
@@ -19,6 +20,11 @@ from keras_gradtrack.backends.jax.step import (
     split_example_ids,
     tracked_train_step,
     unpacked,
+)
+from keras_gradtrack.engine.example_independence import (
+    IndependenceGuard,
+    mixing_error,
+    subscribes_to_gradients,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
@@ -44,11 +50,14 @@ class GradientTrackingMixin(TracksGradients):
     `jax.value_and_grad`: the optimizer receives the same gradients as in
     Keras' step, and the probes' gradients give the per-example statistics.
 
+    Before the first tracked step of a fit with a gradient callback (and in
+    `gradient_statistics`), the example-independence guard runs, as on
+    TensorFlow (`check_example_independence`).
+
     Not on JAX yet (each refused with an error naming the backend): a model's
-    own `train_step` on tracked steps, recurrent layers, BatchNormalization in
-    training, attribution targets and sketches, `keras.distribution`, loss
-    scaling, `make_private`, opt-in statistics (`pairwise_cosine`,
-    `input_grad_norm`), and the example-independence guard (not run).
+    own `train_step` on tracked steps, recurrent layers, BatchNormalization in training, attribution targets and sketches,
+    `keras.distribution`, loss scaling, `make_private`, opt-in statistics
+    (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
 
@@ -61,6 +70,33 @@ class GradientTrackingMixin(TracksGradients):
     model.fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5")])
     ```
     """
+
+    @property
+    def check_example_independence(self) -> bool:
+        """Whether a fit checks, before its first tracked step, that examples do not mix
+        (default True).
+
+        In inference mode, the step's batch runs as it is and with its second half
+        replaced by other examples; the first half's outputs and per-example
+        losses must not change, otherwise the step is refused before any weight
+        changes (an operation mixes examples, so no per-example gradient is
+        defined). It costs two forward passes of one batch, once per fit.
+
+        Example:
+
+        ```python
+        model.check_example_independence = False   # skip the check (at your own risk)
+        ```
+        """
+        return bool(self.__dict__.get("_check_example_independence", True))
+
+    @check_example_independence.setter
+    def check_example_independence(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"Expected check_example_independence to be a bool. Received: {value!r}"
+            )
+        self.__dict__["_check_example_independence"] = value
 
     @property
     def distribute_strategy(self) -> None:
@@ -132,6 +168,16 @@ class GradientTrackingMixin(TracksGradients):
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
             self._symbolic_build(data_batch=data)
+        state = tuple(
+            self._get_jax_state(  # type: ignore[attr-defined]
+                trainable_variables=True,
+                non_trainable_variables=True,
+                optimizer_variables=True,
+                metrics_variables=True,
+            )
+        )
+        if self.check_example_independence and not self.__dict__.get("_examples_independent"):
+            self._check_examples_independent(state, data)
         key = tuple(statistic.name for statistic in resolved)
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
@@ -146,14 +192,6 @@ class GradientTrackingMixin(TracksGradients):
 
             functions[key] = (jax.jit(compute), layouts)
         compute, layouts = functions[key]
-        state = tuple(
-            self._get_jax_state(  # type: ignore[attr-defined]
-                trainable_variables=True,
-                non_trainable_variables=True,
-                optimizer_variables=True,
-                metrics_variables=True,
-            )
-        )
         payload = unpacked(compute(state, data), layouts[-1])
         payload.pop(LEARNING_RATE)
         payload[BATCH_SIZE] = np.asarray(
@@ -166,11 +204,66 @@ class GradientTrackingMixin(TracksGradients):
     # -- Keras hooks --------------------------------------------------------
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
+        callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
+        self.__dict__["_independence_guard"] = IndependenceGuard(
+            self.check_example_independence and subscribes_to_gradients(callbacks)
+        )
         try:
             return super().fit(*args, **kwargs)  # type: ignore[misc]
         finally:
+            self.__dict__["_independence_guard"] = None
             # However fit ends, its subscribers finish: their files get every step.
             self.gradient_tracking.end_fit()
+
+    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
+        # Checked once per model here (a loop of train_on_batch calls), once per fit in fit.
+        self.__dict__["_independence_guard"] = IndependenceGuard(
+            self.check_example_independence
+            and self.gradient_tracking.subscribed()
+            and not self.__dict__.get("_examples_independent")
+        )
+        try:
+            return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.__dict__["_independence_guard"] = None
+
+    def _check_independence_once(self, state: Any, data: Any) -> None:
+        """Runs the example-independence guard on the first tracked step's batch, once
+        per fit (`IndependenceGuard.wanted`)."""
+        guard = self.__dict__.get("_independence_guard")
+        if guard is None or not guard.wanted:
+            return
+        guard.wanted = False
+        # A train_step of the model's own may feed the model something other than
+        # `x` (a GAN's latent samples): there the guard may not apply (docs/zoo.md).
+        self._check_examples_independent(state, data, forward_may_not_apply=self._has_own_step())
+
+    def _check_examples_independent(
+        self, state: Any, data: Any, forward_may_not_apply: bool = False
+    ) -> None:
+        """Runs the example-independence guard on one batch (without example ids) at the
+        variables' values in `state`; raises its refusal, or remembers that the model
+        passed (`_examples_independent`).
+
+        Args:
+            state: The step's state (trainable and non-trainable values first).
+            data: The batch, `(x, y, sample_weight)` packed as Keras packs it.
+            forward_may_not_apply: Whether a failure of the model's forward pass on
+                `x` means the guard does not apply (it is skipped) rather than an error.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        try:
+            mixing = find_example_mixing(self, state, x, y, sample_weight)
+        except Exception:
+            if not forward_may_not_apply:
+                raise
+            return
+        if mixing is not None:
+            raise mixing_error(self, mixing)
+        self.__dict__["_examples_independent"] = True
+
+    def _has_own_step(self) -> bool:
+        return getattr(type(self), "train_step", None) is not keras.Model.train_step
 
     def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if data_batch is None and iterator is not None:
@@ -207,7 +300,7 @@ class GradientTrackingMixin(TracksGradients):
             raise unsupported("Tracking under keras.distribution")
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
-        if own_step and getattr(type(self), "train_step", None) is not keras.Model.train_step:
+        if own_step and self._has_own_step():
             raise unsupported(
                 f"A tracked step of a model with its own train_step ({type(self).__name__})"
             )
@@ -243,6 +336,11 @@ class GradientTrackingMixin(TracksGradients):
                 return logs, state
             statistics, requests = tracking.statistics(due), tracking.requests(due)
             key = tuple(statistic.name for statistic in statistics)
+            try:
+                self._check_independence_once(state, data)
+            except Exception:
+                self._restore_variables(state)
+                raise
             if key not in tracked_by_statistics:
                 try:
                     self._refuse_untrackable(statistics, requests)
