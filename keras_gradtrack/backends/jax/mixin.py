@@ -12,6 +12,7 @@ import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.independence import find_example_mixing
+from keras_gradtrack.backends.jax.own_step import own_tracked_step, tracked_value_and_grad
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.step import (
     Layout,
@@ -50,12 +51,17 @@ class GradientTrackingMixin(TracksGradients):
     `jax.value_and_grad`: the optimizer receives the same gradients as in
     Keras' step, and the probes' gradients give the per-example statistics.
 
+    A model with its own `train_step(self, state, data)` keeps it: it runs on
+    every step, and calls `self.tracked_value_and_grad(fun, ...)` where it would
+    call `jax.value_and_grad(fun, ...)` (on a tracked step that does not, the step
+    raises before any weight changes).
+
     Before the first tracked step of a fit with a gradient callback (and in
     `gradient_statistics`), the example-independence guard runs, as on
     TensorFlow (`check_example_independence`).
 
-    Not on JAX yet (each refused with an error naming the backend): a model's
-    own `train_step` on tracked steps, recurrent layers, BatchNormalization in training, attribution targets and sketches,
+    Not on JAX yet (each refused with an error naming the backend): recurrent
+    layers, BatchNormalization in training, attribution targets and sketches,
     `keras.distribution`, loss scaling, `make_private`, opt-in statistics
     (`pairwise_cosine`, `input_grad_norm`).
 
@@ -111,6 +117,50 @@ class GradientTrackingMixin(TracksGradients):
     def make_private(self, *args: Any, **kwargs: Any) -> None:
         raise unsupported("Private training (make_private)")
 
+    def tracked_value_and_grad(
+        self, fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False
+    ) -> Callable[..., Any]:
+        """`jax.value_and_grad(fun, argnums, has_aux)` for a `train_step` of your own.
+
+        Call it where your `train_step(self, state, data)` calls
+        `jax.value_and_grad`: it returns the same function. On the steps a gradient
+        callback asks for, that function differentiates `fun` with respect to its
+        first argument (the values of `self.trainable_variables`, `state[0]`) and
+        to zero probes on the tracked layers' outputs and on the values each Keras
+        loss in `fun` reduces, in the same one backward pass: it returns the same
+        value and gradients, and the step's statistics join the logs your step
+        returns. The per-example losses `l_i` are those of the Keras losses `fun`
+        computes (the compiled loss through `compute_loss` or
+        `compute_loss_and_updates`, or any `keras.losses.Loss`); other terms of
+        the loss (weight penalties) enter the batch gradient `G` only.
+
+        Args:
+            fun: The function to differentiate; its first argument is the list of
+                trainable values.
+            argnums: Must be 0 on tracked steps (as Keras' own step uses it).
+            has_aux: As in `jax.value_and_grad`: `fun` returns `(loss, aux)`.
+
+        Returns:
+            A function of `fun`'s arguments returning `(value, grads)` (with
+            `has_aux`, `((loss, aux), grads)`), as `jax.value_and_grad` does.
+
+        Example:
+
+        ```python
+        class MyModel(kgt.GradientTrackingModel):
+            def train_step(self, state, data):
+                trainable, non_trainable, optimizer_vars, metrics_vars = state
+                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+                grad_fn = self.tracked_value_and_grad(self.compute_loss_and_updates, has_aux=True)
+                (loss, aux), grads = grad_fn(
+                    trainable, non_trainable, metrics_vars, x, y, sample_weight,
+                    training=True, optimizer_variables=optimizer_vars,
+                )
+                ...   # stateless_apply, metrics, as in Keras' train_step
+        ```
+        """
+        return tracked_value_and_grad(self, fun, argnums, has_aux)
+
     def _build_tracking_plan(self) -> list[TrackedLayer]:
         return build_plan(self)
 
@@ -163,7 +213,7 @@ class GradientTrackingMixin(TracksGradients):
         ```
         """
         resolved = statistics_module.resolve(statistics)
-        self._refuse_untrackable(resolved, (), own_step=False)
+        self._refuse_untrackable(resolved, ())
         data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
@@ -288,9 +338,7 @@ class GradientTrackingMixin(TracksGradients):
             return jax.jit(step, donate_argnums=0)
         return step
 
-    def _refuse_untrackable(
-        self, statistics: Sequence[Statistic], requests: Sequence[Any], own_step: bool = True
-    ) -> None:
+    def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         if requests:
             raise unsupported("Attribution (`targets=`, `sketch_dim=`)")
         opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
@@ -300,10 +348,6 @@ class GradientTrackingMixin(TracksGradients):
             raise unsupported("Tracking under keras.distribution")
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
-        if own_step and self._has_own_step():
-            raise unsupported(
-                f"A tracked step of a model with its own train_step ({type(self).__name__})"
-            )
 
     def _restore_variables(self, state: Any) -> None:
         trainable, non_trainable, optimizer_variables, metrics_variables = state
@@ -353,8 +397,11 @@ class GradientTrackingMixin(TracksGradients):
 
                 layouts: list[Layout] = []
 
+                # A train_step of the model's own runs, calling tracked_value_and_grad.
+                tracked_step = own_tracked_step if self._has_own_step() else tracked_train_step
+
                 def step(state: Any, data: Any) -> Any:
-                    logs, state = tracked_train_step(self, plan, statistics, state, data)
+                    logs, state = tracked_step(self, plan, statistics, state, data)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
                     layouts.append(layout)  # when traced
