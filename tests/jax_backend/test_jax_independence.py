@@ -4,6 +4,9 @@ works; the guard's passes change no state and no metric."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +17,12 @@ from jax_oracle import assert_matches_oracle, oracle_statistics
 from keras import layers, ops
 
 import keras_gradtrack as kgt
+from keras_gradtrack import statistics
+from keras_gradtrack.backends.jax import mixin as jax_mixin
+from keras_gradtrack.backends.jax.independence import find_example_mixing
 
 rng = np.random.default_rng(5)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class RecommenderNet(kgt.GradientTrackingMixin, keras.Model):
@@ -158,3 +165,65 @@ def test_a_loss_mixing_examples_is_refused_too() -> None:
     model.compile(optimizer="sgd", loss=batch_centred_error)
     with pytest.raises(ValueError, match=r"mixes the examples.*loss 0 of the first 4"):
         model.gradient_statistics(x, y)
+
+
+def test_the_guard_needs_no_tensorflow(tmp_path: Path) -> None:
+    # As on a GPU machine without TensorFlow: any import of it fails.
+    script = textwrap.dedent(
+        """
+        import importlib.abc, sys
+
+        class NoTensorFlow(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "tensorflow" or name.startswith("tensorflow."):
+                    raise ImportError(f"TensorFlow is not installed here: {name}")
+
+        sys.meta_path.insert(0, NoTensorFlow())
+        import keras, numpy as np
+        import keras_gradtrack as kgt
+        inputs = keras.Input((4,))
+        centred = keras.layers.Lambda(lambda x: x - keras.ops.mean(x, axis=0))(inputs)
+        model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(centred))
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+        try:
+            model.fit(x, np.ones((8, 2), "float32"), batch_size=8, verbose=0,
+                      callbacks=[kgt.HDF5GradientLogger(sys.argv[1])])
+        except ValueError as error:
+            assert "mixes the examples of a batch" in str(error), error
+        else:
+            raise AssertionError("not refused")
+        assert int(model.optimizer.iterations.numpy()) == 0
+        """
+    )
+    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "run.h5")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_loop_of_train_on_batch_is_checked_once_per_model(monkeypatch: Any) -> None:
+    checked: list[Any] = []
+
+    def counted(model: Any, *args: Any) -> Any:
+        checked.append(model)
+        return find_example_mixing(model, *args)
+
+    monkeypatch.setattr(jax_mixin, "find_example_mixing", counted)
+    x, y = ratings()
+    models = [recommender(), recommender(FixedRecommenderNet)]
+    for model in models:
+        model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    with pytest.raises(ValueError, match="mixes the examples of a batch"):
+        models[0].train_on_batch(x[:8], y[:8])
+    assert int(models[0].optimizer.iterations.numpy()) == 0
+    models[1].train_on_batch(x[:8], y[:8])
+    assert models[1].__dict__.get("_examples_independent")
+    models[1].train_on_batch(x[8:], y[8:])
+    assert int(models[1].optimizer.iterations.numpy()) == 2
+    assert checked == models

@@ -157,6 +157,20 @@ def test_the_statistics_of_an_own_train_step_match_the_oracle(name: str) -> None
     assert_matches_oracle(tracked_statistics(model, x, y), expected)
 
 
+def test_without_jit_an_own_train_step_gives_the_same_statistics() -> None:
+    x, y = data("guide_step")
+    found = []
+    for jit_compile in (True, False):
+        keras.utils.set_random_seed(7)
+        model = guide_step_model(kgt.GradientTrackingModel, tracked=True)
+        model.compile(
+            optimizer="sgd", loss=keras.losses.MeanSquaredError(), jit_compile=jit_compile
+        )
+        found.append(tracked_statistics(model, x, y))
+    for name, value in found[0].items():
+        np.testing.assert_allclose(found[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_sample_weights_reach_the_per_example_losses() -> None:
     model = keras_step_model(kgt.GradientTrackingModel, tracked=True)
     x, y = data("keras_step")
@@ -217,3 +231,62 @@ def test_the_documented_train_step_runs_and_is_exact(tmp_path: Path, monkeypatch
     model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError())  # the oracle's loss
     expected = oracle_statistics(model, x[:BATCH], y[:BATCH])
     assert_matches_oracle(tracked_statistics(model, x[:BATCH], y[:BATCH]), expected)
+
+
+class Misused(kgt.GradientTrackingModel):
+    """A step of its own calling `tracked_value_and_grad` as `how` says."""
+
+    how = "twice"
+
+    def train_step(self, state: Any, data: Any) -> Any:
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        loss_fn = keras.losses.MeanSquaredError()
+
+        def loss_of(trainable: Any, x: Any) -> Any:
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            return loss_fn(y, y_pred)
+
+        def head_only(trainable: Any, x: Any) -> Any:
+            y_pred, _ = self.get_layer("head").stateless_call(trainable[2:], [], x)
+            return loss_fn(y, y_pred)
+
+        if self.how == "argnums":
+            _, grads = self.tracked_value_and_grad(lambda x, t: loss_of(t, x), argnums=1)(
+                x, trainable
+            )
+        elif self.how == "head_only":
+            _, grads = self.tracked_value_and_grad(head_only)(trainable, x)
+        else:
+            self.tracked_value_and_grad(loss_of)(trainable, x)
+            _, grads = self.tracked_value_and_grad(loss_of)(trainable, x)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+@pytest.mark.parametrize(
+    ("how", "match"),
+    [
+        ("twice", "ran twice in one tracked step"),
+        ("argnums", "with respect to its function's first argument.*argnums=1"),
+        ("head_only", r"did not call the tracked layers \['hidden'\]"),
+    ],
+)
+def test_a_misused_tracked_value_and_grad_is_refused_before_any_weight_changes(
+    how: str, match: str
+) -> None:
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(6, name="hidden")(inputs)
+    model = Misused(inputs, keras.layers.Dense(2, name="head")(hidden))
+    model.how = how
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError())
+    x, y = data("guide_step")
+    model.fit(x, y, batch_size=BATCH, verbose=0)  # untracked: plain jax.value_and_grad
+    before = model.get_weights()
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
