@@ -11,7 +11,7 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack.backends.jax.independence import find_example_mixing
+from keras_gradtrack.backends.jax.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.jax.own_step import own_tracked_step, tracked_value_and_grad
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.step import (
@@ -24,7 +24,6 @@ from keras_gradtrack.backends.jax.step import (
 )
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
-    mixing_error,
     subscribes_to_gradients,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
@@ -40,7 +39,7 @@ def unsupported(what: str) -> NotImplementedError:
     )
 
 
-class GradientTrackingMixin(TracksGradients):
+class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -76,33 +75,6 @@ class GradientTrackingMixin(TracksGradients):
     model.fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5")])
     ```
     """
-
-    @property
-    def check_example_independence(self) -> bool:
-        """Whether a fit checks, before its first tracked step, that examples do not mix
-        (default True).
-
-        In inference mode, the step's batch runs as it is and with its second half
-        replaced by other examples; the first half's outputs and per-example
-        losses must not change, otherwise the step is refused before any weight
-        changes (an operation mixes examples, so no per-example gradient is
-        defined). It costs two forward passes of one batch, once per fit.
-
-        Example:
-
-        ```python
-        model.check_example_independence = False   # skip the check (at your own risk)
-        ```
-        """
-        return bool(self.__dict__.get("_check_example_independence", True))
-
-    @check_example_independence.setter
-    def check_example_independence(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"Expected check_example_independence to be a bool. Received: {value!r}"
-            )
-        self.__dict__["_check_example_independence"] = value
 
     @property
     def distribute_strategy(self) -> None:
@@ -264,53 +236,6 @@ class GradientTrackingMixin(TracksGradients):
             self.__dict__["_independence_guard"] = None
             # However fit ends, its subscribers finish: their files get every step.
             self.gradient_tracking.end_fit()
-
-    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        # Checked once per model here (a loop of train_on_batch calls), once per fit in fit.
-        self.__dict__["_independence_guard"] = IndependenceGuard(
-            self.check_example_independence
-            and self.gradient_tracking.subscribed()
-            and not self.__dict__.get("_examples_independent")
-        )
-        try:
-            return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.__dict__["_independence_guard"] = None
-
-    def _check_independence_once(self, state: Any, data: Any) -> None:
-        """Runs the example-independence guard on the first tracked step's batch, once
-        per fit (`IndependenceGuard.wanted`)."""
-        guard = self.__dict__.get("_independence_guard")
-        if guard is None or not guard.wanted:
-            return
-        guard.wanted = False
-        # A train_step of the model's own may feed the model something other than
-        # `x` (a GAN's latent samples): there the guard may not apply (docs/zoo.md).
-        self._check_examples_independent(state, data, forward_may_not_apply=self._has_own_step())
-
-    def _check_examples_independent(
-        self, state: Any, data: Any, forward_may_not_apply: bool = False
-    ) -> None:
-        """Runs the example-independence guard on one batch (without example ids) at the
-        variables' values in `state`; raises its refusal, or remembers that the model
-        passed (`_examples_independent`).
-
-        Args:
-            state: The step's state (trainable and non-trainable values first).
-            data: The batch, `(x, y, sample_weight)` packed as Keras packs it.
-            forward_may_not_apply: Whether a failure of the model's forward pass on
-                `x` means the guard does not apply (it is skipped) rather than an error.
-        """
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        try:
-            mixing = find_example_mixing(self, state, x, y, sample_weight)
-        except Exception:
-            if not forward_may_not_apply:
-                raise
-            return
-        if mixing is not None:
-            raise mixing_error(self, mixing)
-        self.__dict__["_examples_independent"] = True
 
     def _has_own_step(self) -> bool:
         return getattr(type(self), "train_step", None) is not keras.Model.train_step
