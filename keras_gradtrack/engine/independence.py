@@ -14,12 +14,14 @@ Its cost is two forward passes of one batch, once per fit;
 `model.check_example_independence = False` switches it off. Inference mode leaves training-only mixing (BatchNormalization in
 training mode) to its own refusal. The model's non-trainable and metric variables
 are restored afterwards, so nothing of the step changes: no state, no metric.
+The comparison, the refusal and when a fit checks are backend-neutral
+(`engine/example_independence.py`, which the JAX engine's guard uses too); the
+forward passes here are TensorFlow's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,32 +31,31 @@ import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack._keras_seam import flatten_layers
+from keras_gradtrack.engine.example_independence import (
+    IndependenceGuard,
+    Mixing,
+    first_batch,
+    first_mixing,
+    leading_size,
+    mixing_error,
+    rows,
+    subscribes_to_gradients,
+)
 from keras_gradtrack.engine.losses import recording_losses
 
-# Relative and absolute (to the largest value) tolerance of the comparison, by the
-# lowest float precision among the outputs: a different batch size may change the
-# order of a sum (BLAS blocking), never more than this.
-TOLERANCES = {"float16": 2e-2, "bfloat16": 5e-2}
-DEFAULT_TOLERANCE = 1e-3
-
-
-@dataclasses.dataclass(frozen=True)
-class Mixing:
-    """Where the guard found examples depending on each other.
-
-    Attributes:
-        what: `"output 0"`, `"loss 0"`, ...
-        difference: Largest absolute difference of the kept examples' values
-            between the two batches.
-        scale: Largest absolute value of the compared values.
-        kept: Examples kept in both batches; `batch`: the batch size.
-    """
-
-    what: str
-    difference: float
-    scale: float
-    kept: int
-    batch: int
+__all__ = [
+    "IndependenceGuard",
+    "find_example_mixing",
+    "first_batch",
+    "forward",
+    "leading_size",
+    "mixing_error",
+    "others_replaced",
+    "rows",
+    "state_variables",
+    "states_restored",
+    "subscribes_to_gradients",
+]
 
 
 def find_example_mixing(
@@ -77,21 +78,7 @@ def find_example_mixing(
         full = forward(model, x, y, sample_weight)
         restore()  # both passes start from the same states (a stateful layer's)
         variant = forward(model, *(others_replaced(value, kept) for value in (x, y, sample_weight)))
-    for what in full:
-        if what not in variant:
-            continue
-        # A loss may be normalized by a count over the batch (the unmasked positions of
-        # a masked sequence loss): one constant for all its examples, no mixing.
-        mixing = compare(
-            what,
-            variant[what][:kept],
-            full[what][:kept],
-            size,
-            up_to_scale=what.startswith("loss"),
-        )
-        if mixing is not None:
-            return mixing
-    return None
+    return first_mixing(full, variant, kept, size)
 
 
 def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndarray]:
@@ -113,56 +100,6 @@ def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndar
                 tf.reduce_sum(values, axis=axes) if axes else values
             )
     return found
-
-
-def compare(
-    what: str, variant: np.ndarray, in_batch: np.ndarray, size: int, up_to_scale: bool = False
-) -> Mixing | None:
-    """`Mixing` unless `variant` equals `in_batch` (times one positive factor, with
-    `up_to_scale`) within the tolerance of their precision."""
-    if variant.shape != in_batch.shape:
-        # Not a per-example value (an output without a batch axis).
-        return None
-    tolerance = TOLERANCES.get(str(variant.dtype), DEFAULT_TOLERANCE)
-    variant64, batch64 = variant.astype(np.float64), in_batch.astype(np.float64)
-    if up_to_scale:
-        both = np.isfinite(variant64) & np.isfinite(batch64)
-        norm = float(np.sum(batch64[both] ** 2))
-        factor = float(np.sum(variant64[both] * batch64[both])) / norm if norm else 1.0
-        if factor > 0:
-            batch64 = np.where(both, batch64 * factor, batch64)
-    finite = np.isfinite(variant64) & np.isfinite(batch64)
-    if not finite.any():
-        return None
-    # A non-finite value (a NaN loss of a diverged model) is compared by where it is.
-    scale = float(np.abs(batch64[finite]).max())
-    difference = np.abs(variant64[finite] - batch64[finite])
-    allowed = tolerance * (np.abs(batch64[finite]) + scale + np.finfo(np.float32).tiny)
-    if np.all(difference <= allowed) and np.array_equal(
-        np.isfinite(variant64), np.isfinite(batch64)
-    ):
-        return None
-    return Mixing(what, float(difference.max()), scale, len(variant), size)
-
-
-def mixing_error(model: Any, mixing: Mixing) -> ValueError:
-    """The refusal for a failed guard: the symptom and the ways out."""
-    return ValueError(
-        f"Model {model.name!r} mixes the examples of a batch: in inference mode, "
-        f"{mixing.what} of the first {mixing.kept} examples of a batch of {mixing.batch} "
-        "changes when the other examples are replaced (largest difference "
-        f"{mixing.difference:.3g}, values up to {mixing.scale:.3g}). Some operation lets "
-        "one example's values depend on the others (a `tensordot` or reduction over "
-        "the batch axis, a statistic of the batch), so example i's loss is not its own "
-        "and no per-example gradient is defined. Ways out: make the operation act on "
-        "each example alone (for a dot product of two (batch, dim) vectors, "
-        "`ops.sum(u * v, axis=-1, keepdims=True)` rather than `ops.tensordot(u, v, 2)`, "
-        "which sums over the batch too); for a normalization over the batch, see "
-        "BatchNormalization's options (`model.track_batch_normalization = True`, or "
-        "`kgt.convert_to_group_normalization(model)`). This check costs two forward "
-        "passes of one batch, once per fit; `model.check_example_independence = False` "
-        "switches it off."
-    )
 
 
 def state_variables(model: Any) -> list[Any]:
@@ -195,15 +132,6 @@ def states_restored(model: Any) -> Iterator[Callable[[], None]]:
         restore()
 
 
-def leading_size(x: Any) -> int | None:
-    sizes = {
-        int(value.shape[0])
-        for value in tree.flatten(x)
-        if hasattr(value, "shape") and len(value.shape) and value.shape[0] is not None
-    }
-    return sizes.pop() if len(sizes) == 1 else None
-
-
 def others_replaced(data: Any, kept: int) -> Any:
     """`data` (any structure; None stays None) with its rows from `kept` on replaced by
     its first rows in reverse order (the batch size stays)."""
@@ -218,43 +146,3 @@ def others_replaced(data: Any, kept: int) -> Any:
         return tf.concat([value[:kept], tf.reverse(value[: size - kept], axis=[0])], axis=0)
 
     return tree.map_structure(replaced, data)
-
-
-def rows(data: Any, count: int) -> Any:
-    """The first `count` examples of `data` (any structure; None stays None)."""
-    if data is None:
-        return None
-    return tree.map_structure(lambda value: None if value is None else value[:count], data)
-
-
-@dataclasses.dataclass
-class IndependenceGuard:
-    """One fit's guard: whether it runs, and the batch put aside for it.
-
-    Attributes:
-        wanted: Whether the fit checks (the setting is on and a gradient callback
-            will subscribe).
-        batch: The batch put aside, until the first tracked step checks it.
-    """
-
-    wanted: bool
-    batch: Any = None
-
-
-def subscribes_to_gradients(callbacks: Any) -> bool:
-    """Whether any of `fit`'s callbacks asks for tracked steps (`subscribes_to_gradients`)."""
-    if callbacks is None:
-        return False
-    callbacks = getattr(callbacks, "callbacks", callbacks)  # a keras CallbackList
-    return any(getattr(callback, "subscribes_to_gradients", False) for callback in callbacks)
-
-
-def first_batch(iterator: Any) -> Any:
-    """The first batch of `fit`'s epoch iterator (which Keras resets afterwards)."""
-    if iterator is None:
-        return None
-    for _, _, data_iterator in iterator:
-        if isinstance(data_iterator, (list, tuple)):
-            return data_iterator[0]
-        return next(data_iterator)
-    return None

@@ -11,6 +11,8 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.backends.jax.independence import ExampleIndependenceChecks
+from keras_gradtrack.backends.jax.own_step import own_tracked_step, tracked_value_and_grad
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.step import (
     Layout,
@@ -19,6 +21,10 @@ from keras_gradtrack.backends.jax.step import (
     split_example_ids,
     tracked_train_step,
     unpacked,
+)
+from keras_gradtrack.engine.example_independence import (
+    IndependenceGuard,
+    subscribes_to_gradients,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
@@ -33,7 +39,7 @@ def unsupported(what: str) -> NotImplementedError:
     )
 
 
-class GradientTrackingMixin(TracksGradients):
+class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -44,11 +50,19 @@ class GradientTrackingMixin(TracksGradients):
     `jax.value_and_grad`: the optimizer receives the same gradients as in
     Keras' step, and the probes' gradients give the per-example statistics.
 
-    Not on JAX yet (each refused with an error naming the backend): a model's
-    own `train_step` on tracked steps, recurrent layers, BatchNormalization in
-    training, attribution targets and sketches, `keras.distribution`, loss
-    scaling, `make_private`, opt-in statistics (`pairwise_cosine`,
-    `input_grad_norm`), and the example-independence guard (not run).
+    A model with its own `train_step(self, state, data)` keeps it: it runs on
+    every step, and calls `self.tracked_value_and_grad(fun, ...)` where it would
+    call `jax.value_and_grad(fun, ...)` (on a tracked step that does not, the step
+    raises before any weight changes).
+
+    Before the first tracked step of a fit with a gradient callback (and in
+    `gradient_statistics`), the example-independence guard runs, as on
+    TensorFlow (`check_example_independence`).
+
+    Not on JAX yet (each refused with an error naming the backend): recurrent
+    layers, BatchNormalization in training, attribution targets and sketches,
+    `keras.distribution`, loss scaling, `make_private`, opt-in statistics
+    (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
 
@@ -74,6 +88,50 @@ class GradientTrackingMixin(TracksGradients):
 
     def make_private(self, *args: Any, **kwargs: Any) -> None:
         raise unsupported("Private training (make_private)")
+
+    def tracked_value_and_grad(
+        self, fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False
+    ) -> Callable[..., Any]:
+        """`jax.value_and_grad(fun, argnums, has_aux)` for a `train_step` of your own.
+
+        Call it where your `train_step(self, state, data)` calls
+        `jax.value_and_grad`: it returns the same function. On the steps a gradient
+        callback asks for, that function differentiates `fun` with respect to its
+        first argument (the values of `self.trainable_variables`, `state[0]`) and
+        to zero probes on the tracked layers' outputs and on the values each Keras
+        loss in `fun` reduces, in the same one backward pass: it returns the same
+        value and gradients, and the step's statistics join the logs your step
+        returns. The per-example losses `l_i` are those of the Keras losses `fun`
+        computes (the compiled loss through `compute_loss` or
+        `compute_loss_and_updates`, or any `keras.losses.Loss`); other terms of
+        the loss (weight penalties) enter the batch gradient `G` only.
+
+        Args:
+            fun: The function to differentiate; its first argument is the list of
+                trainable values.
+            argnums: Must be 0 on tracked steps (as Keras' own step uses it).
+            has_aux: As in `jax.value_and_grad`: `fun` returns `(loss, aux)`.
+
+        Returns:
+            A function of `fun`'s arguments returning `(value, grads)` (with
+            `has_aux`, `((loss, aux), grads)`), as `jax.value_and_grad` does.
+
+        Example:
+
+        ```python
+        class MyModel(kgt.GradientTrackingModel):
+            def train_step(self, state, data):
+                trainable, non_trainable, optimizer_vars, metrics_vars = state
+                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+                grad_fn = self.tracked_value_and_grad(self.compute_loss_and_updates, has_aux=True)
+                (loss, aux), grads = grad_fn(
+                    trainable, non_trainable, metrics_vars, x, y, sample_weight,
+                    training=True, optimizer_variables=optimizer_vars,
+                )
+                ...   # stateless_apply, metrics, as in Keras' train_step
+        ```
+        """
+        return tracked_value_and_grad(self, fun, argnums, has_aux)
 
     def _build_tracking_plan(self) -> list[TrackedLayer]:
         return build_plan(self)
@@ -127,11 +185,21 @@ class GradientTrackingMixin(TracksGradients):
         ```
         """
         resolved = statistics_module.resolve(statistics)
-        self._refuse_untrackable(resolved, (), own_step=False)
+        self._refuse_untrackable(resolved, ())
         data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
             self._symbolic_build(data_batch=data)
+        state = tuple(
+            self._get_jax_state(  # type: ignore[attr-defined]
+                trainable_variables=True,
+                non_trainable_variables=True,
+                optimizer_variables=True,
+                metrics_variables=True,
+            )
+        )
+        if self.check_example_independence and not self.__dict__.get("_examples_independent"):
+            self._check_examples_independent(state, data)
         key = tuple(statistic.name for statistic in resolved)
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
@@ -146,14 +214,6 @@ class GradientTrackingMixin(TracksGradients):
 
             functions[key] = (jax.jit(compute), layouts)
         compute, layouts = functions[key]
-        state = tuple(
-            self._get_jax_state(  # type: ignore[attr-defined]
-                trainable_variables=True,
-                non_trainable_variables=True,
-                optimizer_variables=True,
-                metrics_variables=True,
-            )
-        )
         payload = unpacked(compute(state, data), layouts[-1])
         payload.pop(LEARNING_RATE)
         payload[BATCH_SIZE] = np.asarray(
@@ -166,11 +226,19 @@ class GradientTrackingMixin(TracksGradients):
     # -- Keras hooks --------------------------------------------------------
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
+        callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
+        self.__dict__["_independence_guard"] = IndependenceGuard(
+            self.check_example_independence and subscribes_to_gradients(callbacks)
+        )
         try:
             return super().fit(*args, **kwargs)  # type: ignore[misc]
         finally:
+            self.__dict__["_independence_guard"] = None
             # However fit ends, its subscribers finish: their files get every step.
             self.gradient_tracking.end_fit()
+
+    def _has_own_step(self) -> bool:
+        return getattr(type(self), "train_step", None) is not keras.Model.train_step
 
     def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if data_batch is None and iterator is not None:
@@ -195,9 +263,7 @@ class GradientTrackingMixin(TracksGradients):
             return jax.jit(step, donate_argnums=0)
         return step
 
-    def _refuse_untrackable(
-        self, statistics: Sequence[Statistic], requests: Sequence[Any], own_step: bool = True
-    ) -> None:
+    def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         if requests:
             raise unsupported("Attribution (`targets=`, `sketch_dim=`)")
         opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
@@ -207,10 +273,6 @@ class GradientTrackingMixin(TracksGradients):
             raise unsupported("Tracking under keras.distribution")
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
-        if own_step and getattr(type(self), "train_step", None) is not keras.Model.train_step:
-            raise unsupported(
-                f"A tracked step of a model with its own train_step ({type(self).__name__})"
-            )
 
     def _restore_variables(self, state: Any) -> None:
         trainable, non_trainable, optimizer_variables, metrics_variables = state
@@ -243,6 +305,11 @@ class GradientTrackingMixin(TracksGradients):
                 return logs, state
             statistics, requests = tracking.statistics(due), tracking.requests(due)
             key = tuple(statistic.name for statistic in statistics)
+            try:
+                self._check_independence_once(state, data)
+            except Exception:
+                self._restore_variables(state)
+                raise
             if key not in tracked_by_statistics:
                 try:
                     self._refuse_untrackable(statistics, requests)
@@ -255,8 +322,11 @@ class GradientTrackingMixin(TracksGradients):
 
                 layouts: list[Layout] = []
 
+                # A train_step of the model's own runs, calling tracked_value_and_grad.
+                tracked_step = own_tracked_step if self._has_own_step() else tracked_train_step
+
                 def step(state: Any, data: Any) -> Any:
-                    logs, state = tracked_train_step(self, plan, statistics, state, data)
+                    logs, state = tracked_step(self, plan, statistics, state, data)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
                     layouts.append(layout)  # when traced

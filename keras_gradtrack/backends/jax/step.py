@@ -219,24 +219,67 @@ def tracked_train_step(
     )
 
     losses, factor = per_example_losses(model, y, y_pred, sample_weight)
+    probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
+    # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
+    exact_factor = factor if added_losses == [0] else None
+    payload = statistics_payload(
+        model, plan, statistics, probed, losses, factor, exact_factor, batch_size_of(x)
+    )
+    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
+    state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
+    return {**logs, PAYLOAD_KEY: payload}, state
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbedPass:
+    """What one `jax.value_and_grad` with the probes gives.
+
+    Attributes:
+        calls: Per probed call, `(position of its layer in the plan, its kwargs)`.
+        inputs: Per probed call, the layer's inputs.
+        probe_grads: Per probed call, its probe's gradient (`c d l_i / d z_i`).
+        trainable: The values of `model.trainable_variables` differentiated at.
+        non_trainable: The values of `model.non_trainable_variables`.
+        grads: The gradients of the loss with respect to `trainable` (`G`).
+    """
+
+    calls: Sequence[tuple[int, dict[str, Any]]]
+    inputs: Sequence[Any]
+    probe_grads: Sequence[Any]
+    trainable: Sequence[Any]
+    non_trainable: Sequence[Any]
+    grads: Sequence[Any]
+
+
+def statistics_payload(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    probed: ProbedPass,
+    losses: Any,
+    factor: Any,
+    exact_factor: Any,
+    batch: int,
+) -> dict[str, Any]:
+    """Each statistic of the step, from its probed pass, the per-example losses `l_i`
+    `(B,)` and the factor `c` (`loss = c sum_i l_i`, plus penalties unless
+    `exact_factor`, which is then `c`)."""
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
     def lookup_value(variable: Any) -> Any:
         if id(variable) in position:
-            return trainable[position[id(variable)]]
-        return non_trainable[others[id(variable)]]
+            return probed.trainable[position[id(variable)]]
+        return probed.non_trainable[others[id(variable)]]
 
     def lookup_gradient(variable: Any) -> Any:
-        return grads[position[id(variable)]]
+        return probed.grads[position[id(variable)]]
 
-    # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
-    exact_factor = factor if added_losses == [0] else None
     columns = []
     for index, tracked in enumerate(plan):
         layer_calls = [
-            ProbedCall(inputs[n], kwargs, f32(probe_grads[n]) / factor)
-            for n, (owner, kwargs) in enumerate(calls)
+            ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
+            for n, (owner, kwargs) in enumerate(probed.calls)
             if owner == index
         ]
         if exact_factor is not None and len(layer_calls) == 1:
@@ -244,7 +287,6 @@ def tracked_train_step(
         columns.append(
             layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient, exact_factor)
         )
-    batch = batch_size_of(x)
     primitives = StepPrimitives(
         loss=losses,
         sq_norm=jnp.stack([c.sq_norm for c, _ in columns], axis=1),
@@ -253,10 +295,7 @@ def tracked_train_step(
         sum_sq_norm=jnp.stack([c.sum_sq_norm for c, _ in columns]),
         batch_size=jnp.asarray(batch, jnp.float32),
     )
-    payload = {s.name: f32(s.compute(primitives)) for s in statistics}
-    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
-    state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
-    return {**logs, PAYLOAD_KEY: payload}, state
+    return {s.name: f32(s.compute(primitives)) for s in statistics}
 
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]

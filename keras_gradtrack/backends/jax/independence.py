@@ -1,0 +1,184 @@
+"""The example-independence guard on JAX: the same two inference passes, statelessly.
+
+As on TensorFlow (`engine/independence.py`, whose comparison and refusal this
+uses: `engine/example_independence.py`), the model runs in inference mode on a
+batch and on the same batch with its second half replaced by the first half's
+examples reversed; the first half's outputs and per-example losses (the sums of
+the weighted values each Keras loss reduces) must not change. Here both passes
+run inside a `keras.StatelessScope` mapping the model's variables to the step's
+state: whatever a layer or the loss assigns stays in the scope, so no state and
+no metric of the model changes, and the weights are those of the step about to run.
+`ExampleIndependenceChecks` is the mixin's part of it: the setting
+`check_example_independence`, and the check once per fit (or per model, in a loop
+of `train_on_batch` and in `gradient_statistics`).
+
+Example:
+
+```python
+mixing = find_example_mixing(model, state, x, y)     # state: (trainable, non_trainable, ...)
+if mixing is not None:
+    raise mixing_error(model, mixing)
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import keras
+import numpy as np
+from keras import tree
+
+from keras_gradtrack.backends.jax.losses import per_example_values, recording_losses
+from keras_gradtrack.engine.example_independence import (
+    IndependenceGuard,
+    Mixing,
+    first_mixing,
+    leading_size,
+    mixing_error,
+)
+
+
+class ExampleIndependenceChecks:
+    """The guard's part of the JAX engine's `GradientTrackingMixin`: the setting, and
+    the check before the first tracked step (the mixin's `fit` says whether one is
+    wanted, by an `IndependenceGuard`; its train function calls
+    `_check_independence_once`)."""
+
+    @property
+    def check_example_independence(self) -> bool:
+        """Whether a fit checks, before its first tracked step, that examples do not mix
+        (default True).
+
+        In inference mode, the step's batch runs as it is and with its second half
+        replaced by other examples; the first half's outputs and per-example
+        losses must not change, otherwise the step is refused before any weight
+        changes (an operation mixes examples, so no per-example gradient is
+        defined). It costs two forward passes of one batch, once per fit.
+
+        Example:
+
+        ```python
+        model.check_example_independence = False   # skip the check (at your own risk)
+        ```
+        """
+        return bool(self.__dict__.get("_check_example_independence", True))
+
+    @check_example_independence.setter
+    def check_example_independence(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"Expected check_example_independence to be a bool. Received: {value!r}"
+            )
+        self.__dict__["_check_example_independence"] = value
+
+    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
+        # Checked once per model here (a loop of train_on_batch calls), once per fit in fit.
+        self.__dict__["_independence_guard"] = IndependenceGuard(
+            self.check_example_independence
+            and self.gradient_tracking.subscribed()  # type: ignore[attr-defined]
+            and not self.__dict__.get("_examples_independent")
+        )
+        try:
+            return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.__dict__["_independence_guard"] = None
+
+    def _check_independence_once(self, state: Any, data: Any) -> None:
+        """Runs the example-independence guard on the first tracked step's batch, once
+        per fit (`IndependenceGuard.wanted`)."""
+        guard = self.__dict__.get("_independence_guard")
+        if guard is None or not guard.wanted:
+            return
+        guard.wanted = False
+        # A train_step of the model's own may feed the model something other than
+        # `x` (a GAN's latent samples): there the guard may not apply (docs/zoo.md).
+        own_step = self._has_own_step()  # type: ignore[attr-defined]
+        self._check_examples_independent(state, data, forward_may_not_apply=own_step)
+
+    def _check_examples_independent(
+        self, state: Any, data: Any, forward_may_not_apply: bool = False
+    ) -> None:
+        """Runs the example-independence guard on one batch (without example ids) at the
+        variables' values in `state`; raises its refusal, or remembers that the model
+        passed (`_examples_independent`).
+
+        Args:
+            state: The step's state (trainable and non-trainable values first).
+            data: The batch, `(x, y, sample_weight)` packed as Keras packs it.
+            forward_may_not_apply: Whether a failure of the model's forward pass on
+                `x` means the guard does not apply (it is skipped) rather than an error.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        try:
+            mixing = find_example_mixing(self, state, x, y, sample_weight)
+        except Exception:
+            if not forward_may_not_apply:
+                raise
+            return
+        if mixing is not None:
+            raise mixing_error(self, mixing)
+        self.__dict__["_examples_independent"] = True
+
+
+def find_example_mixing(
+    model: Any, state: Any, x: Any, y: Any = None, sample_weight: Any = None
+) -> Mixing | None:
+    """Runs the guard on one batch: `Mixing` where it fails, None where it holds
+    (or where a batch of one example leaves nothing to compare).
+
+    Args:
+        model: A built Keras model.
+        state: The step's state; its first two entries are the values of
+            `model.trainable_variables` and `model.non_trainable_variables`.
+        x: The batch's inputs (without example ids).
+        y: Its targets; with a compiled loss, the per-example losses are compared too.
+        sample_weight: Its sample weights, if any.
+    """
+    size = leading_size(x)
+    if size is None or size < 2:
+        return None
+    kept = size // 2
+    mapping = [
+        *zip(model.trainable_variables, state[0]),
+        *zip(model.non_trainable_variables, state[1]),
+    ]
+    full = forward(model, mapping, x, y, sample_weight)
+    variant = forward(
+        model, mapping, *(others_replaced(value, kept) for value in (x, y, sample_weight))
+    )
+    return first_mixing(full, variant, kept, size)
+
+
+def forward(
+    model: Any, mapping: list[tuple[Any, Any]], x: Any, y: Any, sample_weight: Any
+) -> dict[str, np.ndarray]:
+    """`{what: (B, ...) values}`: the outputs and, with a compiled loss and targets,
+    the per-example sums of the weighted loss values Keras reduces."""
+    with keras.StatelessScope(state_mapping=mapping), recording_losses() as recorder:
+        y_pred = model(x, training=False)
+        if y is not None and model.loss is not None:
+            model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+    found: dict[str, np.ndarray] = {}
+    for index, output in enumerate(tree.flatten(y_pred)):
+        if getattr(output, "ndim", 0) and jnp.issubdtype(output.dtype, jnp.floating):
+            found[f"output {index}"] = np.asarray(output)
+    for index, record in enumerate(recorder.records):
+        found[f"loss {index}"] = np.asarray(per_example_values(record))
+    return found
+
+
+def others_replaced(data: Any, kept: int) -> Any:
+    """`data` (any structure; None stays None) with its rows from `kept` on replaced by
+    its first rows in reverse order (the batch size stays)."""
+    if data is None:
+        return None
+
+    def replaced(value: Any) -> Any:
+        if value is None:
+            return None
+        value = jnp.asarray(value)
+        return jnp.concatenate([value[:kept], jnp.flip(value[: value.shape[0] - kept], axis=0)])
+
+    return tree.map_structure(replaced, data)

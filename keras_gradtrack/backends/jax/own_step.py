@@ -1,0 +1,207 @@
+"""A model's own `train_step` on JAX: `tracked_value_and_grad` in place of `jax.value_and_grad`.
+
+Keras' JAX `train_step(self, state, data)` is stateless: it differentiates a
+function of the trainable variables' values (usually `compute_loss_and_updates`)
+with `jax.value_and_grad`, applies the gradients with
+`optimizer.stateless_apply` and returns `(logs, state)`. A model with its own
+step calls `self.tracked_value_and_grad(fun, argnums=0, has_aux=False)` where
+it would call `jax.value_and_grad(fun, ...)`: on untracked steps it is
+`jax.value_and_grad` itself; on a tracked step the same differentiation runs
+with a zero probe on each tracked layer's output and on the values each Keras
+loss reduces (`losses.py`), returns the same value and gradients, and hands the
+statistics to the step, which adds them to the logs the `train_step` returns.
+
+Example:
+
+```python
+def train_step(self, state, data):
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    grad_fn = self.tracked_value_and_grad(self.compute_loss_and_updates, has_aux=True)
+    (loss, aux), grads = grad_fn(trainable, non_trainable, metrics_variables, x, y, ...)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_gradtrack.backends.jax.losses import (
+    LossRecord,
+    LossRecorder,
+    loss_factor,
+    per_example_shares,
+    recording_losses,
+)
+from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.probes import Probes
+from keras_gradtrack.backends.jax.step import (
+    ProbedPass,
+    batch_size_of,
+    learning_rate,
+    statistics_payload,
+)
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY
+from keras_gradtrack.io.schema import LEARNING_RATE
+from keras_gradtrack.statistics import Statistic
+
+# Where a tracked step of the model's own `train_step` leaves its `OwnStepTracking`
+# (in the model's `__dict__`, while the step is traced).
+TRACKING_KEY = "_own_step_tracking"
+
+
+@dataclasses.dataclass
+class OwnStepTracking:
+    """One tracked step of a model's own `train_step`: what `tracked_value_and_grad`
+    needs, and the payload it leaves.
+
+    Attributes:
+        plan: The tracked layers.
+        statistics: The statistics asked for.
+        state: The step's state (the non-trainable values the rules read).
+        batch: The batch size.
+        payload: The statistics, once `tracked_value_and_grad` has run.
+    """
+
+    plan: Sequence[TrackedLayer]
+    statistics: Sequence[Statistic]
+    state: Any
+    batch: int
+    payload: dict[str, Any] | None = None
+
+
+def own_tracked_step(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    state: Any,
+    data: Any,
+) -> tuple[dict[str, Any], Any]:
+    """The model's own `train_step`, whose logs also carry the statistics under
+    `PAYLOAD_KEY` (from its call of `tracked_value_and_grad`).
+
+    Raises:
+        NotImplementedError: When the step did not call `tracked_value_and_grad`.
+    """
+    x = keras.utils.unpack_x_y_sample_weight(data)[0]
+    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x))
+    model.__dict__[TRACKING_KEY] = tracking
+    try:
+        logs, state = model.train_step(state, data)
+    finally:
+        model.__dict__.pop(TRACKING_KEY, None)
+    if tracking.payload is None:
+        raise NotImplementedError(
+            f"The train_step of {type(model).__name__} (a model's own train_step) did not "
+            "call `self.tracked_value_and_grad(fun, ...)`, so this tracked step has no "
+            f"per-example statistics on the {BACKEND} backend. Call it where the step "
+            "calls `jax.value_and_grad(fun, ...)` (it returns the same values and "
+            "gradients); see GradientTrackingMixin.tracked_value_and_grad."
+        )
+    return {**logs, PAYLOAD_KEY: tracking.payload}, state
+
+
+def tracked_value_and_grad(
+    model: keras.Model, fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """`jax.value_and_grad(fun, argnums, has_aux)`, which on a tracked step of the
+    model's own `train_step` also computes the step's statistics (see the module)."""
+    plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    def value_and_grad(*args: Any, **kwargs: Any) -> Any:
+        tracking = model.__dict__.get(TRACKING_KEY)
+        if tracking is None:
+            return plain(*args, **kwargs)
+        if argnums != 0 or not args:
+            raise ValueError(
+                "On a tracked step, `tracked_value_and_grad` differentiates with respect "
+                "to its function's first argument, the values of the model's trainable "
+                f"variables (`state[0]`). Received: argnums={argnums!r}"
+            )
+        if tracking.payload is not None:
+            raise ValueError(
+                "`tracked_value_and_grad` ran twice in one tracked step; the step's "
+                "statistics come from one differentiation of the loss."
+            )
+        result, tracking.payload = tracked_call(model, tracking, fun, has_aux, args, kwargs)
+        return result
+
+    return value_and_grad
+
+
+def tracked_call(
+    model: keras.Model,
+    tracking: OwnStepTracking,
+    fun: Callable[..., Any],
+    has_aux: bool,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """`(value_and_grad's result, payload)`: `fun` differentiated with respect to its
+    first argument, the probes and the loss probes, in one `jax.value_and_grad`."""
+    trainable, rest = args[0], args[1:]
+    expected = [tuple(v.shape) for v in model.trainable_variables]
+    if not isinstance(trainable, (list, tuple)) or [tuple(t.shape) for t in trainable] != expected:
+        raise ValueError(
+            "On a tracked step, `tracked_value_and_grad`'s function takes the values of "
+            "the model's trainable variables (`state[0]`, in the order of "
+            f"`model.trainable_variables`) as its first argument. Expected shapes {expected}. "
+            f"Received: {type(trainable).__name__} {trainable!r:.200}"
+        )
+    probes = Probes([tracked.layer for tracked in tracking.plan])
+    recorders: list[LossRecorder] = []
+
+    def forward(trainable: Any, probe_values: Any, loss_probes: Any) -> Any:
+        with probes.installed(probe_values), recording_losses(loss_probes) as recorder:
+            outputs = fun(trainable, *rest, **kwargs)
+        recorders.append(recorder)
+        value, aux = outputs if has_aux else (outputs, None)
+        inputs = [call_inputs for _, call_inputs, _ in probes.calls]
+        recorded = [(r.values, r.weight_sum) for r in recorder.records]
+        return value, (aux, inputs, list(probes.probed), recorded)
+
+    # A first trace records the shapes of the probed outputs and of the loss values.
+    _, (_, _, probed_shapes, recorded_shapes) = jax.eval_shape(
+        lambda t: forward(t, None, None), trainable
+    )
+    calls = [(index, call_kwargs) for index, _, call_kwargs in probes.calls]
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in probed_shapes]
+    loss_zeros = [jnp.zeros(values.shape, values.dtype) for values, _ in recorded_shapes]
+    (value, (aux, inputs, _, recorded)), (grads, probe_grads, loss_grads) = jax.value_and_grad(
+        forward, argnums=(0, 1, 2), has_aux=True
+    )(trainable, zeros, loss_zeros)
+    uncalled = sorted(
+        {tracked.name for tracked in tracking.plan}
+        - {tracking.plan[index].name for index, _ in calls}
+    )
+    if uncalled:
+        raise ValueError(
+            f"The function given to `tracked_value_and_grad` did not call the tracked "
+            f"layers {uncalled}, so their per-example gradients are not defined on this "
+            "step: differentiate a function that runs the model (`self.stateless_call` or "
+            "`self.compute_loss_and_updates`)."
+        )
+    recorder = recorders[-1]
+    records = [
+        LossRecord(values, record.kind, weight_sum)
+        for (values, weight_sum), record in zip(recorded, recorder.records)
+    ]
+    factor = loss_factor(
+        LossRecorder(records, recorder.refused, recorder.whole_batch), tracking.batch
+    )
+    losses = per_example_shares(records, loss_grads) / factor
+    probed = ProbedPass(calls, inputs, probe_grads, trainable, tracking.state[1], grads)
+    # The function may add terms of its own (penalties) to `c sum_i l_i`: the rules
+    # sum the per-example gradients rather than take `sum_i g_i` from `G`.
+    payload = statistics_payload(
+        model, tracking.plan, tracking.statistics, probed, losses, factor, None, tracking.batch
+    )
+    payload[LEARNING_RATE] = learning_rate(model, tracking.state[2])
+    result = ((value, aux) if has_aux else value), grads
+    return result, payload

@@ -1,0 +1,174 @@
+"""The example-independence guard's backend-neutral part: comparing, refusing, when to run.
+
+The guard (`engine/independence.py` on TensorFlow, `backends/jax/independence.py`
+on JAX) runs the model in inference mode on a batch and on the same batch with
+its second half replaced by other examples; this module compares the first
+half's values of the two passes (`first_mixing`), words the refusal
+(`mixing_error`) and says whether a fit runs the guard (`IndependenceGuard`,
+`subscribes_to_gradients`). It imports no TensorFlow, so the JAX engine uses it
+where TensorFlow is not installed.
+
+Example:
+
+```python
+mixing = first_mixing(full, variant, kept=4, size=8)   # {what: (B, ...) values} each
+if mixing is not None:
+    raise mixing_error(model, mixing)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from keras import tree
+
+# Relative and absolute (to the largest value) tolerance of the comparison, by the
+# lowest float precision among the outputs: a different batch size may change the
+# order of a sum (BLAS blocking), never more than this.
+TOLERANCES = {"float16": 2e-2, "bfloat16": 5e-2}
+DEFAULT_TOLERANCE = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixing:
+    """Where the guard found examples depending on each other.
+
+    Attributes:
+        what: `"output 0"`, `"loss 0"`, ...
+        difference: Largest absolute difference of the kept examples' values
+            between the two batches.
+        scale: Largest absolute value of the compared values.
+        kept: Examples kept in both batches; `batch`: the batch size.
+    """
+
+    what: str
+    difference: float
+    scale: float
+    kept: int
+    batch: int
+
+
+def first_mixing(
+    full: Mapping[str, np.ndarray], variant: Mapping[str, np.ndarray], kept: int, size: int
+) -> Mixing | None:
+    """The first value (`"output 0"`, `"loss 0"`, ...) whose kept rows differ between
+    the pass on the batch (`full`) and the pass with the other rows replaced
+    (`variant`); None when none does."""
+    for what in full:
+        if what not in variant:
+            continue
+        # A loss may be normalized by a count over the batch (the unmasked positions of
+        # a masked sequence loss): one constant for all its examples, no mixing.
+        mixing = compare(
+            what,
+            variant[what][:kept],
+            full[what][:kept],
+            size,
+            up_to_scale=what.startswith("loss"),
+        )
+        if mixing is not None:
+            return mixing
+    return None
+
+
+def compare(
+    what: str, variant: np.ndarray, in_batch: np.ndarray, size: int, up_to_scale: bool = False
+) -> Mixing | None:
+    """`Mixing` unless `variant` equals `in_batch` (times one positive factor, with
+    `up_to_scale`) within the tolerance of their precision."""
+    if variant.shape != in_batch.shape:
+        # Not a per-example value (an output without a batch axis).
+        return None
+    tolerance = TOLERANCES.get(str(variant.dtype), DEFAULT_TOLERANCE)
+    variant64, batch64 = variant.astype(np.float64), in_batch.astype(np.float64)
+    if up_to_scale:
+        both = np.isfinite(variant64) & np.isfinite(batch64)
+        norm = float(np.sum(batch64[both] ** 2))
+        factor = float(np.sum(variant64[both] * batch64[both])) / norm if norm else 1.0
+        if factor > 0:
+            batch64 = np.where(both, batch64 * factor, batch64)
+    finite = np.isfinite(variant64) & np.isfinite(batch64)
+    if not finite.any():
+        return None
+    # A non-finite value (a NaN loss of a diverged model) is compared by where it is.
+    scale = float(np.abs(batch64[finite]).max())
+    difference = np.abs(variant64[finite] - batch64[finite])
+    allowed = tolerance * (np.abs(batch64[finite]) + scale + np.finfo(np.float32).tiny)
+    if np.all(difference <= allowed) and np.array_equal(
+        np.isfinite(variant64), np.isfinite(batch64)
+    ):
+        return None
+    return Mixing(what, float(difference.max()), scale, len(variant), size)
+
+
+def mixing_error(model: Any, mixing: Mixing) -> ValueError:
+    """The refusal for a failed guard: the symptom and the ways out."""
+    return ValueError(
+        f"Model {model.name!r} mixes the examples of a batch: in inference mode, "
+        f"{mixing.what} of the first {mixing.kept} examples of a batch of {mixing.batch} "
+        "changes when the other examples are replaced (largest difference "
+        f"{mixing.difference:.3g}, values up to {mixing.scale:.3g}). Some operation lets "
+        "one example's values depend on the others (a `tensordot` or reduction over "
+        "the batch axis, a statistic of the batch), so example i's loss is not its own "
+        "and no per-example gradient is defined. Ways out: make the operation act on "
+        "each example alone (for a dot product of two (batch, dim) vectors, "
+        "`ops.sum(u * v, axis=-1, keepdims=True)` rather than `ops.tensordot(u, v, 2)`, "
+        "which sums over the batch too); for a normalization over the batch, see "
+        "BatchNormalization's options (`model.track_batch_normalization = True`, or "
+        "`kgt.convert_to_group_normalization(model)`). This check costs two forward "
+        "passes of one batch, once per fit; `model.check_example_independence = False` "
+        "switches it off."
+    )
+
+
+def leading_size(x: Any) -> int | None:
+    sizes = {
+        int(value.shape[0])
+        for value in tree.flatten(x)
+        if hasattr(value, "shape") and len(value.shape) and value.shape[0] is not None
+    }
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def rows(data: Any, count: int) -> Any:
+    """The first `count` examples of `data` (any structure; None stays None)."""
+    if data is None:
+        return None
+    return tree.map_structure(lambda value: None if value is None else value[:count], data)
+
+
+@dataclasses.dataclass
+class IndependenceGuard:
+    """One fit's guard: whether it runs, and the batch put aside for it.
+
+    Attributes:
+        wanted: Whether the fit checks (the setting is on and a gradient callback
+            will subscribe).
+        batch: The batch put aside, until the first tracked step checks it.
+    """
+
+    wanted: bool
+    batch: Any = None
+
+
+def subscribes_to_gradients(callbacks: Any) -> bool:
+    """Whether any of `fit`'s callbacks asks for tracked steps (`subscribes_to_gradients`)."""
+    if callbacks is None:
+        return False
+    callbacks = getattr(callbacks, "callbacks", callbacks)  # a keras CallbackList
+    return any(getattr(callback, "subscribes_to_gradients", False) for callback in callbacks)
+
+
+def first_batch(iterator: Any) -> Any:
+    """The first batch of `fit`'s epoch iterator (which Keras resets afterwards)."""
+    if iterator is None:
+        return None
+    for _, _, data_iterator in iterator:
+        if isinstance(data_iterator, (list, tuple)):
+            return data_iterator[0]
+        return next(data_iterator)
+    return None
