@@ -13,8 +13,8 @@ from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight,
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
-from keras_gradtrack.engine import clipping, distribute, executions, preflight, tracking
 from keras_gradtrack.engine import data as batch_data
+from keras_gradtrack.engine import distribute, executions, preflight, private_settings, tracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.independence import (
     IndependenceGuard,
@@ -101,6 +101,7 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
         l2_norm_clip: float | dict[str, float],
         noise_multiplier: float,
         expected_batch_size: float | None = None,
+        groups: dict[str, Sequence[Any]] | None = None,
     ) -> None:
         """Makes every following training step a DP-SGD step, on the compiled optimizer.
 
@@ -114,17 +115,24 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
 
         Args:
             l2_norm_clip: `C`, the bound on each example's gradient norm over all
-                tracked layers; or `{layer name: C_k}` (names of
-                `tracked_layer_names`), one bound per layer (the noise then has
-                standard deviation `sigma sqrt(sum_k C_k^2)`).
+                tracked layers; or `{group name: C_k}`, one bound per group of
+                `groups` (without `groups`: one per tracked layer, keyed by the
+                names of `tracked_layer_names`). The noise then has standard
+                deviation `sigma sqrt(sum_k C_k^2)`.
             noise_multiplier: `sigma`, the noise's standard deviation over the
                 bound (0: clipping without noise, which is not private).
             expected_batch_size: `B_expected`, the divisor of the noisy sum; with
                 Poisson sampling (`keras_gradtrack.privacy.poisson_batches`) pass
                 `sampling_rate * dataset_size`. None: each step's own batch size.
+            groups: `{group name: [layers or layer names]}`: each example's
+                gradient restricted to a group's layers is clipped to the group's
+                bound (a float `l2_norm_clip`: the same for every group). A
+                member is a tracked layer, or a layer holding tracked layers
+                (all of them); every tracked layer must be in exactly one group.
 
         Raises:
-            ValueError: On invalid arguments, an uncompiled model, or a model that
+            ValueError: On invalid arguments (a layer in two groups or in none, a
+                name that is no layer), an uncompiled model, or a model that
                 cannot train privately (BatchNormalization in training mode).
 
         Example:
@@ -135,16 +143,16 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
         model.fit(x, y, batch_size=256, epochs=60)
         ```
         """
-        self.__dict__["_privacy_settings"] = clipping.validated_settings(
-            self, l2_norm_clip, noise_multiplier, expected_batch_size
+        self.__dict__["_privacy_settings"] = private_settings.validated_settings(
+            self, l2_norm_clip, noise_multiplier, expected_batch_size, groups
         )
         self.__dict__["_private_steps"] = 0
         self.train_function = None  # traced anew: every step takes the private path
 
     @property
-    def privacy_settings(self) -> clipping.PrivacySettings | None:
+    def privacy_settings(self) -> private_settings.PrivacySettings | None:
         """The settings of `make_private`, or None when the model trains without privacy."""
-        return clipping.settings_of(self)
+        return private_settings.settings_of(self)
 
     @property
     def private_steps(self) -> int:
