@@ -75,3 +75,12 @@ def privacy_attrs(model: Any) -> dict[str, Any]:
             float("nan") if settings.expected_batch_size is None else settings.expected_batch_size
         ),
     }
+
+
+def privacy_spent_attrs(model: Any) -> dict[str, Any]:
+    """The privacy spent so far, as the log's root attributes, from the model's
+    `PrivacyAccountant` (the last one a `fit` of the model used; none: empty)."""
+    accountant = getattr(model, "__dict__", {}).get("_privacy_accountant")
+    if accountant is None or settings_of(model) is None:
+        return {}
+    return accountant.spent_attrs()
