@@ -29,6 +29,9 @@ from keras_gradtrack.engine.step import tracked_gradient
 from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.statistics import Statistic
 
+# The compile config's entry holding the privacy settings (`get_compile_config`).
+PRIVACY_CONFIG_KEY = "keras_gradtrack_privacy"
+
 
 class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
     """Adds per-example gradient tracking to a `keras.Model` (TensorFlow backend).
@@ -158,6 +161,28 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
     def private_steps(self) -> int:
         """Private steps this model has taken since `make_private` (for the accountant)."""
         return int(self.__dict__.get("_private_steps", 0))
+
+    def get_compile_config(self) -> Any:
+        """Keras' compile config, with the settings of `make_private` and the private
+        steps taken: a private model saved with `save("m.keras")` loads private."""
+        config = super().get_compile_config()  # type: ignore[misc]
+        privacy = private_settings.config_of(self)
+        if config and privacy is not None:
+            config = {**config, PRIVACY_CONFIG_KEY: {**privacy, "steps": self.private_steps}}
+        return config
+
+    def compile_from_config(self, config: Any) -> None:
+        """Compiles as Keras does, then makes the model private again with the saved
+        settings (a fresh noise seed, as `make_private` draws) and steps taken."""
+        config = dict(config)
+        privacy = config.pop(PRIVACY_CONFIG_KEY, None)
+        super().compile_from_config(config)  # type: ignore[misc]
+        if privacy is None or getattr(self, "optimizer", None) is None:
+            return  # not compiled: Keras warned of a custom `compile`
+        privacy = dict(privacy)
+        steps = int(privacy.pop("steps", 0))
+        self.make_private(**privacy)
+        self.__dict__["_private_steps"] = steps
 
     def _build_tracking_plan(self) -> Plan:
         return build_plan(self)
