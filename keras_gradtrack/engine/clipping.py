@@ -27,8 +27,9 @@ backward pass the step already ran, as Book-Keeping does:
 
 With bounds per group of layers (`C_k` per group; per tracked layer: groups of one),
 `w_ik = min(1, C_k / ||g_i^(k)||)` for every layer of group k, `g_i^(k)` example i's
-gradient restricted to the group, and the sensitivity is `sqrt(sum_k C_k^2)`. Weight-regularization penalties do not
-depend on the data: their gradient is added unclipped and without noise. Under a
+gradient restricted to the group, and the sensitivity is `sqrt(sum_k C_k^2)`.
+Weight-regularization penalties do not depend on the data: their gradient is added
+unclipped and without noise. Under a
 `tf.distribute` strategy each replica clips its examples and the optimizer sums
 the replicas' gradients; the noise is drawn on replica 0 only, so it enters the
 global sum once.
@@ -37,6 +38,7 @@ global sum once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,7 +160,7 @@ def noisy_gradients(
             )
         total = sums[id(v)] * unscale
         if std > 0.0:
-            noise = tf.random.stateless_normal(
+            noise = standard_normal(
                 v.shape, tf.random.experimental.stateless_fold_in(seed, position)
             )
             total += noise * (std * noise_on)
@@ -167,6 +169,23 @@ def noisy_gradients(
             gradient += tf.reshape(state.penalties[id(v)], v.shape)
         gradients.append(tf.cast(gradient, v.dtype))
     return gradients
+
+
+def standard_normal(shape: Any, seed: tf.Tensor) -> tf.Tensor:
+    """`N(0, 1)` draws of `shape` (float32), a stateless function of `seed`.
+
+    The Box-Muller transform that `tf.random.stateless_normal`'s kernel applies, on
+    the same float32 uniforms (23 random bits), written as whole-tensor operations:
+    TensorFlow's kernel computes the logarithm, root, sine and cosine one pair of
+    numbers at a time, where these operations are vectorized, 2-3x faster on CPU.
+    """
+    count = math.prod(shape)
+    half = (count + 1) // 2
+    uniform = tf.random.stateless_uniform([2, half], seed)
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-uniform[0]))  # 1 - u in (0, 1]: finite
+    angle = (2.0 * math.pi) * uniform[1]
+    normal = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)
+    return tf.reshape(normal[:count], shape)
 
 
 def clipped_sum(

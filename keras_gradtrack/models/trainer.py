@@ -144,6 +144,13 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
         model.make_private(l2_norm_clip=1.0, noise_multiplier=1.1)
         model.fit(x, y, batch_size=256, epochs=60)
+
+        # A bound per group of layers:
+        model.make_private(
+            l2_norm_clip={"encoder": 1.0, "head": 0.5},
+            groups={"encoder": [model.get_layer("encoder")], "head": ["classifier"]},
+            noise_multiplier=1.1,
+        )
         ```
         """
         self.__dict__["_privacy_settings"] = private_settings.validated_settings(
