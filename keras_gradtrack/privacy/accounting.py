@@ -123,6 +123,7 @@ class EpsilonCurve:
         self.sampling_rate = sampling_rate
         self.delta = delta
         self.accountant = accountant
+        self.known: dict[int, float] = {}
         self.one_step_rdp = None
         if accountant == "rdp" and noise_multiplier > 0:
             found = fresh_accountant("rdp")
@@ -131,12 +132,18 @@ class EpsilonCurve:
 
     def epsilon(self, steps: int) -> float:
         """Epsilon at `delta` after `steps` steps (infinity without noise, 0 before any)."""
+        if steps in self.known:
+            return self.known[steps]
         if self.one_step_rdp is None or steps == 0 or self.noise_multiplier == 0:
-            return compute_epsilon(
+            found = compute_epsilon(
                 self.noise_multiplier, self.sampling_rate, steps, self.delta, self.accountant
             )
-        orders, rdp = self.one_step_rdp
-        return float(dp_accounting().rdp.compute_epsilon(orders, steps * rdp, self.delta)[0])
+        else:
+            orders, rdp = self.one_step_rdp
+            found = float(dp_accounting().rdp.compute_epsilon(orders, steps * rdp, self.delta)[0])
+        # The last answer, asked again at an epoch's end, training's end and the log's close.
+        self.known = {steps: found}
+        return found
 
 
 def compute_noise_multiplier(
