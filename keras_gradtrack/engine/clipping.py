@@ -123,7 +123,7 @@ def clip_weights(
     `min(1, C_k / ||g_i^(k)||)`, `||g_i^(k)||^2` the sum of its layers' squared norms."""
     groups = layer_groups(settings, model, plan)
     if groups is None:
-        bound = float(settings.l2_norm_clip)  # type: ignore[arg-type]
+        bound = settings.sensitivity  # the one bound
         return [tf.minimum(1.0, bound / norms)] * len(plan), norms > bound
     group_norms = [
         tf.sqrt(tf.add_n([sq for sq, k in zip(sq_norms, groups.index) if k == group]))

@@ -47,7 +47,7 @@ class DPFractionClipped(Statistic):
             bounds = tf.constant(groups.bounds, tf.float32)
             clipped = tf.reduce_any(tf.sqrt(group_sq_norms) > bounds, axis=1)
         else:
-            clipped = primitives.grad_norm > float(settings.l2_norm_clip)
+            clipped = primitives.grad_norm > settings.sensitivity  # the one bound
         return tf.reduce_mean(tf.cast(clipped, tf.float32))
 
 

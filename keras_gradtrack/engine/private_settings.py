@@ -188,11 +188,13 @@ def validated_settings(
         bounds = positive("l2_norm_clip", l2_norm_clip)
         if members is not None:  # the same bound for every group
             bounds = dict.fromkeys(members, bounds)
-    if members is not None and sorted(bounds) != sorted(members):
-        raise ValueError(
-            "Expected l2_norm_clip to give one bound per group of `groups`. Received "
-            f"bounds for {sorted(bounds)} and groups {sorted(members)}"
-        )
+    if members is not None:
+        named = sorted(bounds) if isinstance(bounds, dict) else []
+        if named != sorted(members):
+            raise ValueError(
+                "Expected l2_norm_clip to give one bound per group of `groups`. Received "
+                f"bounds for {named} and groups {sorted(members)}"
+            )
     sigma = positive("noise_multiplier", noise_multiplier, allow_zero=True)
     expected = None
     if expected_batch_size is not None:

@@ -121,7 +121,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.privacy_spent()  # refuses a model that is not private before any step
-        vars(self.model)[ACCOUNTANT_KEY] = self
+        self.model.__dict__[ACCOUNTANT_KEY] = self
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         every = self.batch_epsilon_every
