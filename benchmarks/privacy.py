@@ -11,7 +11,13 @@ python benchmarks/privacy.py                                 # mlp, cnn, text, t
 python benchmarks/privacy.py --models mlp --rounds 3 --quick # smoke test
 python benchmarks/privacy.py --memory                        # + peak RSS growth per variant
 python benchmarks/privacy.py --memory --no-timing            # memory alone
+python benchmarks/privacy.py --noise-kernel                  # + noise by tf.random.stateless_normal
 ```
+
+`--noise-kernel` adds a private step whose noise is drawn by TensorFlow's own
+`tf.random.stateless_normal` kernel instead of `clipping.standard_normal` (the same
+Box-Muller transform, vectorized), timed in the same interleaved rounds: a paired
+comparison of the two draws on a busy machine.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import statistics
 import subprocess
 import sys
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is imported
 
@@ -32,18 +39,28 @@ from report import StepTimes
 from zoo import ZOO, build_compiled, synthetic_batches
 
 import keras_gradtrack as kgt
+from keras_gradtrack.engine import clipping
 
 DEFAULT_MODELS = ("mlp", "cnn", "text", "transformer")
 # "clip_only": a private step with noise_multiplier=0, to tell the noise's draw apart.
 VARIANTS = ("plain", "private", "clip_only")
+# "tf_kernel": a private step drawing its noise with tf.random.stateless_normal.
+KERNEL_VARIANT = "tf_kernel"
 WARMUP_STEPS = 2  # dropped at the start of every timed `fit`
 
 
 def build(name: str, variant: str) -> Any:
     model = build_compiled(name, keras.Model if variant == "plain" else kgt.GradientTrackingModel)
     if variant != "plain":
-        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0 if variant == "private" else 0.0)
+        model.make_private(
+            l2_norm_clip=1.0, noise_multiplier=0.0 if variant == "clip_only" else 1.0
+        )
     return model
+
+
+def kernel_normal(shape: Any, seed: Any) -> Any:
+    """The noise as drawn before `clipping.standard_normal`: TensorFlow's kernel."""
+    return tf.random.stateless_normal(shape, seed)
 
 
 def dataset_of(name: str, batch_size: int) -> Any:
@@ -64,18 +81,24 @@ def timed_fit(model: Any, dataset: Any, steps: int) -> list[float]:
     return timer.times[WARMUP_STEPS:]
 
 
-def time_model(name: str, batch_size: int, rounds: int, steps: int) -> dict[str, float]:
+def time_model(
+    name: str, batch_size: int, rounds: int, steps: int, variants: tuple[str, ...] = VARIANTS
+) -> dict[str, float]:
     """Median seconds per step of each variant, from interleaved rounds."""
     keras.utils.set_random_seed(0)
-    models = {variant: build(name, variant) for variant in VARIANTS}
-    for variant in VARIANTS[1:]:
+    models = {variant: build(name, variant) for variant in variants}
+    for variant in variants[1:]:
         models[variant].set_weights(models["plain"].get_weights())
     dataset = dataset_of(name, batch_size)
-    for model in models.values():  # traced before the rounds
-        timed_fit(model, dataset, 1)
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    for variant, model in models.items():  # traced before the rounds
+        if variant == KERNEL_VARIANT:
+            with mock.patch.object(clipping, "standard_normal", kernel_normal):
+                timed_fit(model, dataset, 1)
+        else:
+            timed_fit(model, dataset, 1)
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
     for _ in range(rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             times[variant] += timed_fit(models[variant], dataset, steps)
     return {variant: statistics.median(found) for variant, found in times.items()}
 
@@ -121,6 +144,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps")
     parser.add_argument("--memory", action="store_true", help="peak RSS growth per variant")
     parser.add_argument("--no-timing", action="store_true", help="with --memory: memory alone")
+    parser.add_argument(
+        "--noise-kernel", action="store_true", help="+ noise by tf.random.stateless_normal"
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -134,6 +160,10 @@ def main() -> None:
     )
     header = "| model | plain step (ms) | private step (ms) | ratio | clip only (ms) | ratio |"
     rule = "| --- | --- | --- | --- | --- | --- |"
+    variants = VARIANTS + ((KERNEL_VARIANT,) if args.noise_kernel else ())
+    if args.noise_kernel:
+        header += " private, noise by TF's kernel (ms) | ratio |"
+        rule += " --- | --- |"
     if args.memory:
         header += " plain peak growth (MiB) | private | clip only |"
         rule += " --- | --- | --- |"
@@ -142,14 +172,17 @@ def main() -> None:
         if name not in ZOO:
             raise SystemExit(f"Expected models among {sorted(ZOO)}. Received: {name!r}")
         if args.no_timing:
-            medians = dict.fromkeys(VARIANTS, float("nan"))
+            medians = dict.fromkeys(variants, float("nan"))
         else:
-            medians = time_model(name, args.batch_size, rounds, steps)
+            medians = time_model(name, args.batch_size, rounds, steps, variants)
         row = (
             f"| {name} | {medians['plain'] * 1e3:.1f} | {medians['private'] * 1e3:.1f} | "
             f"{medians['private'] / medians['plain']:.2f}x | "
             f"{medians['clip_only'] * 1e3:.1f} | {medians['clip_only'] / medians['plain']:.2f}x |"
         )
+        if args.noise_kernel:
+            kernel = medians[KERNEL_VARIANT]
+            row += f" {kernel * 1e3:.1f} | {kernel / medians['plain']:.2f}x |"
         if args.memory:
             row += "".join(f" {memory_growth(name, v, args.batch_size):.0f} |" for v in VARIANTS)
         rows.append(row)

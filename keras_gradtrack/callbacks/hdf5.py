@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import h5py
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
@@ -46,6 +47,19 @@ def privacy_of(model: Any) -> tuple[list[Statistic], dict[str, Any]]:
     from keras_gradtrack.engine.private_logs import privacy_attrs, privacy_statistics
 
     return privacy_statistics(model), privacy_attrs(model)
+
+
+def write_privacy_spent(model: Any, path: str) -> None:
+    """Writes the privacy a private model spent (its `PrivacyAccountant`'s epsilon)
+    into the closed log's root attributes; nothing for another model."""
+    if getattr(model, "privacy_settings", None) is None:
+        return
+    from keras_gradtrack.engine.private_logs import privacy_spent_attrs
+
+    spent = privacy_spent_attrs(model)
+    if spent:
+        with h5py.File(path, "r+") as file:
+            file.attrs.update(spent)
 
 
 class HDF5GradientLogger(StatisticsCallback, FileLogger):
@@ -237,6 +251,14 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
                     self.close()
                 raise
         self._epoch_position += report.batch_size
+
+    def close(self) -> None:
+        """Writes what is buffered and closes the file; for a private model, then
+        writes the privacy spent (`PrivacyAccountant`) into its root attributes."""
+        was_open = self.writer is not None
+        super().close()
+        if was_open:
+            write_privacy_spent(self.model, self.path)
 
     # -- writing --------------------------------------------------------------
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine.clipping import settings_of
 from keras_gradtrack.engine.plan import build_plan
+from keras_gradtrack.engine.private_settings import config_of, layer_groups, settings_of
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
 
@@ -27,7 +27,7 @@ class DPGradNorm(Statistic):
 
 class DPFractionClipped(Statistic):
     """Per step: the fraction of examples whose gradient was clipped (`||g_i|| > C`,
-    or, with per-layer bounds, `||g_i^(k)|| > C_k` for some layer k)."""
+    or, with bounds per group, `||g_i^(k)|| > C_k` for some group k)."""
 
     name = "dp_fraction_clipped"
     per_example = False
@@ -39,12 +39,15 @@ class DPFractionClipped(Statistic):
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         settings = settings_of(self.model)
         assert settings is not None
-        if isinstance(settings.l2_norm_clip, Mapping):
-            names = [tracked.name for tracked in build_plan(self.model)]
-            bounds = tf.constant([settings.l2_norm_clip[name] for name in names], tf.float32)
-            clipped = tf.reduce_any(tf.sqrt(primitives.sq_norm) > bounds, axis=1)
+        groups = layer_groups(settings, self.model, build_plan(self.model))
+        if groups is not None:
+            # (L, K): which group each layer column is in.
+            membership = tf.one_hot(list(groups.index), len(groups.names), dtype=tf.float32)
+            group_sq_norms = tf.matmul(tf.cast(primitives.sq_norm, tf.float32), membership)
+            bounds = tf.constant(groups.bounds, tf.float32)
+            clipped = tf.reduce_any(tf.sqrt(group_sq_norms) > bounds, axis=1)
         else:
-            clipped = primitives.grad_norm > float(settings.l2_norm_clip)
+            clipped = primitives.grad_norm > settings.sensitivity  # the one bound
         return tf.reduce_mean(tf.cast(clipped, tf.float32))
 
 
@@ -61,11 +64,23 @@ def privacy_attrs(model: Any) -> dict[str, Any]:
     if settings is None:
         return {}
     bound = settings.l2_norm_clip
+    config = config_of(model)
+    assert config is not None
     return {
         "dp_l2_norm_clip": settings.sensitivity,
         "dp_per_layer_clip": json.dumps(dict(bound)) if isinstance(bound, Mapping) else "",
+        "dp_clip_groups": json.dumps(config["groups"]) if config["groups"] else "",
         "dp_noise_multiplier": settings.noise_multiplier,
         "dp_expected_batch_size": (
             float("nan") if settings.expected_batch_size is None else settings.expected_batch_size
         ),
     }
+
+
+def privacy_spent_attrs(model: Any) -> dict[str, Any]:
+    """The privacy spent so far, as the log's root attributes, from the model's
+    `PrivacyAccountant` (the last one a `fit` of the model used; none: empty)."""
+    accountant = getattr(model, "__dict__", {}).get("_privacy_accountant")
+    if accountant is None or settings_of(model) is None:
+        return {}
+    return accountant.spent_attrs()

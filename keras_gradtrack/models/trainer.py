@@ -13,8 +13,8 @@ from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight,
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
-from keras_gradtrack.engine import clipping, distribute, executions, preflight, tracking
 from keras_gradtrack.engine import data as batch_data
+from keras_gradtrack.engine import distribute, executions, preflight, private_settings, tracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.independence import (
     IndependenceGuard,
@@ -28,6 +28,9 @@ from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
 from keras_gradtrack.engine.step import tracked_gradient
 from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.statistics import Statistic
+
+# The compile config's entry holding the privacy settings (`get_compile_config`).
+PRIVACY_CONFIG_KEY = "keras_gradtrack_privacy"
 
 
 class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
@@ -101,6 +104,7 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
         l2_norm_clip: float | dict[str, float],
         noise_multiplier: float,
         expected_batch_size: float | None = None,
+        groups: dict[str, Sequence[Any]] | None = None,
     ) -> None:
         """Makes every following training step a DP-SGD step, on the compiled optimizer.
 
@@ -114,17 +118,24 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
 
         Args:
             l2_norm_clip: `C`, the bound on each example's gradient norm over all
-                tracked layers; or `{layer name: C_k}` (names of
-                `tracked_layer_names`), one bound per layer (the noise then has
-                standard deviation `sigma sqrt(sum_k C_k^2)`).
+                tracked layers; or `{group name: C_k}`, one bound per group of
+                `groups` (without `groups`: one per tracked layer, keyed by the
+                names of `tracked_layer_names`). The noise then has standard
+                deviation `sigma sqrt(sum_k C_k^2)`.
             noise_multiplier: `sigma`, the noise's standard deviation over the
                 bound (0: clipping without noise, which is not private).
             expected_batch_size: `B_expected`, the divisor of the noisy sum; with
                 Poisson sampling (`keras_gradtrack.privacy.poisson_batches`) pass
                 `sampling_rate * dataset_size`. None: each step's own batch size.
+            groups: `{group name: [layers or layer names]}`: each example's
+                gradient restricted to a group's layers is clipped to the group's
+                bound (a float `l2_norm_clip`: the same for every group). A
+                member is a tracked layer, or a layer holding tracked layers
+                (all of them); every tracked layer must be in exactly one group.
 
         Raises:
-            ValueError: On invalid arguments, an uncompiled model, or a model that
+            ValueError: On invalid arguments (a layer in two groups or in none, a
+                name that is no layer), an uncompiled model, or a model that
                 cannot train privately (BatchNormalization in training mode).
 
         Example:
@@ -133,23 +144,52 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
         model.make_private(l2_norm_clip=1.0, noise_multiplier=1.1)
         model.fit(x, y, batch_size=256, epochs=60)
+
+        # A bound per group of layers:
+        model.make_private(
+            l2_norm_clip={"encoder": 1.0, "head": 0.5},
+            groups={"encoder": [model.get_layer("encoder")], "head": ["classifier"]},
+            noise_multiplier=1.1,
+        )
         ```
         """
-        self.__dict__["_privacy_settings"] = clipping.validated_settings(
-            self, l2_norm_clip, noise_multiplier, expected_batch_size
+        self.__dict__["_privacy_settings"] = private_settings.validated_settings(
+            self, l2_norm_clip, noise_multiplier, expected_batch_size, groups
         )
         self.__dict__["_private_steps"] = 0
         self.train_function = None  # traced anew: every step takes the private path
 
     @property
-    def privacy_settings(self) -> clipping.PrivacySettings | None:
+    def privacy_settings(self) -> private_settings.PrivacySettings | None:
         """The settings of `make_private`, or None when the model trains without privacy."""
-        return clipping.settings_of(self)
+        return private_settings.settings_of(self)
 
     @property
     def private_steps(self) -> int:
         """Private steps this model has taken since `make_private` (for the accountant)."""
         return int(self.__dict__.get("_private_steps", 0))
+
+    def get_compile_config(self) -> Any:
+        """Keras' compile config, with the settings of `make_private` and the private
+        steps taken: a private model saved with `save("m.keras")` loads private."""
+        config = super().get_compile_config()  # type: ignore[misc]
+        privacy = private_settings.config_of(self)
+        if config and privacy is not None:
+            config = {**config, PRIVACY_CONFIG_KEY: {**privacy, "steps": self.private_steps}}
+        return config
+
+    def compile_from_config(self, config: Any) -> None:
+        """Compiles as Keras does, then makes the model private again with the saved
+        settings (a fresh noise seed, as `make_private` draws) and steps taken."""
+        config = dict(config)
+        privacy = config.pop(PRIVACY_CONFIG_KEY, None)
+        super().compile_from_config(config)  # type: ignore[misc]
+        if privacy is None or getattr(self, "optimizer", None) is None:
+            return  # not compiled: Keras warned of a custom `compile`
+        privacy = dict(privacy)
+        steps = int(privacy.pop("steps", 0))
+        self.make_private(**privacy)
+        self.__dict__["_private_steps"] = steps
 
     def _build_tracking_plan(self) -> Plan:
         return build_plan(self)

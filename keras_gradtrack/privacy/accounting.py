@@ -99,6 +99,53 @@ def compute_epsilon(
     return float(found.get_epsilon(delta))
 
 
+class EpsilonCurve:
+    """Epsilon after any number of steps of one `(sigma, q)`, cheap to ask step by step.
+
+    RDP composes additively: `n` steps have `n` times one step's RDP curve, so each
+    `epsilon(n)` is one conversion of a scaled curve (about 0.1 ms), equal to
+    `compute_epsilon`'s result. PLD has no such shortcut: each call composes anew
+    (about 0.5 s for any step count on a 2-core CPU).
+
+    Example:
+
+    ```python
+    curve = EpsilonCurve(1.1, 0.01, 1e-5)
+    [curve.epsilon(n) for n in (100, 200, 300)]
+    ```
+    """
+
+    def __init__(
+        self, noise_multiplier: float, sampling_rate: float, delta: float, accountant: str = "rdp"
+    ) -> None:
+        check_arguments(sampling_rate, 0, delta, accountant, noise_multiplier)
+        self.noise_multiplier = noise_multiplier
+        self.sampling_rate = sampling_rate
+        self.delta = delta
+        self.accountant = accountant
+        self.known: dict[int, float] = {}
+        self.one_step_rdp = None
+        if accountant == "rdp" and noise_multiplier > 0:
+            found = fresh_accountant("rdp")
+            found.compose(dp_sgd_event(noise_multiplier, sampling_rate, 1))
+            self.one_step_rdp = (found.orders, found.rdp)
+
+    def epsilon(self, steps: int) -> float:
+        """Epsilon at `delta` after `steps` steps (infinity without noise, 0 before any)."""
+        if steps in self.known:
+            return self.known[steps]
+        if self.one_step_rdp is None or steps == 0 or self.noise_multiplier == 0:
+            found = compute_epsilon(
+                self.noise_multiplier, self.sampling_rate, steps, self.delta, self.accountant
+            )
+        else:
+            orders, rdp = self.one_step_rdp
+            found = float(dp_accounting().rdp.compute_epsilon(orders, steps * rdp, self.delta)[0])
+        # The last answer, asked again at an epoch's end, training's end and the log's close.
+        self.known = {steps: found}
+        return found
+
+
 def compute_noise_multiplier(
     target_epsilon: float,
     sampling_rate: float,
