@@ -9,6 +9,9 @@ median of its fit's calls (`on_train_batch_begin` to `on_train_batch_end`; a cal
 
 * `plain`, `plain_spe16`: `keras.Model`, `steps_per_execution` 1 and 16;
 * `tracked`: `HDF5GradientLogger` with the default statistics;
+* `tracked_fg`: the same with its blocks written on the training thread (as before the
+  logger's writer thread), for `host ms, blocks in the training thread` and
+  `tracked_fg / plain`;
 * `norms`: the logger with `statistics=["loss", "grad_norm", "layer_grad_norm"]`;
 * `tracked_spe16`: the default logger with `steps_per_execution=16` (paired with
   `plain_spe16`);
@@ -46,7 +49,16 @@ import keras_gradtrack as kgt
 from keras_gradtrack.engine import schedule
 
 NORMS = ["loss", "grad_norm", "layer_grad_norm"]
-MILLISECONDS = {"plain ms", "host ms/step", "plain spe16 ms"}
+MILLISECONDS = {"plain ms", "host ms/step", "host ms/step fg", "plain spe16 ms"}
+
+
+class ForegroundLogger(kgt.HDF5GradientLogger):
+    """The logger with its blocks written on the training thread."""
+
+    def _open_writer(self) -> None:
+        super()._open_writer()
+        assert self.writer is not None
+        self.writer.background = False
 
 
 class HostTimer:
@@ -78,6 +90,7 @@ def variants(name: str, folder: str) -> dict[str, tuple[Any, Callable[[], list[A
         "plain": build_compiled(name, keras.Model),
         "plain_spe16": build_compiled(name, keras.Model, steps_per_execution=16),
         "tracked": build_compiled(name, kgt.GradientTrackingModel),
+        "tracked_fg": build_compiled(name, kgt.GradientTrackingModel),
         "norms": build_compiled(name, kgt.GradientTrackingModel),
         "tracked_spe16": build_compiled(name, kgt.GradientTrackingModel, steps_per_execution=16),
     }
@@ -86,12 +99,13 @@ def variants(name: str, folder: str) -> dict[str, tuple[Any, Callable[[], list[A
         model.set_weights(weights)
     counter = iter(range(10**9))
 
-    def logger(**kwargs: Any) -> Callable[[], list[Any]]:
-        return lambda: [kgt.HDF5GradientLogger(f"{folder}/{next(counter)}.h5", **kwargs)]
+    def logger(kind: type = kgt.HDF5GradientLogger, **kwargs: Any) -> Callable[[], list[Any]]:
+        return lambda: [kind(f"{folder}/{next(counter)}.h5", **kwargs)]
 
     return {
         "plain": (models["plain"], list),
         "tracked": (models["tracked"], logger()),
+        "tracked_fg": (models["tracked_fg"], logger(ForegroundLogger)),
         "norms": (models["norms"], logger(statistics=NORMS)),
         "plain_spe16": (models["plain_spe16"], list),
         "tracked_spe16": (models["tracked_spe16"], logger()),
@@ -144,8 +158,10 @@ def measure(name: str, batch_size: int, steps: int, rounds: int) -> dict[str, An
     return {
         "plain ms": 1e3 * statistics.median(per_step["plain"]),
         "tracked": paired("tracked", "plain", per_step),
+        "tracked_fg": paired("tracked_fg", "plain", per_step),
         "norms": paired("norms", "plain", per_step),
         "host ms/step": statistics.median(host["tracked"]),
+        "host ms/step fg": statistics.median(host["tracked_fg"]),
         "plain spe16 ms": 1e3 * statistics.median(per_step["plain_spe16"]),
         "tracked spe16": paired("tracked_spe16", "plain_spe16", per_step),
         "fit of 16": paired("tracked", "plain", short),
