@@ -40,11 +40,13 @@ class Gate:
         self.append_block = block_writer.append_block
         self.error = error
         self.opened = threading.Event()
+        self.entered = threading.Event()
         self.threads: list[str] = []
         monkeypatch.setattr(block_writer, "append_block", self)
 
     def __call__(self, *args: Any) -> None:
         self.threads.append(threading.current_thread().name)
+        self.entered.set()
         if self.error is not None:
             error, self.error = self.error, None
             raise error
@@ -71,6 +73,7 @@ def test_a_due_block_is_written_while_the_caller_goes_on_and_close_waits_for_it(
     writer = make_writer(path, flush_every=2, flush_seconds=None, background=True)
     writer.open()
     steps = write_steps(writer, [2, 3, 4])  # the block of steps 0 and 1 is due, not written
+    assert gate.entered.wait(timeout=30)
     assert gate.threads == ["keras_gradtrack writer of " + str(path)]
     assert writer.last_written_step is None and writer.last_step == 2
     gate.opened.set()

@@ -349,6 +349,7 @@ class BlockWriter:
         else:
             file.close()
         finally:
+            self._background.stop()
             self._file, self._datasets, self._pending = None, {}, []
             _OPEN_WRITERS.pop(os.path.realpath(self.path), None)
 

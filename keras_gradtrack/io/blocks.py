@@ -9,6 +9,7 @@ runs meanwhile), and keeps a failed block and its error for the caller's thread.
 """
 
 import contextlib
+import queue
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -94,18 +95,29 @@ def append_block(
 class BlockThread:
     """Writes one block at a time on a thread of its own; `finish` waits for it.
 
+    The thread is started with the first block and then waits for the next one, so
+    handing a block over costs no thread start (which waits until the new thread
+    holds the GIL). It is a daemon: the writer's `close()`, which an exiting
+    interpreter calls for an open writer, waits for its block and then `stop`s it.
+
     Example:
 
     ```python
     thread = BlockThread("writer of run.h5")
     thread.start(write, block)       # returns at once
     failure = thread.finish()        # None, or (block, error) if `write` raised
+    thread.stop()
     ```
     """
 
     def __init__(self, name: str):
         self.name = name
         self._thread: threading.Thread | None = None
+        self._blocks: queue.SimpleQueue[tuple[Callable[[Block], None], Block] | None] = (
+            queue.SimpleQueue()
+        )
+        self._idle = threading.Event()
+        self._idle.set()
         self._failure: tuple[Block, BaseException] | None = None
 
     @property
@@ -114,24 +126,33 @@ class BlockThread:
         return self._failure is not None
 
     def start(self, write: Callable[[Block], None], block: Block) -> None:
-        """Starts `write(block)` on a new thread; call `finish` first."""
-        if self._thread is not None or self._failure is not None:
+        """Has the thread run `write(block)`; call `finish` first."""
+        if not self._idle.is_set() or self._failure is not None:
             raise RuntimeError(f"The {self.name} still has a block: call finish() first.")
+        self._idle.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._blocks.put((write, block))
 
-        def run() -> None:
+    def finish(self) -> tuple[Block, BaseException] | None:
+        """Waits for the block being written, if any; returns it and its error if it failed."""
+        self._idle.wait()
+        failure, self._failure = self._failure, None
+        return failure
+
+    def stop(self) -> None:
+        """Ends the thread once its block is written (a later `start` starts a new one)."""
+        if self._thread is not None:
+            self._blocks.put(None)
+            self._thread = None
+
+    def _run(self) -> None:
+        while (item := self._blocks.get()) is not None:
+            write, block = item
             try:
                 write(block)
             except BaseException as error:  # the caller's thread raises it
                 self._failure = (block, error)
-
-        # Not a daemon: an exiting interpreter waits for the block to reach the file.
-        self._thread = threading.Thread(target=run, name=self.name)
-        self._thread.start()
-
-    def finish(self) -> tuple[Block, BaseException] | None:
-        """Waits for the block being written, if any; returns it and its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        failure, self._failure = self._failure, None
-        return failure
+            finally:
+                self._idle.set()
