@@ -9,19 +9,28 @@ median of its fit's calls (`on_train_batch_begin` to `on_train_batch_end`; a cal
 
 * `plain`, `plain_spe16`: `keras.Model`, `steps_per_execution` 1 and 16;
 * `tracked`: `HDF5GradientLogger` with the default statistics;
+* `tracked_fg`: the same with its blocks written on the training thread (as before the
+  logger's writer thread), for `host ms, blocks in the training thread` and
+  `tracked_fg / plain`;
 * `norms`: the logger with `statistics=["loss", "grad_norm", "layer_grad_norm"]`;
 * `tracked_spe16`: the default logger with `steps_per_execution=16` (paired with
   `plain_spe16`);
 * `fit of 16`: the wall time of a whole `fit` of 16 steps, tracked over plain: the
   logger's open and close, the example-independence guard and the first-step checks
-  included (a fresh logger file each time; tf.data autotuning off in every variant).
+  included (a fresh logger file each time; tf.data autotuning off in every variant);
+  `fit of 16, guard` the same with the guard run again (as every `fit` did before it
+  ran once per model, loss and batch signature) and the blocks on the training thread.
 
 `host ms/step` is the time each tracked step spends in Python after its compiled call
 (the model's reports to its loggers, the logger's rows, its blocks written to the file).
+`CPU: ...` are ratios of the process's CPU time (all its threads) over whole fits of
+`--steps` steps (tracked) and of 16 steps (fit of 16), less disturbed by other processes
+than wall times, and counting the writer thread's work that wall times may hide.
 
 ```
 python benchmarks/host_cost.py                        # mlp, cnn, text; ~5 min
 python benchmarks/host_cost.py --models mlp --rounds 9
+python benchmarks/host_cost.py --gil   # does h5py release the GIL while it compresses?
 ```
 """
 
@@ -46,7 +55,16 @@ import keras_gradtrack as kgt
 from keras_gradtrack.engine import schedule
 
 NORMS = ["loss", "grad_norm", "layer_grad_norm"]
-MILLISECONDS = {"plain ms", "host ms/step", "plain spe16 ms"}
+MILLISECONDS = {"plain ms", "host ms/step", "host ms/step fg", "plain spe16 ms"}
+
+
+class ForegroundLogger(kgt.HDF5GradientLogger):
+    """The logger with its blocks written on the training thread."""
+
+    def _open_writer(self) -> None:
+        super()._open_writer()
+        assert self.writer is not None
+        self.writer.background = False
 
 
 class HostTimer:
@@ -78,6 +96,7 @@ def variants(name: str, folder: str) -> dict[str, tuple[Any, Callable[[], list[A
         "plain": build_compiled(name, keras.Model),
         "plain_spe16": build_compiled(name, keras.Model, steps_per_execution=16),
         "tracked": build_compiled(name, kgt.GradientTrackingModel),
+        "tracked_fg": build_compiled(name, kgt.GradientTrackingModel),
         "norms": build_compiled(name, kgt.GradientTrackingModel),
         "tracked_spe16": build_compiled(name, kgt.GradientTrackingModel, steps_per_execution=16),
     }
@@ -86,12 +105,13 @@ def variants(name: str, folder: str) -> dict[str, tuple[Any, Callable[[], list[A
         model.set_weights(weights)
     counter = iter(range(10**9))
 
-    def logger(**kwargs: Any) -> Callable[[], list[Any]]:
-        return lambda: [kgt.HDF5GradientLogger(f"{folder}/{next(counter)}.h5", **kwargs)]
+    def logger(kind: type = kgt.HDF5GradientLogger, **kwargs: Any) -> Callable[[], list[Any]]:
+        return lambda: [kind(f"{folder}/{next(counter)}.h5", **kwargs)]
 
     return {
         "plain": (models["plain"], list),
         "tracked": (models["tracked"], logger()),
+        "tracked_fg": (models["tracked_fg"], logger(ForegroundLogger)),
         "norms": (models["norms"], logger(statistics=NORMS)),
         "plain_spe16": (models["plain_spe16"], list),
         "tracked_spe16": (models["tracked_spe16"], logger()),
@@ -100,14 +120,15 @@ def variants(name: str, folder: str) -> dict[str, tuple[Any, Callable[[], list[A
 
 def fit_times(
     model: Any, dataset: Any, steps: int, callbacks: list[Any]
-) -> tuple[float, list[float]]:
-    """One `fit`: its wall time and each call's time (`StepTimes`), in seconds."""
+) -> tuple[float, float, list[float]]:
+    """One `fit`: its wall time, the process's CPU time (all threads: TensorFlow's, the
+    log's writer) and each call's time (`StepTimes`), in seconds."""
     times = StepTimes()
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.process_time()
     model.fit(
         dataset, steps_per_epoch=steps, verbose=0, callbacks=[*callbacks, times], shuffle=False
     )
-    return time.perf_counter() - began, times.times
+    return time.perf_counter() - began, time.process_time() - began_cpu, times.times
 
 
 def measure(name: str, batch_size: int, steps: int, rounds: int) -> dict[str, Any]:
@@ -126,16 +147,23 @@ def measure(name: str, batch_size: int, steps: int, rounds: int) -> dict[str, An
         timer.take()
         per_step: dict[str, list[float]] = {v: [] for v in runs}
         host: dict[str, list[float]] = {v: [] for v in runs}
-        short: dict[str, list[float]] = {"plain": [], "tracked": []}
+        short: dict[str, list[float]] = {"plain": [], "tracked": [], "tracked_fg": []}
+        short_cpu: dict[str, list[float]] = {v: [] for v in short}
+        fit_cpu: dict[str, list[float]] = {v: [] for v in runs}
         for _ in range(rounds):
             for variant, (model, callbacks) in runs.items():
-                _, calls = fit_times(model, dataset, steps, callbacks())
+                _, cpu, calls = fit_times(model, dataset, steps, callbacks())
+                fit_cpu[variant].append(cpu)
                 per_call = statistics.median(calls[1:])  # the first call waits for data
                 per_step[variant].append(per_call / (16 if variant.endswith("spe16") else 1))
                 host[variant].append(timer.take())
             for variant in short:
                 model, callbacks = runs[variant]
-                short[variant].append(fit_times(model, dataset, 16, callbacks())[0])
+                if variant == "tracked_fg":
+                    model.__dict__.pop("_independent_batches", None)
+                wall, cpu, _ = fit_times(model, dataset, 16, callbacks())
+                short[variant].append(wall)
+                short_cpu[variant].append(cpu)
             timer.take()
 
     def paired(variant: str, base: str, table: dict[str, list[float]]) -> float:
@@ -144,12 +172,63 @@ def measure(name: str, batch_size: int, steps: int, rounds: int) -> dict[str, An
     return {
         "plain ms": 1e3 * statistics.median(per_step["plain"]),
         "tracked": paired("tracked", "plain", per_step),
+        "tracked_fg": paired("tracked_fg", "plain", per_step),
         "norms": paired("norms", "plain", per_step),
         "host ms/step": statistics.median(host["tracked"]),
+        "host ms/step fg": statistics.median(host["tracked_fg"]),
         "plain spe16 ms": 1e3 * statistics.median(per_step["plain_spe16"]),
         "tracked spe16": paired("tracked_spe16", "plain_spe16", per_step),
         "fit of 16": paired("tracked", "plain", short),
+        "fit of 16, guard": paired("tracked_fg", "plain", short),
+        "CPU: tracked": paired("tracked", "plain", fit_cpu),
+        "CPU: tracked_fg": paired("tracked_fg", "plain", fit_cpu),
+        "CPU: fit of 16": paired("tracked", "plain", short_cpu),
+        "CPU: fit of 16, guard": paired("tracked_fg", "plain", short_cpu),
     }
+
+
+def gil_check(rows: int = 2_000_000) -> None:
+    """Prints how fast a pure-Python loop runs beside one large gzip write on another
+    thread, beside a sleeping thread and beside one C call that holds the GIL: if h5py
+    held the GIL while HDF5 compresses and writes, the first would be as slow as the last
+    (with a free core it runs as fast as the second)."""
+    import threading
+
+    import h5py
+    import numpy as np
+
+    values = np.random.default_rng(0).normal(size=(rows, 4)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as folder, h5py.File(f"{folder}/a.h5", "w") as file:
+        dataset = file.create_dataset(
+            "d", (0, 4), maxshape=(None, 4), chunks=(4096, 4), dtype="f4",
+            compression="gzip", compression_opts=4, shuffle=True,
+        )  # fmt: skip
+
+        def write() -> None:
+            dataset.resize(dataset.shape[0] + rows, axis=0)
+            dataset[-rows:] = values
+            file.flush()
+
+        def loop_rate(work: Callable[[], Any]) -> tuple[float, float]:
+            thread = threading.Thread(target=work)
+            began, count = time.perf_counter(), 0
+            thread.start()
+            while thread.is_alive():
+                count += 1
+            seconds = time.perf_counter() - began
+            return count / seconds, seconds
+
+        began = time.perf_counter()
+        write()
+        alone = time.perf_counter() - began
+        rates = {
+            "a gzip write": loop_rate(write),
+            "a sleeping thread": loop_rate(lambda: time.sleep(alone)),
+            "a C call holding the GIL (sum of a range)": loop_rate(lambda: sum(range(10 * rows))),
+        }
+    print(f"the write alone: {1e3 * alone:.0f} ms")
+    for name, (rate, seconds) in rates.items():
+        print(f"loop beside {name}: {rate / 1e6:.2f} M/s ({1e3 * seconds:.0f} ms)")
 
 
 def main() -> None:
@@ -158,7 +237,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64, help="steps per timed fit (64)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--gil", action="store_true", help="only the GIL check")
     args = parser.parse_args()
+    if args.gil:
+        return gil_check()
     keras.utils.set_random_seed(0)
     rows = {
         name: measure(name, args.batch_size, args.steps, args.rounds)

@@ -6,7 +6,7 @@ process or looks at the file.
 
 * `train PATH [options]`: fits a small `GradientTrackingModel` with an
   `HDF5GradientLogger`; prints `{"event": "flushed", "through_step": s}` after every
-  block written, `{"event": "epoch", "epoch": e}` after every epoch, then
+  block written (in the logger's writer thread or at its close), `{"event": "epoch", "epoch": e}` after every epoch, then
   `{"event": "done"}`, or `{"event": "error", ...}` (and exits with 3) if `fit`
   raised an OSError. `--file-size-slack N` then limits the size of any file the
   process writes (RLIMIT_FSIZE) to the log's size after its first block + N bytes,
@@ -55,20 +55,20 @@ def train(args: argparse.Namespace) -> None:
     import keras_gradtrack as kgt
     from keras_gradtrack.io.writer import LogWriter
 
-    flush = LogWriter.flush
+    write_block = LogWriter._write_block
     limited = False
 
-    def flush_and_report(writer: LogWriter) -> None:
+    def write_and_report(writer: LogWriter, records: Any) -> None:
+        # Every block, written in the logger's background thread or by close().
         nonlocal limited
-        flush(writer)
-        if writer.last_step is not None:
-            emit(event="flushed", through_step=writer.last_step)
+        write_block(writer, records)
+        emit(event="flushed", through_step=writer.last_written_step)
         if args.file_size_slack is not None and not limited:
             limited = True
             limit = os.path.getsize(args.path) + args.file_size_slack
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
-    LogWriter.flush = flush_and_report  # type: ignore[method-assign]
+    LogWriter._write_block = write_and_report  # type: ignore[method-assign]
     # Writes past RLIMIT_FSIZE then fail with EFBIG instead of killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 

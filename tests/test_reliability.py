@@ -555,13 +555,13 @@ def test_a_full_disk_ends_fit_with_a_clear_error_and_keeps_the_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     flushed_through = []
-    flush = LogWriter.flush
+    write_block = LogWriter._write_block
 
-    def flush_and_record(writer: Any) -> None:
-        flush(writer)
-        flushed_through.append(writer.last_step)
+    def write_and_record(writer: Any, records: Any) -> None:
+        write_block(writer, records)  # in the logger's writer thread, or at its close
+        flushed_through.append(writer.last_written_step)
 
-    monkeypatch.setattr(LogWriter, "flush", flush_and_record)
+    monkeypatch.setattr(LogWriter, "_write_block", write_and_record)
 
     class FillTheDiskAfterTheFirstEpoch(keras.callbacks.Callback):
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -56,17 +57,23 @@ def log_attrs(model: Any) -> dict[str, str]:
     """The attributes a log of `model`'s training carries: the versions, the model's
     name, and the Keras backend whose engine computed the values (TensorFlow's version
     read from its installed metadata: a JAX process need not import it)."""
-    try:
-        tensorflow_version = importlib.metadata.version("tensorflow")
-    except importlib.metadata.PackageNotFoundError:
-        tensorflow_version = "not installed"
     return {
         "library_version": __version__,
         "keras_version": keras.__version__,
-        "tensorflow_version": tensorflow_version,
+        "tensorflow_version": installed_version("tensorflow"),
         "model_name": model.name,
         "backend": keras.backend.backend(),
     }
+
+
+@functools.cache
+def installed_version(distribution: str) -> str:
+    """The installed version of `distribution`, or "not installed" (read once: reading a
+    package's metadata scans the installed packages, a millisecond per logger)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def check_positive_counts(counts: Iterable[tuple[str, Any]]) -> None:

@@ -70,8 +70,10 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
     step (plus `/per_step/learning_rate`, the rate the optimizer used at that
     step), `/layers` the per-layer column names. Rows are written in blocks:
     every `flush_every` tracked steps, or sooner once `flush_seconds` have
-    passed since the last block. The file is opened in SWMR mode, so
-    `GradientLog` can read it while training runs.
+    passed since the last block, each on a thread of its own while training
+    goes on (a block that cannot be written ends `fit` at the next step with
+    its `OSError`). The file is opened in SWMR mode, so `GradientLog` can read
+    it while training runs.
 
     Args:
         path: The `.h5` file to write.
@@ -82,7 +84,8 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         flush_every: Most tracked steps buffered before a block is written.
         flush_seconds: A block is also written at the first tracked step this
             many seconds after the previous block, so a crash loses at most
-            that much training time and a live reader lags at most that much;
+            that much training time (and the block then being written) and a
+            live reader lags at most that much (and that block's write time);
             `None` writes blocks of exactly `flush_every` steps.
         append: Continue an existing log (step numbers continue after its last).
         overwrite: Replace an existing file.
@@ -303,6 +306,8 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
             flush_every=self.flush_every,
             flush_seconds=self.flush_seconds,
             compression=self.compression,
+            # The block's compression and write run beside the next training steps.
+            background=True,
         )
         # The writer numbers the steps on from the file's last one when appending.
         self.writer.open()

@@ -19,7 +19,8 @@ import h5py
 import numpy as np
 
 from keras_gradtrack.io import files, output_schema, schema
-from keras_gradtrack.io.checks import check_flush_seconds, checked_rows, non_negative_int
+from keras_gradtrack.io.blocks import Block, BlockThread, append_block, record_of
+from keras_gradtrack.io.checks import check_flush_seconds, non_negative_int
 from keras_gradtrack.io.discard import close_without_writing
 from keras_gradtrack.io.hdf5_tables import COMPRESSIONS, Table, rows_in_all
 from keras_gradtrack.io.streamed import StreamedStep
@@ -43,6 +44,10 @@ class BlockWriter:
     `flush_seconds` after the last block. Buffered steps are written however the
     writer ends: `close()`, a `with` block, or the normal exit of the process.
 
+    With `background=True` a due block is written on a thread (`io.blocks`) while the
+    caller goes on; the next block, `flush()` and `close()` wait for it. A block that
+    fails there stays buffered; the next `write_rows`, `flush` or `close` raises its error.
+
     Args:
         path: path of the HDF5 file.
         layout: the file's layout: a `schema.Layout` or `output_schema.OutputGradientLayout`.
@@ -56,6 +61,7 @@ class BlockWriter:
             after the previous one (or after opening); `None` writes blocks of
             exactly `flush_every` steps.
         compression: `"gzip"` (level 4), `"lzf"` or `None`.
+        background: write due blocks on a thread of their own (see above).
 
     Example:
 
@@ -79,6 +85,7 @@ class BlockWriter:
         flush_every: int = 100,
         flush_seconds: float | None = 1.0,
         compression: str | None = "gzip",
+        background: bool = False,
     ):
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(
@@ -97,6 +104,7 @@ class BlockWriter:
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self.compression = compression
+        self.background = background
         self._tables: dict[str, Table] = layout.tables()
         # The table with one row per step: its step column numbers the file's steps.
         self._steps_table = next(t for t in self._tables.values() if t.rows_per_step is None)
@@ -106,7 +114,9 @@ class BlockWriter:
         self._pending: list[dict[str, np.ndarray]] = []
         self._step_offset = 0
         self._last_step: int | None = None
+        self._written_step: int | None = None
         self._last_block = time.monotonic()
+        self._background = BlockThread(f"keras_gradtrack writer of {self.path}")
 
     @staticmethod
     def check_path(path: str | os.PathLike[str], *, overwrite: bool, append: bool) -> None:
@@ -165,6 +175,7 @@ class BlockWriter:
         self._datasets = {c.path: file[c.path] for t in self._tables.values() for c in t.columns}
         self._pending = []
         self._last_step = None
+        self._written_step = None
         self._last_block = time.monotonic()
         # A forked child inherits the table, not the right to write its files.
         self._process = os.getpid()
@@ -182,6 +193,13 @@ class BlockWriter:
         self._require_open()
         return None if self._last_step is None else self._step_offset + self._last_step
 
+    @property
+    def last_written_step(self) -> int | None:
+        """The file's number of the last step of the blocks written since opening, if any
+        (a block being written in the background counts once it is in the file)."""
+        self._require_open()
+        return self._written_step
+
     def write_rows(self, step: int, rows: Mapping[str, Mapping[str, Any]]) -> None:
         """Buffers one step; writes a block every `flush_every` steps.
 
@@ -195,18 +213,27 @@ class BlockWriter:
         Raises:
             ValueError: if a name, shape or type differs from the layout, or `step`
                 does not come after the previous one.
+            OSError: if a block cannot be written (now or in the background): as `flush`.
         """
         self._require_open()
         step = self._checked_step(step)
-        record = self._record(step, rows)
+        record = record_of(self._tables, self._step_offset + step, rows)
         self._pending.append(record)  # one append: an interrupt leaves the buffer whole
         self._last_step = step
+        if self._background.failed:
+            self._wait_for_background()  # raises the block's error
         overdue = (
             self.flush_seconds is not None
             and time.monotonic() - self._last_block >= self.flush_seconds
         )
-        if len(self._pending) >= self.flush_every or overdue:
-            self.flush()
+        if len(self._pending) < self.flush_every and not overdue:
+            return
+        if not self.background:
+            return self.flush()
+        self._wait_for_background()
+        block, self._pending = self._pending, []
+        self._last_block = time.monotonic()
+        self._background.start(self._write_block, block)
 
     @contextlib.contextmanager
     def streamed_step(self, step: int) -> Iterator[StreamedStep]:
@@ -227,6 +254,7 @@ class BlockWriter:
         ```
         """
         self._require_open()
+        self._wait_for_background()
         step = self._checked_step(step)
         columns = [c for t in self._tables.values() for c in t.columns if c.streamed]
         row = rows_in_all(
@@ -240,7 +268,7 @@ class BlockWriter:
             yield parts
             if parts.rows is None:
                 raise RuntimeError("Call set_rows() with the step's other columns in its block.")
-            self._pending.append(self._record(step, parts.rows))
+            self._pending.append(record_of(self._tables, self._step_offset + step, parts.rows))
             self._last_step = step
             self.flush()
         except BaseException:
@@ -253,46 +281,51 @@ class BlockWriter:
             raise
 
     def flush(self) -> None:
-        """Writes the buffered steps as one block and flushes the file to disk.
+        """Waits for a block being written in the background, then writes the buffered
+        steps as one block and flushes the file to disk.
 
         Raises:
             OSError: if the block cannot be written (a full disk, say). The file then
                 keeps the rows of every block written before; the block stays buffered,
                 so a later `flush()` may retry it.
         """
-        file = self._require_open()
+        self._require_open()
+        self._wait_for_background()
         if not self._pending:
             return
-        # Every dataset of a table starts at the same row, so a block that failed
-        # half-way is overwritten, not duplicated, by the next attempt.
-        starts = {
-            name: rows_in_all(self._datasets[c.path] for c in table.columns if not c.streamed)
-            for name, table in self._tables.items()
-        }
-        try:
-            for name, table in self._tables.items():
-                for column in table.columns:
-                    if column.streamed:
-                        continue
-                    dataset = self._datasets[column.path]
-                    block = np.concatenate([record[column.path] for record in self._pending])
-                    if len(block):
-                        dataset.resize(starts[name] + len(block), axis=0)
-                        dataset[starts[name] :] = block
-            file.flush()
-        except BaseException as error:
-            # Also on an interrupt: readers never see a block's rows as fill values.
-            self._roll_back(starts)
-            if isinstance(error, OSError | RuntimeError):
-                raise files.io_error(
-                    "Cannot write the gradient log",
-                    self.path,
-                    error,
-                    "The file keeps every block written before this one.",
-                ) from error
-            raise
+        self._write_block(self._pending)
         self._pending = []
         self._last_block = time.monotonic()
+
+    def _wait_for_background(self) -> None:
+        """Waits for the block being written in the background; raises its error, with
+        the block buffered again in front of the steps buffered since."""
+        failure = self._background.finish()
+        if failure is None:
+            return
+        block, error = failure
+        self._pending = block + self._pending
+        if isinstance(error, OSError):
+            raise error  # already says what failed and what the file keeps
+        raise RuntimeError(
+            f"Writing a block of the gradient log '{self.path}' in the background failed: "
+            f"{type(error).__name__}: {error}. The file keeps every block written before "
+            "this one; the block stays buffered."
+        ) from error
+
+    def _write_block(self, block: Block) -> None:
+        """Writes `block` (buffered steps) to the file, or none of it."""
+        file = self._require_open()
+        try:
+            append_block(file, self._datasets, self._tables, block)
+        except (OSError, RuntimeError) as error:
+            raise files.io_error(
+                "Cannot write the gradient log",
+                self.path,
+                error,
+                "The file keeps every block written before this one.",
+            ) from error
+        self._written_step = int(block[-1][self._steps_table.step_column.path][-1])
 
     def close(self) -> None:
         """Flushes and closes the file. Calling it again does nothing.
@@ -310,11 +343,13 @@ class BlockWriter:
             close_without_writing(file, self._datasets)
             raise
         except BaseException:
+            self._background.finish()  # interrupted while waiting for it
             file.close()
             raise
         else:
             file.close()
         finally:
+            self._background.stop()
             self._file, self._datasets, self._pending = None, {}, []
             _OPEN_WRITERS.pop(os.path.realpath(self.path), None)
 
@@ -345,39 +380,6 @@ class BlockWriter:
                 f"Received: step={step}"
             )
         return step
-
-    def _record(self, step: int, rows: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
-        for name, table in self._tables.items():
-            declared = [c.name for c in table.columns[1:] if not c.streamed]
-            if set(rows.get(name, {})) != set(declared):
-                raise ValueError(
-                    f"Expected {name} to hold exactly the columns {sorted(declared)}. "
-                    f"Received: {sorted(rows.get(name, {}))}"
-                )
-        record: dict[str, np.ndarray] = {}
-        for name, table in self._tables.items():
-            num_rows = None
-            if table.rows_per_step is not None:
-                count_table, count_name = table.rows_per_step.split("/", 1)
-                num_rows = non_negative_int(count_name, rows[count_table][count_name])
-            for column in table.columns[1:]:
-                if not column.streamed:
-                    values = rows[name][column.name]
-                    record[column.path] = checked_rows(name, column, values, num_rows)
-            record[table.step_column.path] = np.full(
-                1 if num_rows is None else num_rows, self._step_offset + step, dtype=np.int64
-            )
-        return record
-
-    def _roll_back(self, lengths: Mapping[str, int]) -> None:
-        # HDF5 writes the new lengths even when the rows' data could not be written;
-        # readers would see the block as rows of fill values. Cut them off again.
-        with contextlib.suppress(OSError, RuntimeError):
-            for name, table in self._tables.items():
-                for column in table.columns:
-                    if not column.streamed:
-                        self._datasets[column.path].resize(lengths[name], axis=0)
-            self._require_open().flush()
 
 
 def _close_open_writers() -> None:

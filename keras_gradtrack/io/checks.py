@@ -42,7 +42,9 @@ def checked_rows(table: str, column: Column, values: Any, num_rows: int | None) 
             f"Expected {table}['{column.name}'] to have shape {expected}. "
             f"Received: shape={array.shape}"
         )
-    if column.dtype.kind == "f":
+    if array.dtype == column.dtype:
+        converted = array.copy()  # the caller may change its array after the step
+    elif column.dtype.kind == "f":
         # Values beyond float32's range are stored as inf, like NaN as NaN: no warning.
         with np.errstate(over="ignore", invalid="ignore"):
             converted = array.astype(column.dtype)

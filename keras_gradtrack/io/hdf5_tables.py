@@ -6,6 +6,7 @@ table's datasets, and cut a file back to the steps complete in every table.
 """
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ class Column:
     chunks: tuple[int, ...]
     streamed: bool = False
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """The path without the table's group: how callers name the column."""
         return self.path.split("/", 1)[1]

@@ -44,6 +44,9 @@ class LogWriter(BlockWriter):
             least that often while steps arrive; `None` writes blocks of exactly
             `flush_every` steps.
         compression: `"gzip"` (level 4), `"lzf"` or `None`.
+        background: write each due block on a thread of its own while the caller
+            goes on; a block that fails there stays buffered and its error is raised
+            by the next `write_step`, `flush` or `close` (see `BlockWriter`).
 
     Example:
 
@@ -84,6 +87,7 @@ class LogWriter(BlockWriter):
         flush_every: int = 100,
         flush_seconds: float | None = 1.0,
         compression: str | None = "gzip",
+        background: bool = False,
     ):
         super().__init__(
             path,
@@ -94,6 +98,7 @@ class LogWriter(BlockWriter):
             flush_every=flush_every,
             flush_seconds=flush_seconds,
             compression=compression,
+            background=background,
         )
 
     def write_step(
