@@ -41,8 +41,9 @@ def channels_last(layer: Any, tensor: Any) -> Any:
 
 
 def input_windows(layer: Any, x: Any, output_spatial: Sequence[int]) -> list[Any]:
-    """One `(B, *output_spatial, C)` window of the channels-last input per kernel offset (row-major
-    over the kernel's spatial axes, as the kernel is laid out), padded as the layer pads."""
+    """One `(B, *output_spatial, C)` window of the channels-last input per kernel offset
+    (row-major over the kernel's spatial axes, as the kernel lays them out), padded as
+    the layer pads."""
     x = f32(x)
     spatial = x.shape[1:-1]
     kernel_size, strides, dilation = layer.kernel_size, layer.strides, layer.dilation_rate
@@ -104,7 +105,9 @@ def conv_per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-def conv_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any] | None) -> Any:
+def conv_primitives(
+    layer: Any, call: ProbedCall, refs: Sequence[Any] | None
+) -> LayerPrimitives | None:
     """Conv1D/2D/3D without groups, where the Gram form is cheaper than materializing
     (`rule_math.gram_is_cheaper`): `||g_i||^2` from the windows' and the output
     gradients' Gram matrices over positions, `<g_i, R> = sum_k <S_ik R_k, D_i>`.
