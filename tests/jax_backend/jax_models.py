@@ -38,11 +38,28 @@ def transformer_block(model_class: type, length: int = 6, dim: int = 8) -> Any:
     return head(model_class, inputs, keras.layers.GlobalAveragePooling1D()(hidden))
 
 
+def separable_cnn(model_class: type) -> Any:
+    """Every convolution and normalization rule of the JAX engine in one model."""
+    inputs = keras.Input((8, 8, 2))
+    hidden = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    hidden = keras.layers.GroupNormalization(2)(hidden)
+    hidden = keras.layers.SeparableConv2D(6, 3, strides=2, activation="relu")(hidden)
+    hidden = keras.layers.DepthwiseConv2D(2, depth_multiplier=2)(hidden)
+    hidden = keras.layers.LayerNormalization()(hidden)
+    hidden = keras.layers.Reshape((4, 12))(hidden)
+    hidden = keras.layers.Conv1D(4, 2, padding="causal")(hidden)
+    hidden = keras.layers.SeparableConv1D(4, 2, depth_multiplier=2)(hidden)
+    hidden = keras.layers.DepthwiseConv1D(2)(hidden)
+    hidden = keras.layers.RMSNormalization()(hidden)
+    return head(model_class, inputs, hidden)
+
+
 # name -> (builder, input shape without the batch)
 MODELS = {
     "mlp": (mlp, (12,)),
     "cnn": (cnn, (8, 8, 1)),
     "transformer_block": (transformer_block, (6, 8)),
+    "separable_cnn": (separable_cnn, (8, 8, 2)),
 }
 
 

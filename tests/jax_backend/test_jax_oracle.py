@@ -168,8 +168,24 @@ def test_gradient_statistics_match_the_oracle_and_change_no_weight() -> None:
 def test_the_summary_names_each_layers_path() -> None:
     model = compiled(MODELS["transformer_block"][0](kgt.GradientTrackingModel))
     text = model.gradient_tracking_summary(print_fn=lambda _: None)
-    assert "rule:einsum_dense" in text and "rule:dense" in text and "fallback" in text
+    for path in ("rule:einsum_dense", "rule:dense", "rule:layer_normalization"):
+        assert path in text
+    assert "fallback" not in text
     assert len(text.splitlines()) == 2 + len(model.tracked_layer_names)
+
+
+def test_the_summary_names_the_fallback_of_a_layer_without_a_rule() -> None:
+    inputs = keras.Input((4,))
+    model = classifier(inputs, keras.layers.PReLU()(inputs))
+    text = model.gradient_tracking_summary(print_fn=lambda _: None)
+    assert "fallback" in text.splitlines()[2] and "rule:dense" in text.splitlines()[3]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_no_layer_of_the_models_is_on_the_fallback(name: str) -> None:
+    model = compiled(MODELS[name][0](kgt.GradientTrackingModel))
+    paths = {t.name: t.path for t in model.gradient_tracking_plan()}
+    assert all(path.startswith("rule:") for path in paths.values()), paths
 
 
 class Subclassed(kgt.GradientTrackingMixin, keras.Model):

@@ -16,7 +16,8 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
-from keras_gradtrack.backends.jax.rules import JaxRule, lookup
+from keras_gradtrack.backends.jax.registry import lookup
+from keras_gradtrack.backends.jax.rules import JaxRule
 
 FALLBACK_PATH = "fallback (per-layer vmap of jax.grad)"
 BACKEND = "JAX"

@@ -13,7 +13,7 @@ and output gradients (never the whole model).
 Example:
 
 ```python
-rule = lookup(keras.layers.Dense(4))   # DENSE: norms from ||a_i||^2 ||d_i||^2
+DENSE.primitives(layer, call, refs)   # norms from ||a_i||^2 ||d_i||^2, no per-example pass
 ```
 """
 
@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import keras
 
 from keras_gradtrack._patching import patched
 
@@ -74,11 +73,14 @@ class JaxRule:
         per_example: The layer's per-example gradients (None: the fallback's).
         primitives: The primitives without per-example gradients, for a layer
             called once in the step (None, or returning None: from `per_example`).
+        applies: Whether the rule covers a given layer of its class (None: every
+            one); a layer it does not cover runs on the fallback, and its path says so.
     """
 
     name: str
     per_example: PerExample | None = None
     primitives: Primitives | None = None
+    applies: Callable[[Any], bool] | None = None
 
 
 def f32(value: Any) -> Any:
@@ -125,7 +127,7 @@ def fallback_per_example(
 # -- Dense ------------------------------------------------------------------
 
 
-def _plain(layer: Any) -> bool:
+def plain_weights(layer: Any) -> bool:
     """A layer without LoRA and not quantized: its variables are its kernel and bias."""
     return (
         not getattr(layer, "lora_enabled", False)
@@ -148,7 +150,7 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
     """Dense: `||g_i||^2 = ||a_i||^2 ||d_i||^2` and `<g_i, R> = a_i^T R d_i` on 2-D
     inputs; on sequences `g_i = A_i^T D_i` materialized, or the Gram form when that
     would hold too many values."""
-    if not _plain(layer) or len(layer.trainable_variables) != len(refs):
+    if not plain_weights(layer) or len(layer.trainable_variables) != len(refs):
         return None
     kernel_ref, bias_ref = _split_kernel_bias(layer, refs)
     a, d = f32(call.inputs), f32(call.output_grad)
@@ -188,7 +190,7 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
 def dense_per_example(
     layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
 ) -> list[Any]:
-    if not _plain(layer):
+    if not plain_weights(layer):
         return fallback_per_example(layer, values, call, others)
     a, d = f32(call.inputs), f32(call.output_grad)
     batch = a.shape[0]
@@ -223,7 +225,7 @@ def einsum_dense_per_example(
     x_spec, _, kernel_spec = inputs_spec.partition(",")
     batch_axis = x_spec[:1]
     if (
-        not _plain(layer)
+        not plain_weights(layer)
         or "." in equation
         or not batch_axis
         or batch_axis in kernel_spec
@@ -249,7 +251,7 @@ def embedding_primitives(
 ) -> LayerPrimitives | None:
     """Embedding: example i's gradient adds `d_it` to row `id_it`; `||g_i||^2` sums
     `<d_it, d_is>` over the positions with equal ids, `<g_i, R> = sum_t <d_it, R[id_it]>`."""
-    if not _plain(layer) or len(refs) != 1:
+    if not plain_weights(layer) or len(refs) != 1:
         return None
     (table_ref,) = refs
     ids, d = call.inputs, f32(call.output_grad)
@@ -267,7 +269,7 @@ def embedding_primitives(
 def embedding_per_example(
     layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
 ) -> list[Any]:
-    if not _plain(layer):
+    if not plain_weights(layer):
         return fallback_per_example(layer, values, call, others)
     ids, d = call.inputs, f32(call.output_grad)
     batch, dim = ids.shape[0], d.shape[-1]
@@ -278,20 +280,3 @@ def embedding_per_example(
 
 
 EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives)
-
-
-REGISTRY: dict[type, JaxRule] = {
-    keras.layers.Dense: DENSE,
-    keras.layers.EinsumDense: EINSUM_DENSE,
-    keras.layers.Embedding: EMBEDDING,
-}
-
-
-def lookup(layer: Any) -> JaxRule | None:
-    """The rule of the layer's class, or of the nearest base class whose `call` it keeps."""
-    for cls in type(layer).__mro__:
-        rule = REGISTRY.get(cls)
-        if rule is not None:
-            keeps_call = getattr(type(layer), "call", None) is getattr(cls, "call", None)
-            return rule if keeps_call else None
-    return None

@@ -1,0 +1,171 @@
+"""The JAX engine's rules for Conv1D/2D/3D, DepthwiseConv1D/2D and SeparableConv1D/2D.
+
+The math is `keras_gradtrack.rule_math` (`keras.ops`); what is JAX's own here is
+cutting the layer's input into windows: for each kernel offset k, `lax.slice` of
+the padded input with the layer's strides and dilation gives `S_ik`, example i's
+input under offset k at each output position (`(B, *spatial, C)`, channels last). No
+patches tensor of `K^2` cost (as `lax.conv_general_dilated_patches` builds), no
+vmap: example i's kernel gradient is `S_ik^T D_i` per offset and group.
+
+Example:
+
+```python
+windows = input_windows(layer, x, output_spatial)     # K tensors (B, *spatial, C)
+```
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from keras_gradtrack import rule_math
+from keras_gradtrack.backends.jax.rules import (
+    JaxRule,
+    LayerPrimitives,
+    ProbedCall,
+    f32,
+    plain_weights,
+)
+
+
+def channels_last(layer: Any, tensor: Any) -> Any:
+    if getattr(layer, "data_format", "channels_last") == "channels_first":
+        return jnp.moveaxis(tensor, 1, -1)
+    return tensor
+
+
+def input_windows(layer: Any, x: Any, output_spatial: Sequence[int]) -> list[Any]:
+    """One `(B, *output_spatial, C)` window of the channels-last input per kernel offset
+    (row-major over the kernel's spatial axes, as the kernel lays them out), padded as
+    the layer pads."""
+    x = f32(x)
+    spatial = x.shape[1:-1]
+    kernel_size, strides, dilation = layer.kernel_size, layer.strides, layer.dilation_rate
+    if layer.padding == "causal":
+        pads = [(dilation[0] * (kernel_size[0] - 1), 0)]
+    elif layer.padding == "same":
+        effective = [(k - 1) * r + 1 for k, r in zip(kernel_size, dilation)]
+        pads = lax.padtype_to_pads(spatial, effective, strides, "SAME")
+    else:
+        pads = [(0, 0)] * len(spatial)
+    x = jnp.pad(x, [(0, 0), *pads, (0, 0)])
+    batch, channels = x.shape[0], x.shape[-1]
+    windows = []
+    for offset in itertools.product(*(range(k) for k in kernel_size)):
+        start = [o * r for o, r in zip(offset, dilation)]
+        limit = [b + (n - 1) * s + 1 for b, n, s in zip(start, output_spatial, strides)]
+        window = lax.slice(x, [0, *start, 0], [batch, *limit, channels], [1, *strides, 1])
+        windows.append(window)
+    return windows
+
+
+def _by_name(layer: Any, values: Sequence[Any], others: Sequence[Any]) -> dict[str, Any]:
+    pairs = [*zip(layer.trainable_variables, values), *zip(layer.non_trainable_variables, others)]
+    return {variable.name: value for variable, value in pairs}
+
+
+def _trainable_names(layer: Any) -> set[str]:
+    return {variable.name for variable in layer.trainable_variables}
+
+
+def _windows_and_grads(layer: Any, call: ProbedCall) -> tuple[list[Any], Any]:
+    """The windows `(B, *spatial, C)` and output gradients `(B, *spatial, F)`, channels
+    last."""
+    x = channels_last(layer, call.inputs)
+    d = f32(channels_last(layer, call.output_grad))
+    return input_windows(layer, x, d.shape[1:-1]), d
+
+
+def conv_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """Conv1D/2D/3D and DepthwiseConv1D/2D: example i's kernel gradient `S_ik^T D_i` per
+    offset and group (a depthwise kernel `(..., C, M)` is the grouped case with C
+    groups), the bias's `sum_p D_i[p]`."""
+    trainable = _trainable_names(layer)
+    windows, d = _windows_and_grads(layer, call)
+    batch = d.shape[0]
+    grads = {}
+    if "kernel" in trainable:
+        kernel_shape = tuple(_by_name(layer, values, others)["kernel"].shape)
+        if getattr(layer, "depth_multiplier", None) is not None:
+            groups = kernel_shape[-2]  # depthwise: one group per input channel
+        else:
+            groups = layer.groups
+        kernel = rule_math.kernel_gradients(windows, d, groups)
+        grads["kernel"] = kernel.reshape(batch, *kernel_shape)
+    if "bias" in trainable:
+        grads["bias"] = rule_math.position_sums(d)
+    return [grads[v.name] for v in layer.trainable_variables]
+
+
+def conv_primitives(
+    layer: Any, call: ProbedCall, refs: Sequence[Any] | None
+) -> LayerPrimitives | None:
+    """Conv1D/2D/3D without groups, where the Gram form is cheaper than materializing
+    (`rule_math.gram_is_cheaper`): `||g_i||^2` from the windows' and the output
+    gradients' Gram matrices over positions, `<g_i, R> = sum_k <S_ik R_k, D_i>`.
+    None elsewhere (the engine then takes them from `conv_per_example`). With
+    `refs=None` (norm-only) it returns `dot=None` and forms no product with a reference."""
+    if refs is not None and len(refs) != len(layer.trainable_variables):
+        return None
+    names = [v.name for v in layer.trainable_variables]
+    if layer.groups != 1 or "kernel" not in names:
+        return None
+    *window_shape, channels, filters = layer.kernel.shape
+    shape = call.output_grad.shape
+    positions = math.prod(shape[2:] if layer.data_format == "channels_first" else shape[1:-1])
+    width_in = math.prod(window_shape) * channels
+    if not rule_math.gram_is_cheaper(positions, width_in, filters, dots=refs is not None):
+        return None
+    windows, d = _windows_and_grads(layer, call)
+    sq_norm = rule_math.kernel_gram_sq_norms(windows, d)
+    summed = rule_math.kernel_sum(windows, d)
+    sum_sq_norm = jnp.sum(summed**2)
+    dot = None
+    if refs is not None:
+        kernel_ref = f32(refs[names.index("kernel")]).reshape(-1, channels, filters)
+        dot = rule_math.kernel_dots(windows, d, kernel_ref)
+    if "bias" in names:
+        bias_grad = rule_math.position_sums(d)
+        sq_norm = sq_norm + jnp.sum(bias_grad**2, axis=1)
+        sum_sq_norm = sum_sq_norm + jnp.sum(jnp.sum(bias_grad, axis=0) ** 2)
+        if refs is not None:
+            dot = dot + bias_grad @ f32(refs[names.index("bias")])
+    return LayerPrimitives(sq_norm, dot, sum_sq_norm)
+
+
+def separable_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """SeparableConv1D/2D: `rule_math.separable_gradients` of the windows, both kernels'
+    values and the output gradients; the bias's `sum_p D_i[p]`."""
+    trainable = _trainable_names(layer)
+    windows, d = _windows_and_grads(layer, call)
+    batch = d.shape[0]
+    variables = _by_name(layer, values, others)
+    depthwise, pointwise = variables["depthwise_kernel"], variables["pointwise_kernel"]
+    depthwise_grads, pointwise_grads = rule_math.separable_gradients(
+        windows,
+        d,
+        f32(depthwise).reshape(-1, *depthwise.shape[-2:]),
+        f32(pointwise).reshape(pointwise.shape[-2:]),
+    )
+    grads = {
+        "depthwise_kernel": depthwise_grads.reshape(batch, *depthwise.shape),
+        "pointwise_kernel": pointwise_grads.reshape(batch, *pointwise.shape),
+    }
+    if "bias" in trainable:
+        grads["bias"] = rule_math.position_sums(d)
+    return [grads[v.name] for v in layer.trainable_variables]
+
+
+CONV = JaxRule("conv", conv_per_example, conv_primitives, applies=plain_weights)
+DEPTHWISE_CONV = JaxRule("depthwise_conv", conv_per_example, applies=plain_weights)
+SEPARABLE_CONV = JaxRule("separable_conv", separable_per_example, applies=plain_weights)

@@ -1,0 +1,259 @@
+"""The JAX engine's convolution and normalization rules against the `jax.grad` oracle.
+
+Every setting is a layer (strides, dilation, padding, 1-D to 3-D, groups, depth
+multipliers, channels first, normalized axes, variants) under a small classifier:
+its path must be its rule, not the fallback, and its statistics must match the
+oracle's with the default statistics (dots with the batch gradient: cosines) and
+with norm-only ones. Per-example gradients are also compared with the per-layer
+fallback's directly, and the convolution's Gram form is checked forced on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+from jax_oracle import assert_matches_oracle, oracle_statistics
+
+import keras_gradtrack as kgt
+from keras_gradtrack import rule_math
+from keras_gradtrack.backends.jax import conv as jax_conv
+from keras_gradtrack.backends.jax import rules as jax_rules
+from keras_gradtrack.backends.jax.plan import FALLBACK_PATH
+
+BATCH = 5
+NORM_ONLY = ["loss", "grad_norm", "layer_grad_norm", "batch_grad_norm", "gradient_diversity"]
+RMS_SCALING_WARNING = pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
+L = keras.layers
+
+# name -> (layer factory, input shape without the batch, expected path)
+SETTINGS: dict[str, tuple[Callable[[], Any], tuple[int, ...], str]] = {
+    "conv1d_causal_dilated": (
+        lambda: L.Conv1D(3, 3, dilation_rate=2, padding="causal"),
+        (9, 2),
+        "rule:conv",
+    ),
+    "conv1d_same_strided": (lambda: L.Conv1D(3, 2, strides=2, padding="same"), (7, 2), "rule:conv"),
+    "conv1d_groups": (lambda: L.Conv1D(4, 3, groups=2, activation="tanh"), (8, 4), "rule:conv"),
+    "conv2d_valid_strided": (lambda: L.Conv2D(3, (3, 2), strides=(2, 1)), (7, 6, 2), "rule:conv"),
+    "conv2d_same_dilated": (
+        lambda: L.Conv2D(4, 3, dilation_rate=2, padding="same", activation="relu"),
+        (7, 7, 2),
+        "rule:conv",
+    ),
+    "conv2d_same_even_kernel_strided": (
+        lambda: L.Conv2D(3, 4, strides=2, padding="same"),
+        (8, 7, 3),
+        "rule:conv",
+    ),
+    "conv2d_groups": (lambda: L.Conv2D(6, 3, groups=3, padding="same"), (5, 5, 3), "rule:conv"),
+    "conv2d_channels_first": (
+        lambda: L.Conv2D(3, 3, strides=2, padding="same", data_format="channels_first"),
+        (2, 7, 7),
+        "rule:conv",
+    ),
+    "conv2d_no_bias": (lambda: L.Conv2D(3, 2, use_bias=False), (5, 5, 2), "rule:conv"),
+    # Few positions, many channels: the Gram form is the cheaper one here.
+    "conv2d_gram_form": (lambda: L.Conv2D(16, 3), (4, 4, 8), "rule:conv"),
+    "conv3d": (lambda: L.Conv3D(2, 2, strides=(1, 2, 1)), (4, 5, 4, 2), "rule:conv"),
+    "depthwise_conv1d": (
+        lambda: L.DepthwiseConv1D(3, depth_multiplier=2, strides=2, padding="same"),
+        (9, 3),
+        "rule:depthwise_conv",
+    ),
+    "depthwise_conv2d_dilated": (
+        lambda: L.DepthwiseConv2D(3, depth_multiplier=2, dilation_rate=2, padding="same"),
+        (7, 7, 2),
+        "rule:depthwise_conv",
+    ),
+    "depthwise_conv2d_channels_first": (
+        lambda: L.DepthwiseConv2D((2, 3), data_format="channels_first", activation="relu"),
+        (2, 5, 6),
+        "rule:depthwise_conv",
+    ),
+    "separable_conv1d": (
+        lambda: L.SeparableConv1D(4, 3, depth_multiplier=2, strides=2, padding="same"),
+        (9, 3),
+        "rule:separable_conv",
+    ),
+    "separable_conv2d_dilated": (
+        lambda: L.SeparableConv2D(
+            3, 3, depth_multiplier=2, dilation_rate=2, padding="same", activation="relu"
+        ),
+        (7, 7, 2),
+        "rule:separable_conv",
+    ),
+    "separable_conv2d_strided_no_bias": (
+        lambda: L.SeparableConv2D(4, 2, strides=2, use_bias=False),
+        (6, 6, 3),
+        "rule:separable_conv",
+    ),
+    "layer_normalization_two_axes": (
+        lambda: L.LayerNormalization(axis=[1, 2]),
+        (3, 4, 2),
+        "rule:layer_normalization",
+    ),
+    "layer_normalization_middle_axis": (
+        lambda: L.LayerNormalization(axis=1),
+        (3, 4),
+        "rule:layer_normalization",
+    ),
+    "layer_normalization_no_center": (
+        lambda: L.LayerNormalization(center=False),
+        (3, 4),
+        "rule:layer_normalization",
+    ),
+    "layer_normalization_no_scale": (
+        lambda: L.LayerNormalization(scale=False),
+        (3, 4),
+        "rule:layer_normalization",
+    ),
+    "layer_normalization_rms_scaling": (
+        lambda: L.LayerNormalization(rms_scaling=True),
+        (3, 4),
+        "rule:layer_normalization",
+    ),
+    "rms_normalization": (lambda: L.RMSNormalization(), (3, 4), "rule:rms_normalization"),
+    "rms_normalization_two_axes": (
+        lambda: L.RMSNormalization(axis=[-2, -1]),
+        (3, 4, 2),
+        "rule:rms_normalization",
+    ),
+    "group_normalization_images": (
+        lambda: L.GroupNormalization(2),
+        (4, 4, 4),
+        "rule:group_normalization",
+    ),
+    "group_normalization_channel_axis_1": (
+        lambda: L.GroupNormalization(3, axis=1),
+        (6, 4),
+        "rule:group_normalization",
+    ),
+    "group_normalization_instance_no_center": (
+        lambda: L.GroupNormalization(-1, center=False),
+        (4, 3, 2),
+        "rule:group_normalization",
+    ),
+}
+
+
+def marks(name: str) -> list[Any]:
+    return [RMS_SCALING_WARNING] if "rms_scaling" in name else []
+
+
+PARAMS = [pytest.param(name, marks=marks(name)) for name in sorted(SETTINGS)]
+
+
+def built(name: str, seed: int = 0) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The setting's layer under a Dense head, compiled, and a batch of data."""
+    factory, shape, _ = SETTINGS[name]
+    rng = np.random.default_rng(seed)
+    inputs = keras.Input(shape)
+    features = L.Flatten()(factory()(inputs))
+    model = kgt.GradientTrackingModel(inputs, L.Dense(3, name="head")(features))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    # Off-center inputs, so that the normalizations' centering matters.
+    x = rng.normal(1.0, 2.0, size=(BATCH, *shape)).astype("float32")
+    return model, x, rng.integers(0, 3, BATCH)
+
+
+def tracked_layer(model: Any) -> Any:
+    (tracked,) = [t for t in model.gradient_tracking_plan() if t.name != "head"]
+    return tracked
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_the_layer_is_on_its_rule_and_matches_the_oracle(name: str) -> None:
+    model, x, y = built(name)
+    assert tracked_layer(model).path == SETTINGS[name][2]
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(model.gradient_statistics(x, y), expected)
+    norm_only = model.gradient_statistics(x, y, statistics=NORM_ONLY)
+    assert set(norm_only) - {"batch_size"} == set(NORM_ONLY)
+    assert_matches_oracle(norm_only, expected)
+
+
+def probed_call(model: Any, x: np.ndarray, seed: int = 1) -> tuple[Any, Any]:
+    """The tracked layer and a call of it: its input in the model and a random output
+    gradient."""
+    layer = tracked_layer(model).layer
+    inputs = keras.Model(model.input, layer.input)(x)
+    output_shape = layer.compute_output_shape(inputs.shape)
+    output_grad = jax.random.normal(jax.random.PRNGKey(seed), output_shape)
+    return layer, jax_rules.ProbedCall(jnp.asarray(inputs), {}, output_grad)
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_per_example_gradients_equal_the_fallbacks(name: str) -> None:
+    model, x, _ = built(name)
+    layer, call = probed_call(model, x)
+    rule = tracked_layer(model).rule
+    values = [v.value for v in layer.trainable_variables]
+    others = [v.value for v in layer.non_trainable_variables]
+    got = rule.per_example(layer, values, call, others)
+    want = jax_rules.fallback_per_example(layer, values, call, others)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for variable, g, w in zip(layer.trainable_variables, got, want):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=variable.name)
+
+
+CONV_GRAM = sorted(
+    name for name, (_, _, path) in SETTINGS.items() if path == "rule:conv" and "groups" not in name
+)
+
+
+@pytest.mark.parametrize("name", CONV_GRAM)
+def test_the_conv_gram_form_gives_the_per_example_primitives(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rule_math, "gram_is_cheaper", lambda *args, **kwargs: True)
+    model, x, _ = built(name)
+    layer, call = probed_call(model, x)
+    values = [v.value for v in layer.trainable_variables]
+    flat = jnp.concatenate(
+        [g.reshape(BATCH, -1) for g in jax_conv.conv_per_example(layer, values, call)], axis=1
+    )
+    refs = [jax.random.normal(jax.random.PRNGKey(2), v.shape) for v in layer.trainable_variables]
+    reference = jnp.concatenate([r.reshape(-1) for r in refs])
+    primitives = jax_conv.conv_primitives(layer, call, refs)
+    np.testing.assert_allclose(primitives.sq_norm, jnp.sum(flat**2, axis=1), rtol=1e-4)
+    np.testing.assert_allclose(primitives.dot, flat @ reference, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(primitives.sum_sq_norm, jnp.sum(jnp.sum(flat, 0) ** 2), rtol=1e-4)
+    norm_only = jax_conv.conv_primitives(layer, call, None)
+    assert norm_only.dot is None
+    np.testing.assert_allclose(norm_only.sq_norm, primitives.sq_norm, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["conv1d_causal_dilated", "conv2d_channels_first"])
+def test_the_step_on_the_conv_gram_form_matches_the_oracle(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rule_math, "gram_is_cheaper", lambda *args, **kwargs: True)
+    model, x, y = built(name)
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(model.gradient_statistics(x, y), expected)
+    assert_matches_oracle(model.gradient_statistics(x, y, statistics=NORM_ONLY), expected)
+
+
+def test_the_gram_form_is_chosen_only_where_it_is_cheaper() -> None:
+    # Few positions and many channels: Gram; the zoo CNN's 24x24 maps: materialized.
+    assert rule_math.gram_is_cheaper(4, 72, 16, dots=True)
+    assert not rule_math.gram_is_cheaper(576, 288, 32, dots=True)
+    assert not rule_math.gram_is_cheaper(676, 9, 32, dots=False)
+
+
+def test_layers_the_rules_do_not_cover_are_on_the_fallback_and_say_so() -> None:
+    inputs = keras.Input((3, 4))
+    hidden = L.RMSNormalization(axis=1)(inputs)  # not the trailing axes: scale misaligned
+    hidden = L.PReLU()(hidden)
+    model = kgt.GradientTrackingModel(inputs, L.Dense(2)(L.Flatten()(hidden)))
+    paths = [tracked.path for tracked in model.gradient_tracking_plan()]
+    assert paths == [FALLBACK_PATH, FALLBACK_PATH, "rule:dense"]
