@@ -120,7 +120,7 @@ def mixing_error(model: Any, mixing: Mixing) -> ValueError:
         "which sums over the batch too); for a normalization over the batch, see "
         "BatchNormalization's options (`model.track_batch_normalization = True`, or "
         "`kgt.convert_to_group_normalization(model)`). This check costs two forward "
-        "passes of one batch, once per fit; `model.check_example_independence = False` "
+        "passes of one batch, at most once per fit; `model.check_example_independence = False` "
         "switches it off."
     )
 

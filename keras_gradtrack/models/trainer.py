@@ -82,7 +82,8 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
         replaced by other examples; the first half's outputs and per-example
         losses must not change, otherwise the step is refused before any weight
         changes (an operation mixes examples, so no per-example gradient is
-        defined). It costs two forward passes of one batch, once per fit.
+        defined). It costs two forward passes of one batch, once per model, compiled
+        loss and batch signature (a later fit with the same ones skips it).
 
         Example:
 
