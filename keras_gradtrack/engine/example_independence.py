@@ -172,3 +172,36 @@ def first_batch(iterator: Any) -> Any:
             return data_iterator[0]
         return next(data_iterator)
     return None
+
+
+class ExampleIndependenceSetting:
+    """Both engines' mixins' setting `check_example_independence`."""
+
+    @property
+    def check_example_independence(self) -> bool:
+        """Whether a fit checks, before its first tracked step, that examples do not mix
+        (default True).
+
+        In inference mode, a batch runs as it is and with its second half
+        replaced by other examples; the first half's outputs and per-example
+        losses must not change, otherwise the step is refused before any weight
+        changes (an operation mixes examples, so no per-example gradient is
+        defined). It costs two forward passes of one batch: on TensorFlow once per
+        model, compiled loss and batch signature (a later fit with the same ones
+        skips it), on JAX once per fit.
+
+        Example:
+
+        ```python
+        model.check_example_independence = False   # skip the check (at your own risk)
+        ```
+        """
+        return bool(self.__dict__.get("_check_example_independence", True))
+
+    @check_example_independence.setter
+    def check_example_independence(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"Expected check_example_independence to be a bool. Received: {value!r}"
+            )
+        self.__dict__["_check_example_independence"] = value

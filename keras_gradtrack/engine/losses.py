@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack._keras_seam import loss_module
-from keras_gradtrack._patching import patched
 from keras_gradtrack.engine import distribute
-
-MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
-REDUCTIONS = ("sum", *MEAN_REDUCTIONS, "mean_with_sample_weight")
+from keras_gradtrack.engine.reductions import (
+    REDUCTIONS,
+    LossRecorder,
+    factor_kind,
+    recorded_reductions,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,49 +55,25 @@ class LossRecord:
     factor: tuple[Any, ...]
 
 
-class LossRecorder:
-    """Collects the `LossRecord`s of the losses computed while it is active."""
+def recording_losses() -> contextlib.AbstractContextManager[LossRecorder]:
+    """Wraps Keras' `reduce_values` for a block (`reductions.recorded_reductions`),
+    recording each reduction's values as a fresh copy on the tape, with its factor.
 
-    def __init__(self) -> None:
-        self.records: list[LossRecord] = []
-        self.refused: list[str] = []
-        # Reductions of a single value: a loss function that reduced the batch itself.
-        self.whole_batch = 0
-
-
-@contextlib.contextmanager
-def recording_losses() -> Iterator[LossRecorder]:
-    """Wraps Keras' `reduce_values` for the block, recording every reduction.
-
-    The swap is of a module attribute, so it holds process-wide for the block: the
-    forward pass of a tracked step while it is traced (once per trace), the
-    example-independence guard's two forward passes, and `kgt.check`'s trace. A
-    loss computed by another thread in that time would be recorded too (its value
-    unchanged); the wrapper is removed on exit, however the block ends.
+    The swap holds process-wide for the block: the forward pass of a tracked step
+    while it is traced (once per trace), the example-independence guard's two
+    forward passes, and `kgt.check`'s trace.
     """
-    recorder = LossRecorder()
-    original = loss_module.reduce_values
 
-    def recording_reduce_values(values: Any, sample_weight: Any = None, reduction: Any = None):
-        shape = tuple(getattr(values, "shape", ()))
-        if reduction not in REDUCTIONS:
-            recorder.refused.append(repr(reduction))
-            return original(values, sample_weight, reduction)
-        if shape in ((), (0,)):
-            recorder.whole_batch += shape == ()
-            return original(values, sample_weight, reduction)
+    def record(recorder: LossRecorder, values: Any, sample_weight: Any, reduction: str) -> Any:
         copy = tf.identity(values)
-        if reduction == "sum":
-            factor: tuple[Any, ...] = ("sum",)
-        elif reduction == "mean_with_sample_weight" and sample_weight is not None:
-            factor = ("weights", tf.reduce_sum(tf.cast(sample_weight, tf.float32)))
-        else:
-            factor = ("mean",)
+        kind = factor_kind(reduction, sample_weight)
+        factor: tuple[Any, ...] = (kind,)
+        if kind == "weights":
+            factor = (kind, tf.reduce_sum(tf.cast(sample_weight, tf.float32)))
         recorder.records.append(LossRecord(copy, reduction, factor))
-        return original(copy, sample_weight, reduction)
+        return copy
 
-    with patched(loss_module, "reduce_values", recording_reduce_values):
-        yield recorder
+    return recorded_reductions(record)
 
 
 def loss_factor(records: Sequence[LossRecord], batch_size: tf.Tensor) -> tf.Tensor:

@@ -16,6 +16,7 @@ from keras_gradtrack._keras_seam import compiled_loss, loss_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, executions, preflight, private_settings, tracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
+from keras_gradtrack.engine.example_independence import ExampleIndependenceSetting
 from keras_gradtrack.engine.independence import (
     IndependenceGuard,
     find_example_mixing,
@@ -34,7 +35,9 @@ from keras_gradtrack.statistics import Statistic
 PRIVACY_CONFIG_KEY = "keras_gradtrack_privacy"
 
 
-class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
+class GradientTrackingMixin(
+    ExampleIndependenceSetting, TracksGradients, BatchNormalizationTracking
+):
     """Adds per-example gradient tracking to a `keras.Model` (TensorFlow backend).
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -72,34 +75,6 @@ class GradientTrackingMixin(TracksGradients, BatchNormalizationTracking):
             return self.out(self.hidden(x))
     ```
     """
-
-    @property
-    def check_example_independence(self) -> bool:
-        """Whether a fit checks, before its first tracked step, that examples do not mix
-        (default True).
-
-        In inference mode, the first batch runs as it is and with its second half
-        replaced by other examples; the first half's outputs and per-example
-        losses must not change, otherwise the step is refused before any weight
-        changes (an operation mixes examples, so no per-example gradient is
-        defined). It costs two forward passes of one batch, once per model, compiled
-        loss and batch signature (a later fit with the same ones skips it).
-
-        Example:
-
-        ```python
-        model.check_example_independence = False   # skip the check (at your own risk)
-        ```
-        """
-        return bool(self.__dict__.get("_check_example_independence", True))
-
-    @check_example_independence.setter
-    def check_example_independence(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"Expected check_example_independence to be a bool. Received: {value!r}"
-            )
-        self.__dict__["_check_example_independence"] = value
 
     def make_private(
         self,

@@ -32,6 +32,7 @@ from keras import tree
 
 from keras_gradtrack.backends.jax.losses import per_example_values, recording_losses
 from keras_gradtrack.engine.example_independence import (
+    ExampleIndependenceSetting,
     IndependenceGuard,
     Mixing,
     first_mixing,
@@ -40,38 +41,11 @@ from keras_gradtrack.engine.example_independence import (
 )
 
 
-class ExampleIndependenceChecks:
+class ExampleIndependenceChecks(ExampleIndependenceSetting):
     """The guard's part of the JAX engine's `GradientTrackingMixin`: the setting, and
     the check before the first tracked step (the mixin's `fit` says whether one is
     wanted, by an `IndependenceGuard`; its train function calls
     `_check_independence_once`)."""
-
-    @property
-    def check_example_independence(self) -> bool:
-        """Whether a fit checks, before its first tracked step, that examples do not mix
-        (default True).
-
-        In inference mode, the step's batch runs as it is and with its second half
-        replaced by other examples; the first half's outputs and per-example
-        losses must not change, otherwise the step is refused before any weight
-        changes (an operation mixes examples, so no per-example gradient is
-        defined). It costs two forward passes of one batch, once per fit.
-
-        Example:
-
-        ```python
-        model.check_example_independence = False   # skip the check (at your own risk)
-        ```
-        """
-        return bool(self.__dict__.get("_check_example_independence", True))
-
-    @check_example_independence.setter
-    def check_example_independence(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"Expected check_example_independence to be a bool. Received: {value!r}"
-            )
-        self.__dict__["_check_example_independence"] = value
 
     def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
         # Checked once per model here (a loop of train_on_batch calls), once per fit in fit.

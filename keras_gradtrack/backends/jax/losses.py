@@ -29,17 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
-from keras_gradtrack._keras_seam import loss_module
-from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.plan import BACKEND
-
-MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
-REDUCTIONS = ("sum", *MEAN_REDUCTIONS, "mean_with_sample_weight")
+from keras_gradtrack.engine.reductions import (
+    REDUCTIONS,
+    LossRecorder,
+    factor_kind,
+    recorded_reductions,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +58,9 @@ class LossRecord:
     weight_sum: Any = None
 
 
-@dataclasses.dataclass
-class LossRecorder:
-    """The `LossRecord`s of the losses computed while recording.
-
-    Attributes:
-        records: One per reduction of per-example values.
-        refused: Reductions without a per-example factor (`None`, `"none"`, others).
-        whole_batch: How many reductions received one value (a loss function that
-            reduced the batch itself).
-    """
-
-    records: list[LossRecord] = dataclasses.field(default_factory=list)
-    refused: list[str] = dataclasses.field(default_factory=list)
-    whole_batch: int = 0
-
-
-@contextlib.contextmanager
-def recording_losses(probes: Sequence[Any] | None = None) -> Iterator[LossRecorder]:
+def recording_losses(
+    probes: Sequence[Any] | None = None,
+) -> contextlib.AbstractContextManager[LossRecorder]:
     """Wraps Keras' `reduce_values` for the block, recording every reduction.
 
     Args:
@@ -86,31 +72,18 @@ def recording_losses(probes: Sequence[Any] | None = None) -> Iterator[LossRecord
     trace of the function, or the guard's forward pass); the wrapper is removed
     on exit, however the block ends.
     """
-    recorder = LossRecorder()
-    original = loss_module.reduce_values
 
-    def recording_reduce_values(values: Any, sample_weight: Any = None, reduction: Any = None):
-        shape = tuple(getattr(values, "shape", ()))
-        if reduction not in REDUCTIONS:
-            recorder.refused.append(repr(reduction))
-            return original(values, sample_weight, reduction)
-        if shape in ((), (0,)):
-            recorder.whole_batch += shape == ()
-            return original(values, sample_weight, reduction)
+    def record(recorder: LossRecorder, values: Any, sample_weight: Any, reduction: str) -> Any:
         if probes is not None:
             values = values + probes[len(recorder.records)].astype(values.dtype)
-        if reduction == "sum":
-            record = LossRecord(values, "sum")
-        elif reduction == "mean_with_sample_weight" and sample_weight is not None:
+        kind = factor_kind(reduction, sample_weight)
+        weight_sum = None
+        if kind == "weights":
             weight_sum = jnp.sum(jnp.asarray(sample_weight, jnp.float32))
-            record = LossRecord(values, "weights", weight_sum)
-        else:
-            record = LossRecord(values, "mean")
-        recorder.records.append(record)
-        return original(values, sample_weight, reduction)
+        recorder.records.append(LossRecord(values, kind, weight_sum))
+        return values
 
-    with patched(loss_module, "reduce_values", recording_reduce_values):
-        yield recorder
+    return recorded_reductions(record)
 
 
 def per_example_values(record: LossRecord) -> Any:

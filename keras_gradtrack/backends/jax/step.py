@@ -38,12 +38,12 @@ from keras_gradtrack.backends.jax.rules import (
     f32,
     fallback_per_example,
 )
+from keras_gradtrack.engine.reductions import MEAN_REDUCTIONS
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
 EXAMPLE_ID_KEY = "example_id"
-MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 def split_example_ids(data: Any) -> tuple[Any, Any]:
