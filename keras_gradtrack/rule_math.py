@@ -25,10 +25,12 @@ from keras import ops
 
 # Materializing per-example gradients of at most this many values per example is
 # weighed against the Gram form; larger ones are materialized only where the Gram
-# form costs more (the same model as the TensorFlow engine's `rules/cost.py`).
+# form costs more (both engines' cost model: the TensorFlow engine's `rules/cost.py`
+# reads these two).
 MATERIALIZE_MAX_VALUES = 2**16
-# One pass over a tensor, in multiply-adds of a matrix product of the same time,
-# times the passes a materialized gradient takes (sum, norm, dot).
+# One pass over a tensor, in multiply-adds of a matrix product of the same time (a
+# CPU calibration, docs/performance.md), times the passes a materialized gradient
+# takes (sum, norm, dot).
 MATERIALIZED_PASS_COST = 16
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# The two constants of the cost model, shared with the JAX engine's rules.
+from keras_gradtrack.rule_math import MATERIALIZE_MAX_VALUES, MATERIALIZED_PASS_COST
+
 
 def gram_is_cheaper(positions: int | None, width_in: int, width_out: int) -> Any:
     """Whether `||X_i^T D_i||^2` costs less as `<X_i X_i^T, D_i D_i^T>` (`P^2 (in + out)`)
@@ -15,17 +18,6 @@ def gram_is_cheaper(positions: int | None, width_in: int, width_out: int) -> Any
     `X_i` (P x in) and `D_i` (P x out). False when P is unknown; a boolean tensor when
     P is a scalar tensor (a size known only at run time)."""
     return positions is not None and positions * (width_in + width_out) < width_in * width_out
-
-
-# Materializing per-example gradients of at most this many values per example
-# is weighed against the direct form; larger ones (B times this in memory) are
-# materialized only where the direct form's Gram matrices would cost more.
-MATERIALIZE_MAX_VALUES = 2**16
-
-# One pass over a tensor, in multiply-adds of a matrix product of the same
-# time (a CPU calibration, docs/performance.md), times the passes a materialized
-# gradient takes (sum, norm, dot).
-MATERIALIZED_PASS_COST = 16
 
 
 def materializing_is_cheaper(
