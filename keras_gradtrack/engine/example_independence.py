@@ -174,6 +174,28 @@ def first_batch(iterator: Any) -> Any:
     return None
 
 
+def checked_independent(model: Any, find: Any, forward_may_not_apply: bool = False) -> bool:
+    """Runs `find()` (the guard on one batch: `Mixing` or None) and raises its refusal;
+    True where the batch passed (remembered as `model._examples_independent`).
+
+    Args:
+        model: The model checked (named in the refusal).
+        find: Runs the guard's two forward passes.
+        forward_may_not_apply: Whether a failure of the model's forward pass means
+            the guard does not apply (skipped: False) rather than an error.
+    """
+    try:
+        mixing = find()
+    except Exception:
+        if not forward_may_not_apply:
+            raise
+        return False
+    if mixing is not None:
+        raise mixing_error(model, mixing)
+    model.__dict__["_examples_independent"] = True
+    return True
+
+
 class ExampleIndependenceSetting:
     """Both engines' mixins' setting `check_example_independence`."""
 

@@ -148,6 +148,16 @@ class GradientTrackingState:
             raise errors[0]
 
 
+def first_data_batch(iterator: Any) -> Any:
+    """The first batch of a Keras epoch iterator, as `Trainer._symbolic_build` takes it
+    (both engines' mixins strip its example ids before Keras builds from it)."""
+    for _, _, data_or_iterator in iterator:
+        if isinstance(data_or_iterator, (list, tuple)):
+            return data_or_iterator[0]
+        return next(data_or_iterator)
+    return None
+
+
 class TracksGradients:
     """What a tracking model has on every backend: its `GradientTrackingState` and
     its plan's columns. Each engine's mixin supplies `_build_tracking_plan`."""

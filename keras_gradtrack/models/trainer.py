@@ -16,17 +16,19 @@ from keras_gradtrack._keras_seam import compiled_loss, loss_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, executions, preflight, private_settings, tracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
-from keras_gradtrack.engine.example_independence import ExampleIndependenceSetting
+from keras_gradtrack.engine.example_independence import (
+    ExampleIndependenceSetting,
+    checked_independent,
+)
 from keras_gradtrack.engine.independence import (
     IndependenceGuard,
     find_example_mixing,
     first_batch,
     leading_size,
-    mixing_error,
     subscribes_to_gradients,
 )
 from keras_gradtrack.engine.plan import Plan, build_plan
-from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients, first_data_batch
 from keras_gradtrack.engine.step import tracked_gradient
 from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.statistics import Statistic
@@ -437,12 +439,7 @@ class GradientTrackingMixin(
 
     def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if data_batch is None and iterator is not None:
-            for _, _, data_or_iterator in iterator:
-                if isinstance(data_or_iterator, (list, tuple)):
-                    data_batch = data_or_iterator[0]
-                else:
-                    data_batch = next(data_or_iterator)
-                break
+            data_batch = first_data_batch(iterator)
         if data_batch is not None:
             # Under a strategy Keras hands over a replica-averaged batch: ids
             # arrive as floats here, and only shapes matter.
@@ -501,16 +498,10 @@ class GradientTrackingMixin(
             passed = self.__dict__["_independent_batches"] = (loss, set())
         if signature in passed[1]:
             return
-        try:
-            mixing = find_example_mixing(self, x, y, sample_weight)
-        except Exception:
-            if not forward_may_not_apply:
-                raise
-            return
-        if mixing is not None:
-            raise mixing_error(self, mixing)
-        self.__dict__["_examples_independent"] = True
-        if (leading_size(x) or 0) >= 2:  # a batch of one compares nothing
+        passes = checked_independent(
+            self, lambda: find_example_mixing(self, x, y, sample_weight), forward_may_not_apply
+        )
+        if passes and (leading_size(x) or 0) >= 2:  # a batch of one compares nothing
             passed[1].add(signature)
 
     def _untracked_step(self, data: Any) -> Any:

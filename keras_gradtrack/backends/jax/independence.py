@@ -35,9 +35,9 @@ from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
     IndependenceGuard,
     Mixing,
+    checked_independent,
     first_mixing,
     leading_size,
-    mixing_error,
 )
 
 
@@ -85,15 +85,11 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
                 `x` means the guard does not apply (it is skipped) rather than an error.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        try:
-            mixing = find_example_mixing(self, state, x, y, sample_weight)
-        except Exception:
-            if not forward_may_not_apply:
-                raise
-            return
-        if mixing is not None:
-            raise mixing_error(self, mixing)
-        self.__dict__["_examples_independent"] = True
+        checked_independent(
+            self,
+            lambda: find_example_mixing(self, state, x, y, sample_weight),
+            forward_may_not_apply,
+        )
 
 
 def find_example_mixing(

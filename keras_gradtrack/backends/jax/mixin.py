@@ -26,7 +26,7 @@ from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
     subscribes_to_gradients,
 )
-from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients, first_data_batch
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
@@ -242,12 +242,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
 
     def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if data_batch is None and iterator is not None:
-            for _, _, data_or_iterator in iterator:
-                if isinstance(data_or_iterator, (list, tuple)):
-                    data_batch = data_or_iterator[0]
-                else:
-                    data_batch = next(data_or_iterator)
-                break
+            data_batch = first_data_batch(iterator)
         if data_batch is not None:
             data_batch, _ = split_example_ids(data_batch)
         return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
