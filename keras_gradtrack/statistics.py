@@ -27,6 +27,7 @@ logger = kgt.HDF5GradientLogger("run.h5", statistics=["cosine", MaxLayerNorm()])
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -55,6 +56,9 @@ class StepPrimitives:
             (`Statistic.needs_gram`), else None.
         input_sq_norm: `(B,)` `‖d l_i / d x_i‖^2` over the float inputs, only
             when a statistic asks for it (`Statistic.needs_input_gradients`).
+
+    The derived values (`grad_sq_norm`, `grad_norm`, `reference_norm`, `cosine`) are
+    computed once per step, however many statistics read them.
     """
 
     loss: Any
@@ -66,22 +70,22 @@ class StepPrimitives:
     gram: Any = None
     input_sq_norm: Any = None
 
-    @property
+    @functools.cached_property
     def grad_sq_norm(self) -> Any:
         """`(B,)` `||g_i||^2` over all layers."""
         return ops.sum(self.sq_norm, axis=1)
 
-    @property
+    @functools.cached_property
     def grad_norm(self) -> Any:
         """`(B,)` `||g_i||`."""
         return ops.sqrt(self.grad_sq_norm)
 
-    @property
+    @functools.cached_property
     def reference_norm(self) -> Any:
         """Scalar `||G||`."""
         return ops.sqrt(ops.sum(self.reference_sq_norm))
 
-    @property
+    @functools.cached_property
     def cosine(self) -> Any:
         """`(B,)` `cos(g_i, G)`; NaN where a norm is 0."""
         assert self.dot is not None, "a statistic that reads dots sets needs_dot"

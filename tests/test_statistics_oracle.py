@@ -269,3 +269,18 @@ def test_input_grad_norm_is_refused_for_integer_inputs() -> None:
     model, x, y, _ = embedding_with_repeated_ids()
     with pytest.raises(ValueError, match="needs float inputs"):
         model.gradient_statistics(x, y, statistics=["input_grad_norm"])
+
+
+def test_derived_values_are_computed_once_per_step() -> None:
+    # Cosine, mean_cosine and frac_negative_cosine all read the cosine: one computation.
+    primitives = kgt.statistics.StepPrimitives(
+        loss=np.ones(4, np.float32),
+        sq_norm=np.full((4, 2), 2.0, np.float32),
+        dot=np.ones((4, 2), np.float32),
+        reference_sq_norm=np.ones(2, np.float32),
+        sum_sq_norm=np.ones(2, np.float32),
+        batch_size=np.float32(4.0),
+    )
+    for name in ("grad_sq_norm", "grad_norm", "reference_norm", "cosine"):
+        assert getattr(primitives, name) is getattr(primitives, name), name
+    np.testing.assert_allclose(primitives.cosine, np.full(4, 2 / (2 * np.sqrt(2))), rtol=1e-6)

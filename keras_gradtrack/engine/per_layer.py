@@ -57,7 +57,7 @@ def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitive
     """
     context, plan = state.context, state.layers.plan
     unscale = 1.0 / state.backward.factor
-    scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
+    scale = loss_scale_of(context.loss_scale)
     sums = batch_sums(state, gradients, unscale)
     # The products with the batch gradient only for statistics that read them.
     wants_dots = any(statistic.needs_dot for statistic in context.statistics)
@@ -66,12 +66,16 @@ def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitive
     if any(statistic.needs_gram for statistic in context.statistics):
         gram = step_gram(state) * tf.square(unscale)
     rows = distribute.all_gather_rows(rows)
+    raw_sq_norms = squared_norms(sums.raw, plan, context.xla)
+    # Without penalties (on one replica) the data part is the batch gradient itself.
+    same = all(sums.data[i] is sums.raw[i] for i in sums.raw)
+    data_sq_norms = raw_sq_norms if same else squared_norms(sums.data, plan, context.xla)
     return StepPrimitives(
         loss=rows["loss"],
         sq_norm=rows["sq_norm"],
         dot=rows.get("dot"),
-        reference_sq_norm=squared_norms(sums.raw, plan, context.xla) / tf.square(scale),
-        sum_sq_norm=squared_norms(sums.data, plan, context.xla) * tf.square(sums.data_scale),
+        reference_sq_norm=raw_sq_norms if scale is None else raw_sq_norms / tf.square(scale),
+        sum_sq_norm=data_sq_norms * tf.square(sums.data_scale),
         batch_size=tf.cast(tf.shape(rows["loss"])[0], tf.float32),
         gram=gram,
         input_sq_norm=rows.get("input_sq_norm"),
@@ -100,19 +104,25 @@ def batch_sums(state: StepState, gradients: Sequence[Any], unscale: tf.Tensor) -
 
 
 def per_example_rows(
-    state: StepState, reference: Reference | None, unscale: tf.Tensor, scale: tf.Tensor
+    state: StepState, reference: Reference | None, unscale: tf.Tensor, scale: tf.Tensor | None
 ) -> dict[str, tf.Tensor]:
     """This replica's `loss`, `sq_norm` and `dot` rows (no `dot` without a `reference`;
     `input_sq_norm` where inputs are watched); the rules see `c s d l_i / d z_i` and
-    `s G`."""
-    sq_norms, dots = [], []
-    for sq_norm, dot in layers_primitives(state, reference):
-        sq_norms.append(tf.maximum(sq_norm, 0.0) * tf.square(unscale))
-        if reference is not None:
-            dots.append(dot * unscale / scale)
-    rows = {"loss": state.backward.shares * unscale, "sq_norm": tf.stack(sq_norms, axis=1)}
+    `s G` (`scale` is `s`, None for 1).
+
+    The layers' columns are stacked first and scaled together: one op per factor
+    for all layers, not one per layer (each op costs the executor the same on a
+    `(B,)` column as on the `(B, L)` matrix).
+    """
+    primitives = layers_primitives(state, reference)
+    sq_norm = tf.stack([sq_norm for sq_norm, _ in primitives], axis=1)
+    rows = {
+        "loss": state.backward.shares * unscale,
+        "sq_norm": tf.maximum(sq_norm, 0.0) * tf.square(unscale),
+    }
     if reference is not None:
-        rows["dot"] = tf.stack(dots, axis=1)
+        dot = tf.stack([dot for _, dot in primitives], axis=1) * unscale
+        rows["dot"] = dot if scale is None else dot / scale
     if state.context.watched_inputs:
         gradients = state.backward.input_gradients
         rows["input_sq_norm"] = input_sq_norm(gradients, unscale, rows["loss"], state.context.xla)
@@ -131,6 +141,15 @@ def layers_primitives(
         else layer_primitives(tracked, calls, form, reference, state.materialized)
         for tracked, calls, form in zip(state.layers.plan, state.backward.calls, state.layers.forms)
     ]
+
+
+def loss_scale_of(recorded: tf.Tensor | None) -> tf.Tensor | None:
+    """The step's loss scale `s`, None when it is 1 (no scale recorded, or an optimizer
+    without loss scaling, whose 1 is a constant of the trace): dividing by it is then
+    left out, which changes no value."""
+    if recorded is None or tf.get_static_value(recorded) == 1.0:
+        return None
+    return recorded
 
 
 def as_float(gradient: Any) -> tf.Tensor:
