@@ -58,9 +58,9 @@ def build(name: str, variant: str) -> Any:
     return model
 
 
-def kernel_normal(shape: Any, seed: Any) -> Any:
+def kernel_normal(shape: Any, seed: Any, scale: Any = 1.0) -> Any:
     """The noise as drawn before `clipping.standard_normal`: TensorFlow's kernel."""
-    return tf.random.stateless_normal(shape, seed)
+    return tf.random.stateless_normal(shape, seed) * scale
 
 
 def dataset_of(name: str, batch_size: int) -> Any:
