@@ -290,3 +290,80 @@ def test_a_misused_tracked_value_and_grad_is_refused_before_any_weight_changes(
         model.fit(x, y, batch_size=BATCH, verbose=0)
     for got, want in zip(model.get_weights(), before):
         np.testing.assert_array_equal(got, want)
+
+
+def super_step_class(base: type) -> type:
+    """A step of one's own around Keras' step: `super().train_step`, then a log of its own."""
+
+    class SuperStep(base):  # type: ignore[misc, valid-type]
+        def train_step(self, state: Any, data: Any) -> Any:
+            logs, state = super().train_step(state, data)
+            return {**logs, "twice_the_loss": 2 * logs["loss"]}, state
+
+    return SuperStep
+
+
+def super_step_model(base: type) -> Any:
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = super_step_class(base)(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_an_own_step_calling_super_train_step_is_exact_and_trains_as_keras() -> None:
+    x, y = data("keras_step", 2 * BATCH)
+    model = super_step_model(kgt.GradientTrackingModel)
+    model(x[:1])
+    expected = oracle_statistics(model, x[:BATCH], y[:BATCH])
+    assert_matches_oracle(tracked_statistics(model, x[:BATCH], y[:BATCH]), expected)
+
+    tracked = super_step_model(kgt.GradientTrackingModel)
+    plain = super_step_model(keras.Model)
+    tracked(x[:1]), plain(x[:1])
+    plain.set_weights(tracked.get_weights())
+    reports: list[Any] = []
+    tracked.gradient_tracking.subscribe("test", statistics.resolve(None), 2, reports.append)
+    history = tracked.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    want = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    assert [r.values is not None for r in reports] == [True, False]
+    assert "twice_the_loss" in history and history.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(history[key], want[key], rtol=1e-5)
+    for got, expected_weight in zip(tracked.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, expected_weight, rtol=1e-5, atol=1e-6)
+
+
+def test_super_train_step_and_tracked_value_and_grad_in_one_step_are_refused() -> None:
+    class Both(kgt.GradientTrackingModel):
+        def train_step(self, state: Any, data: Any) -> Any:
+            grad_fn = self.tracked_value_and_grad(self.compute_loss_and_updates, has_aux=True)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            grad_fn(
+                trainable,
+                non_trainable,
+                metrics_variables,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=optimizer_variables,
+            )
+            return super().train_step(state, data)
+
+    inputs = keras.Input((6,))
+    model = Both(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = data("keras_step")
+    model(x[:1])
+    before = model.get_weights()
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    with pytest.raises(ValueError, match=r"`super\(\)\.train_step` ran after"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
