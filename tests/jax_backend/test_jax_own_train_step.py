@@ -367,3 +367,30 @@ def test_super_train_step_and_tracked_value_and_grad_in_one_step_are_refused() -
         model.fit(x, y, batch_size=BATCH, verbose=0)
     for got, want in zip(model.get_weights(), before):
         np.testing.assert_array_equal(got, want)
+
+
+def test_an_own_step_after_the_mixin_is_kept_and_its_super_call_refused() -> None:
+    """`class Tracked(GradientTrackingMixin, Base)`, `Base`'s step its own: untracked
+    steps run it; a tracked step, whose statistics it cannot give (its `super()`
+    reaches Keras' step past the mixin), is refused before any weight changes, never
+    replaced by Keras' step."""
+
+    class Base(keras.Model):
+        def train_step(self, state: Any, data: Any) -> Any:
+            logs, state = super().train_step(state, data)
+            return {**logs, "own": 1.0}, state
+
+    class Tracked(kgt.GradientTrackingMixin, Base):
+        pass
+
+    inputs = keras.Input((6,))
+    model = Tracked(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = data("keras_step")
+    assert "own" in model.fit(x, y, batch_size=BATCH, verbose=0).history
+    before = model.get_weights()
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    with pytest.raises(NotImplementedError, match=r"nor this mixin's `super\(\)\.train_step"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)

@@ -243,8 +243,12 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
 
     def train_step(self, state: Any, data: Any) -> Any:
         """Keras' `train_step`: a model's own step may call `super().train_step(state,
-        data)`, and on its tracked steps the statistics come from that call."""
-        return keras_step(self, state, data, super().train_step)  # type: ignore[misc]
+        data)`, and on its tracked steps the statistics come from that call. A class of
+        the model's own after this mixin, with its own step, keeps it."""
+        following = super().train_step  # type: ignore[misc]
+        if getattr(following, "__func__", None) is not keras.Model.train_step:
+            return following(state, data)
+        return keras_step(self, state, data, following)
 
     def _has_own_step(self) -> bool:
         """Whether a class of the model other than this mixin and Keras' own defines
