@@ -200,16 +200,23 @@ def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
 
 
+def assert_tracked_fit_refused(model: Any, x: Any, y: Any, error: type, match: str) -> None:
+    """A fit with a tracked first step raises `error` and leaves the weights as they were."""
+    before = model.get_weights()
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    with pytest.raises(error, match=match):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_an_own_train_step_with_jax_value_and_grad_is_refused_naming_what_to_call() -> None:
     model = keras_step_model(kgt.GradientTrackingModel, tracked=False)
     x, y = data("keras_step")
     model.fit(x, y, batch_size=BATCH, verbose=0)  # untracked: its own step runs
-    before = model.get_weights()
-    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
-    with pytest.raises(NotImplementedError, match=r"did not call `self\.tracked_value_and_grad"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_tracked_fit_refused(
+        model, x, y, NotImplementedError, r"did not call `self\.tracked_value_and_grad"
+    )
 
 
 def documented_example() -> str:
@@ -361,12 +368,7 @@ def test_super_train_step_and_tracked_value_and_grad_in_one_step_are_refused() -
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
     x, y = data("keras_step")
     model(x[:1])
-    before = model.get_weights()
-    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
-    with pytest.raises(ValueError, match=r"`super\(\)\.train_step` ran after"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_tracked_fit_refused(model, x, y, ValueError, r"`super\(\)\.train_step` ran after")
 
 
 def test_an_own_step_after_the_mixin_is_kept_and_its_super_call_refused() -> None:
@@ -388,9 +390,6 @@ def test_an_own_step_after_the_mixin_is_kept_and_its_super_call_refused() -> Non
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
     x, y = data("keras_step")
     assert "own" in model.fit(x, y, batch_size=BATCH, verbose=0).history
-    before = model.get_weights()
-    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
-    with pytest.raises(NotImplementedError, match=r"nor this mixin's `super\(\)\.train_step"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_tracked_fit_refused(
+        model, x, y, NotImplementedError, r"nor this mixin's `super\(\)\.train_step"
+    )
