@@ -351,16 +351,8 @@ def test_super_train_step_and_tracked_value_and_grad_in_one_step_are_refused() -
             grad_fn = self.tracked_value_and_grad(self.compute_loss_and_updates, has_aux=True)
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             trainable, non_trainable, optimizer_variables, metrics_variables = state
-            grad_fn(
-                trainable,
-                non_trainable,
-                metrics_variables,
-                x,
-                y,
-                sample_weight,
-                training=True,
-                optimizer_variables=optimizer_variables,
-            )
+            arguments = (trainable, non_trainable, metrics_variables, x, y, sample_weight)
+            grad_fn(*arguments, training=True, optimizer_variables=optimizer_variables)
             return super().train_step(state, data)
 
     inputs = keras.Input((6,))
