@@ -180,16 +180,13 @@ def test_sample_weights_reach_the_per_example_losses() -> None:
     assert_matches_oracle(tracked_statistics(model, x, y, weights), expected)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
-    tracked = MODELS[name](kgt.GradientTrackingModel, tracked=True)
-    plain = MODELS[name](keras.Model, tracked=False)
-    x, y = data(name, 2 * BATCH)
+def assert_trains_as_plain(tracked: Any, plain: Any, x: Any, y: Any) -> dict[str, Any]:
+    """Two steps of `fit` (the first tracked, the second not) give the plain model's
+    weights and logs; returns the tracked fit's history."""
     tracked(x[:1]), plain(x[:1])
     plain.set_weights(tracked.get_weights())
     reports: list[Any] = []
     tracked.gradient_tracking.subscribe("test", statistics.resolve(None), 2, reports.append)
-    # Two steps: the first tracked, the second not.
     history = tracked.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     expected = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     assert [r.values is not None for r in reports] == [True, False]
@@ -198,6 +195,14 @@ def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
     assert history.keys() == expected.keys()
     for key in expected:
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    return history
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
+    tracked = MODELS[name](kgt.GradientTrackingModel, tracked=True)
+    plain = MODELS[name](keras.Model, tracked=False)
+    assert_trains_as_plain(tracked, plain, *data(name, 2 * BATCH))
 
 
 def assert_tracked_fit_refused(model: Any, x: Any, y: Any, error: type, match: str) -> None:
@@ -330,19 +335,8 @@ def test_an_own_step_calling_super_train_step_is_exact_and_trains_as_keras() -> 
     assert_matches_oracle(tracked_statistics(model, x[:BATCH], y[:BATCH]), expected)
 
     tracked = super_step_model(kgt.GradientTrackingModel)
-    plain = super_step_model(keras.Model)
-    tracked(x[:1]), plain(x[:1])
-    plain.set_weights(tracked.get_weights())
-    reports: list[Any] = []
-    tracked.gradient_tracking.subscribe("test", statistics.resolve(None), 2, reports.append)
-    history = tracked.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    want = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    assert [r.values is not None for r in reports] == [True, False]
-    assert "twice_the_loss" in history and history.keys() == want.keys()
-    for key in want:
-        np.testing.assert_allclose(history[key], want[key], rtol=1e-5)
-    for got, expected_weight in zip(tracked.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(got, expected_weight, rtol=1e-5, atol=1e-6)
+    history = assert_trains_as_plain(tracked, super_step_model(keras.Model), x, y)
+    assert "twice_the_loss" in history
 
 
 def test_super_train_step_and_tracked_value_and_grad_in_one_step_are_refused() -> None:
