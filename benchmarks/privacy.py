@@ -18,6 +18,12 @@ python benchmarks/privacy.py --noise-kernel                  # + noise by tf.ran
 `tf.random.stateless_normal` kernel instead of `clipping.standard_normal` (the same
 Box-Muller transform, vectorized), timed in the same interleaved rounds: a paired
 comparison of the two draws on a busy machine.
+
+The "noise draw alone" column times, in the same rounds, a compiled function that draws
+one step's noise for the model's trainable variables and nothing else
+(`clipping.standard_normal`, one draw per variable, as the step does); "clip + draw"
+is (clip only + draw alone) / plain, what the private step would cost if the draw ran
+beside nothing: the bound the private step is measured against.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from typing import Any
 from unittest import mock
 
@@ -58,9 +65,9 @@ def build(name: str, variant: str) -> Any:
     return model
 
 
-def kernel_normal(shape: Any, seed: Any) -> Any:
+def kernel_normal(shape: Any, seed: Any, scale: Any = 1.0) -> Any:
     """The noise as drawn before `clipping.standard_normal`: TensorFlow's kernel."""
-    return tf.random.stateless_normal(shape, seed)
+    return tf.random.stateless_normal(shape, seed) * scale
 
 
 def dataset_of(name: str, batch_size: int) -> Any:
@@ -96,11 +103,39 @@ def time_model(
                 timed_fit(model, dataset, 1)
         else:
             timed_fit(model, dataset, 1)
-    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    draw = noise_draw(models["plain"])
+    times: dict[str, list[float]] = {variant: [] for variant in (*variants, "draw")}
     for _ in range(rounds):
         for variant in variants:
             times[variant] += timed_fit(models[variant], dataset, steps)
+        times["draw"] += timed_draws(draw, steps)
     return {variant: statistics.median(found) for variant, found in times.items()}
+
+
+def noise_draw(model: Any) -> Any:
+    """A compiled function drawing one step's noise for `model`'s trainable variables."""
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+
+    @tf.function
+    def draw(seed: tf.Tensor) -> list[tf.Tensor]:
+        return [
+            clipping.standard_normal(shape, tf.random.experimental.stateless_fold_in(seed, i))
+            for i, shape in enumerate(shapes)
+        ]
+
+    return draw
+
+
+def timed_draws(draw: Any, count: int) -> list[float]:
+    """Seconds of each of `count` draws (after one untimed), each waited for."""
+    seed = tf.constant([0, 0], tf.int64)
+    draw(seed)[0].numpy()
+    found = []
+    for step in range(count):
+        started = time.perf_counter()
+        draw(seed + step)[0].numpy()
+        found.append(time.perf_counter() - started)
+    return found
 
 
 def status_mib(field: str) -> float:
@@ -158,8 +193,11 @@ def main() -> None:
         f"# {os.cpu_count()} CPUs, TensorFlow {tf.__version__}, Keras {keras.__version__}, "
         f"B={args.batch_size}, {rounds} interleaved rounds of {steps} steps, medians"
     )
-    header = "| model | plain step (ms) | private step (ms) | ratio | clip only (ms) | ratio |"
-    rule = "| --- | --- | --- | --- | --- | --- |"
+    header = (
+        "| model | plain step (ms) | private step (ms) | ratio | clip only (ms) | ratio "
+        "| noise draw alone (ms) | clip + draw |"
+    )
+    rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
     variants = VARIANTS + ((KERNEL_VARIANT,) if args.noise_kernel else ())
     if args.noise_kernel:
         header += " private, noise by TF's kernel (ms) | ratio |"
@@ -172,13 +210,15 @@ def main() -> None:
         if name not in ZOO:
             raise SystemExit(f"Expected models among {sorted(ZOO)}. Received: {name!r}")
         if args.no_timing:
-            medians = dict.fromkeys(variants, float("nan"))
+            medians = dict.fromkeys((*variants, "draw"), float("nan"))
         else:
             medians = time_model(name, args.batch_size, rounds, steps, variants)
         row = (
             f"| {name} | {medians['plain'] * 1e3:.1f} | {medians['private'] * 1e3:.1f} | "
             f"{medians['private'] / medians['plain']:.2f}x | "
-            f"{medians['clip_only'] * 1e3:.1f} | {medians['clip_only'] / medians['plain']:.2f}x |"
+            f"{medians['clip_only'] * 1e3:.1f} | {medians['clip_only'] / medians['plain']:.2f}x | "
+            f"{medians['draw'] * 1e3:.2f} | "
+            f"{(medians['clip_only'] + medians['draw']) / medians['plain']:.2f}x |"
         )
         if args.noise_kernel:
             kernel = medians[KERNEL_VARIANT]

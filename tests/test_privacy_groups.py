@@ -234,3 +234,42 @@ def test_the_log_holds_the_groups_and_the_fraction_clipped_per_group(tmp_path: A
     with h5py.File(tmp_path / "run.h5", "r") as file:
         assert json.loads(file.attrs["dp_clip_groups"]) == groups
         assert file.attrs["dp_l2_norm_clip"] == pytest.approx(np.hypot(*bounds.values()))
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        summary = log.summary()
+    rest = len(groups["rest"])
+    assert (
+        f"DP-SGD, bounds per group: text C={bounds['text']:.4g} (2 layers), rest "
+        f"C={bounds['rest']:.4g} ({rest} layers) (sensitivity "
+        f"{np.hypot(*bounds.values()):.4g}), sigma=0" in summary
+    )
+
+
+@pytest.mark.parametrize(
+    "bounds, groups, expected",
+    [
+        (
+            {"d1": 0.5, "d2": 0.25},
+            None,
+            "bounds per layer: d1 C=0.5, d2 C=0.25 (sensitivity 0.559)",
+        ),
+        (
+            1.0,
+            {"a": ["d1"], "b": ["d2"]},
+            "bounds per group: a C=1 (1 layer), b C=1 (1 layer) (sensitivity 1.414)",
+        ),
+    ],
+)
+def test_the_summary_says_each_bound(
+    tmp_path: Any, bounds: Any, groups: Any, expected: str
+) -> None:
+    model = compiled(
+        kgt.GradientTrackingSequential(
+            [keras.Input((5,)), layers.Dense(4, name="d1"), layers.Dense(3, name="d2")]
+        )
+    )
+    model.make_private(l2_norm_clip=bounds, noise_multiplier=0.0, groups=groups)
+    x = np.random.default_rng(33).normal(size=(8, 5)).astype("float32")
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", statistics=["loss"])
+    model.fit(x, np.arange(8) % 3, batch_size=8, verbose=0, callbacks=[logger])
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        assert f"DP-SGD, {expected}, sigma=0" in log.summary()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -88,7 +90,7 @@ def summary(log: LogReader) -> str:
 
 def _privacy(attrs: dict) -> str:
     """The private training's settings and, when the accountant wrote it, epsilon."""
-    text = f"DP-SGD, C={attrs['dp_l2_norm_clip']:.4g}, sigma={attrs['dp_noise_multiplier']:.4g}"
+    text = f"DP-SGD, {_bounds(attrs)}, sigma={attrs['dp_noise_multiplier']:.4g}"
     if "dp_epsilon" in attrs:
         text += (
             f"; epsilon {attrs['dp_epsilon']:.4g} at delta {attrs['dp_delta']:.3g} after "
@@ -96,6 +98,27 @@ def _privacy(attrs: dict) -> str:
             f"({attrs['dp_accountant']}, Poisson sampling assumed)"
         )
     return text
+
+
+def _bounds(attrs: dict) -> str:
+    """`C=...`, or the bound of each group (or tracked layer) and the sensitivity."""
+    sensitivity = float(attrs["dp_l2_norm_clip"])
+    groups = json.loads(attrs.get("dp_clip_groups") or "{}")
+    per_group = json.loads(attrs.get("dp_per_layer_clip") or "{}")
+    if not groups and not per_group:
+        return f"C={sensitivity:.4g}"
+    if groups:  # one float for every group: the sensitivity is sqrt(K) C
+        single = sensitivity / math.sqrt(len(groups))
+        parts = [
+            f"{name} C={float(per_group.get(name, single)):.4g} "
+            f"({len(members)} layer{'s' * (len(members) != 1)})"
+            for name, members in groups.items()
+        ]
+        kind = "group"
+    else:
+        parts = [f"{name} C={float(bound):.4g}" for name, bound in per_group.items()]
+        kind = "layer"
+    return f"bounds per {kind}: {', '.join(parts)} (sensitivity {sensitivity:.4g})"
 
 
 def text_table(rows: Sequence[Sequence[object]], header: Sequence[str] | None = None) -> str:

@@ -86,15 +86,14 @@ def private_step(state: StepState) -> PrivateStep | None:
         tf.maximum(sq_norm, 0.0) * tf.square(unscale)
         for sq_norm, _ in layers_primitives(state, None)
     ]
-    norms = tf.sqrt(tf.add_n(sq_norms))
-    weights, clipped = clip_weights(settings, state.context.model, plan, sq_norms, norms)
+    weights, clipped = clip_weights(settings, state.context.model, plan, sq_norms)
 
     # Each layer's clipped sum, in the rules' scale (`c s sum_i w_i g_i`).
     sums: dict[int, tf.Tensor] = {}
     for tracked, calls, form, weight in zip(plan, state.backward.calls, forms, weights):
         sums.update(clipped_sum(tracked, calls, form, weight, state.materialized))
 
-    local_batch = tf.cast(tf.shape(norms)[0], tf.float32)
+    local_batch = tf.cast(tf.shape(clipped)[0], tf.float32)
     (global_batch,) = distribute.all_reduce_sum([local_batch])
     divisor = (
         tf.constant(float(settings.expected_batch_size))
@@ -110,20 +109,19 @@ def private_step(state: StepState) -> PrivateStep | None:
 
 
 def clip_weights(
-    settings: PrivacySettings,
-    model: Any,
-    plan: Plan,
-    sq_norms: Sequence[tf.Tensor],
-    norms: tf.Tensor,
+    settings: PrivacySettings, model: Any, plan: Plan, sq_norms: Sequence[tf.Tensor]
 ) -> tuple[list[tf.Tensor], tf.Tensor]:
     """Per layer, each example's `(B,)` clipping weight `w_i`, and which examples were
-    clipped, from the layers' squared norms (true scale) and their total's root.
+    clipped (`(B,)` booleans), from the layers' squared norms (true scale).
 
-    With bounds per group, every layer of group k takes the weight
-    `min(1, C_k / ||g_i^(k)||)`, `||g_i^(k)||^2` the sum of its layers' squared norms."""
+    One bound: `w_i = min(1, C / ||g_i||)`. With bounds per group, every layer of
+    group k takes the weight `min(1, C_k / ||g_i^(k)||)`, `||g_i^(k)||^2` the sum of
+    its layers' squared norms; an example is clipped when some group is. The fraction
+    clipped that fit's logs and a gradient logger report both come from here."""
     groups = layer_groups(settings, model, plan)
     if groups is None:
         bound = settings.sensitivity  # the one bound
+        norms = tf.sqrt(tf.add_n(list(sq_norms)))
         return [tf.minimum(1.0, bound / norms)] * len(plan), norms > bound
     group_norms = [
         tf.sqrt(tf.add_n([sq for sq, k in zip(sq_norms, groups.index) if k == group]))
@@ -148,9 +146,12 @@ def noisy_gradients(
     penalties' part."""
     context = state.context
     scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
-    noise_on = noise_switch()
     seed = step_seed(context.model, settings.seed)
     std = settings.noise_multiplier * settings.sensitivity
+    # One pass per variable: `sum * a + z * b`, the noise's factor `b` applied to the
+    # draw's radii (half its size) before they are multiplied out.
+    clipped_factor = unscale * (scale / divisor)
+    noise_factor = (std * noise_switch()) * (scale / divisor)
     gradients = []
     for position, v in enumerate(state.request.sources):
         if id(v) not in sums:
@@ -158,34 +159,34 @@ def noisy_gradients(
                 "A private step needs every source to be a trainable variable of a tracked "
                 f"layer. Received: {getattr(v, 'path', v)!r}"
             )
-        total = sums[id(v)] * unscale
+        gradient = sums[id(v)] * clipped_factor
         if std > 0.0:
-            noise = standard_normal(
-                v.shape, tf.random.experimental.stateless_fold_in(seed, position)
-            )
-            total += noise * (std * noise_on)
-        gradient = total * (scale / divisor)
+            seed_v = tf.random.experimental.stateless_fold_in(seed, position)
+            gradient += standard_normal(v.shape, seed_v, noise_factor)
         if id(v) in state.penalties:
             gradient += tf.reshape(state.penalties[id(v)], v.shape)
         gradients.append(tf.cast(gradient, v.dtype))
     return gradients
 
 
-def standard_normal(shape: Any, seed: tf.Tensor) -> tf.Tensor:
-    """`N(0, 1)` draws of `shape` (float32), a stateless function of `seed`.
+def standard_normal(shape: Any, seed: tf.Tensor, scale: Any = 1.0) -> tf.Tensor:
+    """`scale` times `N(0, 1)` draws of `shape` (float32), a stateless function of `seed`.
 
     The Box-Muller transform that `tf.random.stateless_normal`'s kernel applies, on
     the same float32 uniforms (23 random bits), written as whole-tensor operations:
     TensorFlow's kernel computes the logarithm, root, sine and cosine one pair of
     numbers at a time, where these operations are vectorized, 2-3x faster on CPU.
+    `scale` multiplies the radii (half the draws' count) rather than the draws.
     """
     count = math.prod(shape)
     half = (count + 1) // 2
     uniform = tf.random.stateless_uniform([2, half], seed)
-    radius = tf.sqrt(-2.0 * tf.math.log1p(-uniform[0]))  # 1 - u in (0, 1]: finite
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-uniform[0])) * scale  # 1 - u in (0, 1]: finite
     angle = (2.0 * math.pi) * uniform[1]
     normal = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)
-    return tf.reshape(normal[:count], shape)
+    if count < 2 * half:  # an odd count: the last pair's sine is not used
+        normal = normal[:count]
+    return tf.reshape(normal, shape)
 
 
 def clipped_sum(

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from keras import tree
 
+from keras_gradtrack._keras_seam import compiled_loss
+
 # Relative and absolute (to the largest value) tolerance of the comparison, by the
 # lowest float precision among the outputs: a different batch size may change the
 # order of a sum (BLAS blocking), never more than this.
@@ -120,7 +122,8 @@ def mixing_error(model: Any, mixing: Mixing) -> ValueError:
         "which sums over the batch too); for a normalization over the batch, see "
         "BatchNormalization's options (`model.track_batch_normalization = True`, or "
         "`kgt.convert_to_group_normalization(model)`). This check costs two forward "
-        "passes of one batch, at most once per fit; `model.check_example_independence = False` "
+        "passes of one batch, once per model, compiled loss and batch signature; "
+        "`model.check_example_independence = False` "
         "switches it off."
     )
 
@@ -196,6 +199,44 @@ def checked_independent(model: Any, find: Any, forward_may_not_apply: bool = Fal
     return True
 
 
+def checked_once(
+    model: Any, batch: tuple[Any, Any, Any], find: Any, forward_may_not_apply: bool = False
+) -> None:
+    """`checked_independent` once per model, compiled loss and batch signature: a model
+    that passed on batches of the same structure, shapes past the batch axis and dtypes,
+    compiled with the same loss, is not checked again (the guard finds mixing in the
+    model's operations and its loss, which its weights' values leave as they are).
+
+    Args:
+        model: The model checked.
+        batch: `(x, y, sample_weight)` of the batch (without example ids).
+        find: Runs the guard's two forward passes on it.
+        forward_may_not_apply: As for `checked_independent`.
+    """
+    loss = compiled_loss(model)
+    signature = batch_signature(batch)
+    passed = model.__dict__.get("_independent_batches")
+    if passed is None or passed[0] is not loss:  # never passed, or compiled again
+        passed = model.__dict__["_independent_batches"] = (loss, set())
+    if signature in passed[1]:
+        return
+    passes = checked_independent(model, find, forward_may_not_apply)
+    if passes and (leading_size(batch[0]) or 0) >= 2:  # a batch of one compares nothing
+        passed[1].add(signature)
+
+
+def batch_signature(batch: Any) -> str:
+    """The structure, shapes past the batch axis and dtypes of `batch`'s tensors."""
+
+    def spec(value: Any) -> Any:
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            return repr(value)
+        return (tuple(shape)[1:], str(getattr(value, "dtype", "")))
+
+    return repr(tree.map_structure(spec, batch))
+
+
 class ExampleIndependenceSetting:
     """Both engines' mixins' setting `check_example_independence`."""
 
@@ -208,9 +249,8 @@ class ExampleIndependenceSetting:
         replaced by other examples; the first half's outputs and per-example
         losses must not change, otherwise the step is refused before any weight
         changes (an operation mixes examples, so no per-example gradient is
-        defined). It costs two forward passes of one batch: on TensorFlow once per
-        model, compiled loss and batch signature (a later fit with the same ones
-        skips it), on JAX once per fit.
+        defined). It costs two forward passes of one batch, once per model,
+        compiled loss and batch signature (a later fit with the same ones skips it).
 
         Example:
 

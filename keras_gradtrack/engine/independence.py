@@ -10,8 +10,8 @@ the same batch with its second half replaced by other examples (the first half's
 reversed: the batch size stays, as stateful layers need), and the outputs and
 per-example losses of the first half must not change, within float tolerance.
 
-Its cost is two forward passes of one batch, at most once per fit (on TensorFlow,
-once per model, compiled loss and batch signature: a later fit of the same kind skips it);
+Its cost is two forward passes of one batch, once per model, compiled loss and batch
+signature (a later fit of the same kind skips it);
 `model.check_example_independence = False` switches it off. Inference mode leaves training-only mixing (BatchNormalization in
 training mode) to its own refusal. The model's non-trainable and metric variables
 are restored afterwards, so nothing of the step changes: no state, no metric.

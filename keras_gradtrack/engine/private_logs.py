@@ -9,8 +9,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack.engine.clipping import clip_weights
 from keras_gradtrack.engine.plan import build_plan
-from keras_gradtrack.engine.private_settings import config_of, layer_groups, settings_of
+from keras_gradtrack.engine.private_settings import config_of, settings_of
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
 
@@ -39,15 +40,8 @@ class DPFractionClipped(Statistic):
     def compute(self, primitives: StepPrimitives) -> tf.Tensor:
         settings = settings_of(self.model)
         assert settings is not None
-        groups = layer_groups(settings, self.model, build_plan(self.model))
-        if groups is not None:
-            # (L, K): which group each layer column is in.
-            membership = tf.one_hot(list(groups.index), len(groups.names), dtype=tf.float32)
-            group_sq_norms = tf.matmul(tf.cast(primitives.sq_norm, tf.float32), membership)
-            bounds = tf.constant(groups.bounds, tf.float32)
-            clipped = tf.reduce_any(tf.sqrt(group_sq_norms) > bounds, axis=1)
-        else:
-            clipped = primitives.grad_norm > settings.sensitivity  # the one bound
+        sq_norms = tf.unstack(tf.maximum(tf.cast(primitives.sq_norm, tf.float32), 0.0), axis=1)
+        _, clipped = clip_weights(settings, self.model, build_plan(self.model), sq_norms)
         return tf.reduce_mean(tf.cast(clipped, tf.float32))
 
 

@@ -12,19 +12,18 @@ import tensorflow as tf
 from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight, unpack_...
 
 from keras_gradtrack import statistics as statistics_module
-from keras_gradtrack._keras_seam import compiled_loss, loss_module
+from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, executions, preflight, private_settings, tracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
-    checked_independent,
+    checked_once,
 )
 from keras_gradtrack.engine.independence import (
     IndependenceGuard,
     find_example_mixing,
     first_batch,
-    leading_size,
     subscribes_to_gradients,
 )
 from keras_gradtrack.engine.plan import Plan, build_plan
@@ -491,18 +490,12 @@ class GradientTrackingMixin(
             forward_may_not_apply: Whether a failure of the model's forward pass on
                 `x` means the guard does not apply (it is skipped) rather than an error.
         """
-        loss = compiled_loss(self)
-        signature = batch_signature((x, y, sample_weight))
-        passed = self.__dict__.get("_independent_batches")
-        if passed is None or passed[0] is not loss:  # never passed, or compiled again
-            passed = self.__dict__["_independent_batches"] = (loss, set())
-        if signature in passed[1]:
-            return
-        passes = checked_independent(
-            self, lambda: find_example_mixing(self, x, y, sample_weight), forward_may_not_apply
+        checked_once(
+            self,
+            (x, y, sample_weight),
+            lambda: find_example_mixing(self, x, y, sample_weight),
+            forward_may_not_apply,
         )
-        if passes and (leading_size(x) or 0) >= 2:  # a batch of one compares nothing
-            passed[1].add(signature)
 
     def _untracked_step(self, data: Any) -> Any:
         x, _, _, _ = batch_data.unpack_batch(data)
@@ -635,15 +628,3 @@ class GradientTrackingMixin(
             return execution.logs
 
         return self._prepared_on_first_call(train_function)
-
-
-def batch_signature(batch: Any) -> str:
-    """The structure, shapes past the batch axis and dtypes of `batch`'s tensors."""
-
-    def spec(value: Any) -> Any:
-        shape = getattr(value, "shape", None)
-        if shape is None:
-            return repr(value)
-        return (tuple(shape)[1:], str(getattr(value, "dtype", "")))
-
-    return repr(tf.nest.map_structure(spec, batch))

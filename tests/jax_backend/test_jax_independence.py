@@ -227,3 +227,35 @@ def test_a_loop_of_train_on_batch_is_checked_once_per_model(monkeypatch: Any) ->
     models[1].train_on_batch(x[8:], y[8:])
     assert int(models[1].optimizer.iterations.numpy()) == 2
     assert checked == models
+
+
+def test_a_later_fit_of_the_same_signature_skips_the_guard(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """As on TensorFlow: once per model, compiled loss and batch signature."""
+    runs: list[int] = []
+
+    def counted(model: Any, state: Any, x: Any, *args: Any) -> Any:
+        runs.append(int(x.shape[0]))
+        return original(model, state, x, *args)
+
+    original = independence.find_example_mixing
+    monkeypatch.setattr(independence, "find_example_mixing", counted)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.integers(0, 3, 32)
+    inputs = keras.Input((6,))
+    model = kgt.GradientTrackingModel(inputs, layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+
+    def fit(batch_size: int = 8, **kwargs: Any) -> None:
+        logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", overwrite=True)
+        model.fit(x, y, batch_size=batch_size, verbose=0, callbacks=[logger], **kwargs)
+
+    fit()
+    fit(batch_size=4)  # another batch size: the same signature
+    assert runs == [8]
+    fit(sample_weight=np.ones(32))  # sample weights: another signature
+    assert runs == [8, 8]
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    fit()  # compiled again: checked again
+    assert runs == [8, 8, 8]

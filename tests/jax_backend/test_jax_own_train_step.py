@@ -180,16 +180,13 @@ def test_sample_weights_reach_the_per_example_losses() -> None:
     assert_matches_oracle(tracked_statistics(model, x, y, weights), expected)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
-    tracked = MODELS[name](kgt.GradientTrackingModel, tracked=True)
-    plain = MODELS[name](keras.Model, tracked=False)
-    x, y = data(name, 2 * BATCH)
+def assert_trains_as_plain(tracked: Any, plain: Any, x: Any, y: Any) -> dict[str, Any]:
+    """Two steps of `fit` (the first tracked, the second not) give the plain model's
+    weights and logs; returns the tracked fit's history."""
     tracked(x[:1]), plain(x[:1])
     plain.set_weights(tracked.get_weights())
     reports: list[Any] = []
     tracked.gradient_tracking.subscribe("test", statistics.resolve(None), 2, reports.append)
-    # Two steps: the first tracked, the second not.
     history = tracked.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     expected = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     assert [r.values is not None for r in reports] == [True, False]
@@ -198,18 +195,33 @@ def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
     assert history.keys() == expected.keys()
     for key in expected:
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    return history
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
+    tracked = MODELS[name](kgt.GradientTrackingModel, tracked=True)
+    plain = MODELS[name](keras.Model, tracked=False)
+    assert_trains_as_plain(tracked, plain, *data(name, 2 * BATCH))
+
+
+def assert_tracked_fit_refused(model: Any, x: Any, y: Any, error: type, match: str) -> None:
+    """A fit with a tracked first step raises `error` and leaves the weights as they were."""
+    before = model.get_weights()
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    with pytest.raises(error, match=match):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_an_own_train_step_with_jax_value_and_grad_is_refused_naming_what_to_call() -> None:
     model = keras_step_model(kgt.GradientTrackingModel, tracked=False)
     x, y = data("keras_step")
     model.fit(x, y, batch_size=BATCH, verbose=0)  # untracked: its own step runs
-    before = model.get_weights()
-    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
-    with pytest.raises(NotImplementedError, match=r"did not call `self\.tracked_value_and_grad"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_tracked_fit_refused(
+        model, x, y, NotImplementedError, r"did not call `self\.tracked_value_and_grad"
+    )
 
 
 def documented_example() -> str:
@@ -290,3 +302,80 @@ def test_a_misused_tracked_value_and_grad_is_refused_before_any_weight_changes(
         model.fit(x, y, batch_size=BATCH, verbose=0)
     for got, want in zip(model.get_weights(), before):
         np.testing.assert_array_equal(got, want)
+
+
+def super_step_class(base: type) -> type:
+    """A step of one's own around Keras' step: `super().train_step`, then a log of its own."""
+
+    class SuperStep(base):  # type: ignore[misc, valid-type]
+        def train_step(self, state: Any, data: Any) -> Any:
+            logs, state = super().train_step(state, data)
+            return {**logs, "twice_the_loss": 2 * logs["loss"]}, state
+
+    return SuperStep
+
+
+def super_step_model(base: type) -> Any:
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = super_step_class(base)(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_an_own_step_calling_super_train_step_is_exact_and_trains_as_keras() -> None:
+    x, y = data("keras_step", 2 * BATCH)
+    model = super_step_model(kgt.GradientTrackingModel)
+    model(x[:1])
+    expected = oracle_statistics(model, x[:BATCH], y[:BATCH])
+    assert_matches_oracle(tracked_statistics(model, x[:BATCH], y[:BATCH]), expected)
+
+    tracked = super_step_model(kgt.GradientTrackingModel)
+    history = assert_trains_as_plain(tracked, super_step_model(keras.Model), x, y)
+    assert "twice_the_loss" in history
+
+
+def test_super_train_step_and_tracked_value_and_grad_in_one_step_are_refused() -> None:
+    class Both(kgt.GradientTrackingModel):
+        def train_step(self, state: Any, data: Any) -> Any:
+            grad_fn = self.tracked_value_and_grad(self.compute_loss_and_updates, has_aux=True)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            arguments = (trainable, non_trainable, metrics_variables, x, y, sample_weight)
+            grad_fn(*arguments, training=True, optimizer_variables=optimizer_variables)
+            return super().train_step(state, data)
+
+    inputs = keras.Input((6,))
+    model = Both(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = data("keras_step")
+    model(x[:1])
+    assert_tracked_fit_refused(model, x, y, ValueError, r"`super\(\)\.train_step` ran after")
+
+
+def test_an_own_step_after_the_mixin_is_kept_and_its_super_call_refused() -> None:
+    """`class Tracked(GradientTrackingMixin, Base)`, `Base`'s step its own: untracked
+    steps run it; a tracked step, whose statistics it cannot give (its `super()`
+    reaches Keras' step past the mixin), is refused before any weight changes, never
+    replaced by Keras' step."""
+
+    class Base(keras.Model):
+        def train_step(self, state: Any, data: Any) -> Any:
+            logs, state = super().train_step(state, data)
+            return {**logs, "own": 1.0}, state
+
+    class Tracked(kgt.GradientTrackingMixin, Base):
+        pass
+
+    inputs = keras.Input((6,))
+    model = Tracked(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = data("keras_step")
+    assert "own" in model.fit(x, y, batch_size=BATCH, verbose=0).history
+    assert_tracked_fit_refused(
+        model, x, y, NotImplementedError, r"nor this mixin's `super\(\)\.train_step"
+    )

@@ -9,8 +9,8 @@ run inside a `keras.StatelessScope` mapping the model's variables to the step's
 state: whatever a layer or the loss assigns stays in the scope, so no state and
 no metric of the model changes, and the weights are those of the step about to run.
 `ExampleIndependenceChecks` is the mixin's part of it: the setting
-`check_example_independence`, and the check once per fit (or per model, in a loop
-of `train_on_batch` and in `gradient_statistics`).
+`check_example_independence`, and the check once per model, compiled loss and
+batch signature, as on TensorFlow (a later fit of the same kind skips it).
 
 Example:
 
@@ -35,7 +35,7 @@ from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
     IndependenceGuard,
     Mixing,
-    checked_independent,
+    checked_once,
     first_mixing,
     leading_size,
 )
@@ -48,7 +48,7 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
     `_check_independence_once`)."""
 
     def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        # Checked once per model here (a loop of train_on_batch calls), once per fit in fit.
+        # A loop of train_on_batch calls: checked once per model (fit: per signature).
         self.__dict__["_independence_guard"] = IndependenceGuard(
             self.check_example_independence
             and self.gradient_tracking.subscribed()  # type: ignore[attr-defined]
@@ -60,8 +60,9 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
             self.__dict__["_independence_guard"] = None
 
     def _check_independence_once(self, state: Any, data: Any) -> None:
-        """Runs the example-independence guard on the first tracked step's batch, once
-        per fit (`IndependenceGuard.wanted`)."""
+        """Runs the example-independence guard on the first tracked step's batch of a
+        fit that wants it (`IndependenceGuard.wanted`), unless the model passed on
+        batches of its signature (`checked_once`)."""
         guard = self.__dict__.get("_independence_guard")
         if guard is None or not guard.wanted:
             return
@@ -75,8 +76,9 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
         self, state: Any, data: Any, forward_may_not_apply: bool = False
     ) -> None:
         """Runs the example-independence guard on one batch (without example ids) at the
-        variables' values in `state`; raises its refusal, or remembers that the model
-        passed (`_examples_independent`).
+        variables' values in `state`, once per model, compiled loss and batch signature
+        (`checked_once`); raises its refusal, or remembers that the model passed
+        (`_examples_independent`).
 
         Args:
             state: The step's state (trainable and non-trainable values first).
@@ -85,8 +87,9 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
                 `x` means the guard does not apply (it is skipped) rather than an error.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        checked_independent(
+        checked_once(
             self,
+            (x, y, sample_weight),
             lambda: find_example_mixing(self, state, x, y, sample_weight),
             forward_may_not_apply,
         )

@@ -12,7 +12,11 @@ import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.independence import ExampleIndependenceChecks
-from keras_gradtrack.backends.jax.own_step import own_tracked_step, tracked_value_and_grad
+from keras_gradtrack.backends.jax.own_step import (
+    keras_step,
+    own_tracked_step,
+    tracked_value_and_grad,
+)
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.step import (
     Layout,
@@ -237,8 +241,23 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             # However fit ends, its subscribers finish: their files get every step.
             self.gradient_tracking.end_fit()
 
+    def train_step(self, state: Any, data: Any) -> Any:
+        """Keras' `train_step`: a model's own step may call `super().train_step(state,
+        data)`, and on its tracked steps the statistics come from that call. A class of
+        the model's own after this mixin, with its own step, keeps it."""
+        following = super().train_step  # type: ignore[misc]
+        if getattr(following, "__func__", None) is not keras.Model.train_step:
+            return following(state, data)
+        return keras_step(self, state, data, following)
+
     def _has_own_step(self) -> bool:
-        return getattr(type(self), "train_step", None) is not keras.Model.train_step
+        """Whether a class of the model other than this mixin and Keras' own defines
+        `train_step` (the first such in the method resolution order)."""
+        for klass in type(self).__mro__:
+            if klass is GradientTrackingMixin or "train_step" not in vars(klass):
+                continue
+            return vars(klass)["train_step"] is not keras.Model.train_step
+        return False
 
     def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if data_batch is None and iterator is not None:

@@ -9,7 +9,10 @@ it would call `jax.value_and_grad(fun, ...)`: on untracked steps it is
 `jax.value_and_grad` itself; on a tracked step the same differentiation runs
 with a zero probe on each tracked layer's output and on the values each Keras
 loss reduces (`losses.py`), returns the same value and gradients, and hands the
-statistics to the step, which adds them to the logs the `train_step` returns.
+statistics to the step, which adds them to the logs the `train_step` returns. A
+step that calls `super().train_step(state, data)` instead reaches Keras' step
+through the mixin (`keras_step`), which on a tracked step runs the engine's
+tracked version of it.
 
 Example:
 
@@ -46,6 +49,7 @@ from keras_gradtrack.backends.jax.step import (
     batch_size_of,
     learning_rate,
     statistics_payload,
+    tracked_train_step,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
@@ -99,12 +103,34 @@ def own_tracked_step(
     if tracking.payload is None:
         raise NotImplementedError(
             f"The train_step of {type(model).__name__} (a model's own train_step) did not "
-            "call `self.tracked_value_and_grad(fun, ...)`, so this tracked step has no "
+            "call `self.tracked_value_and_grad(fun, ...)` (nor this mixin's "
+            "`super().train_step(state, data)`), so this tracked step has no "
             f"per-example statistics on the {BACKEND} backend. Call it where the step "
             "calls `jax.value_and_grad(fun, ...)` (it returns the same values and "
             "gradients); see GradientTrackingMixin.tracked_value_and_grad."
         )
     return {**logs, PAYLOAD_KEY: tracking.payload}, state
+
+
+def keras_step(
+    model: keras.Model, state: Any, data: Any, keras_train_step: Callable[..., Any]
+) -> tuple[dict[str, Any], Any]:
+    """Keras' own `train_step`, reached by a model's own step through
+    `super().train_step(state, data)`: on a tracked step, `tracked_train_step` (the
+    same update, plus the statistics it leaves for the step); otherwise
+    `keras_train_step`, Keras' step itself."""
+    tracking = model.__dict__.get(TRACKING_KEY)
+    if tracking is None:
+        return keras_train_step(state, data)
+    if tracking.payload is not None:
+        raise ValueError(
+            "`super().train_step` ran after `tracked_value_and_grad` (or twice) in one "
+            "tracked step; the step's statistics come from one differentiation of the loss."
+        )
+    logs, state = tracked_train_step(model, tracking.plan, tracking.statistics, state, data)
+    logs = dict(logs)
+    tracking.payload = logs.pop(PAYLOAD_KEY)
+    return logs, state
 
 
 def tracked_value_and_grad(
