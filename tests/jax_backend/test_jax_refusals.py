@@ -60,19 +60,6 @@ def test_make_private_is_refused_on_jax() -> None:
         model_with(keras.layers.Dense(3)).make_private(1.0, 1.0)
 
 
-def test_a_model_of_its_own_train_step_is_refused_on_tracked_steps() -> None:
-    class OwnStep(kgt.GradientTrackingModel):
-        def train_step(self, state, data):  # type: ignore[no-untyped-def]
-            return super().train_step(state, data)
-
-    inputs = keras.Input((3, 4))
-    model = OwnStep(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(inputs)))
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    model.fit(X, Y, batch_size=8, verbose=0)  # untracked: its own step runs
-    with pytest.raises(NotImplementedError, match="own train_step"):
-        fit_tracked(model)
-
-
 def test_untracked_fit_is_plain_keras() -> None:
     model = model_with(keras.layers.Dense(3))
     model.fit(X, Y, batch_size=4, verbose=0)
