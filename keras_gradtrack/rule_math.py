@@ -1,9 +1,11 @@
-"""The per-example math of the convolution and normalization rules, in `keras.ops` only.
+"""The per-example math of the rules both engines share, in `keras.ops` only: the cost
+model, Dense, EinsumDense, Embedding, the convolutions and the normalizations.
 
 Nothing here imports TensorFlow or JAX: an engine brings what is its own (how it
 records a layer's inputs and output gradients, how it cuts a convolution's input
-into windows) and calls these functions for the math, which any Keras backend
-runs. All inputs are cast to float32; every result is float32.
+into windows, its kernel choices; docs/architecture.md, "What is backend-neutral")
+and calls these functions for the math, which any Keras backend runs. Results are
+float32 (the functions cast their inputs where they take a layer's tensors).
 
 Notation: `B` examples, `P` output positions per example, `C` input channels,
 `F` output channels (filters), `K` kernel offsets (the product of the kernel size).
@@ -134,7 +136,7 @@ EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
 
 @dataclasses.dataclass(frozen=True)
 class EinsumRoles:
-    """The letters of an EinsumDense equation, by role (see the module docstring).
+    """The letters of an EinsumDense equation, by role (see this section's comment).
 
     Attributes:
         input: Input subscripts, any ellipsis spelled out.

@@ -191,8 +191,6 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
 def dense_per_example(
     layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
 ) -> list[Any]:
-    if not plain_weights(layer):
-        return fallback_per_example(layer, values, call, others)
     a, d = f32(call.inputs), f32(call.output_grad)
     batch = a.shape[0]
     a = a.reshape(batch, -1, a.shape[-1])
@@ -204,7 +202,8 @@ def dense_per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-DENSE = JaxRule("dense", dense_per_example, dense_primitives)
+# A layer with LoRA or quantized weights runs on the fallback, and its path says so.
+DENSE = JaxRule("dense", dense_per_example, dense_primitives, applies=plain_weights)
 
 
 # -- EinsumDense ------------------------------------------------------------
@@ -266,8 +265,6 @@ def embedding_primitives(
 def embedding_per_example(
     layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
 ) -> list[Any]:
-    if not plain_weights(layer):
-        return fallback_per_example(layer, values, call, others)
     ids, d = call.inputs, f32(call.output_grad)
     batch, dim = ids.shape[0], d.shape[-1]
     ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)
@@ -276,4 +273,4 @@ def embedding_per_example(
     return [rows.at[positions, ids].add(d.reshape(batch, -1, dim))]
 
 
-EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives)
+EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives, applies=plain_weights)
