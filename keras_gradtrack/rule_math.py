@@ -1,9 +1,11 @@
-"""The per-example math of the convolution and normalization rules, in `keras.ops` only.
+"""The per-example math of the rules both engines share, in `keras.ops` only: the cost
+model, Dense, EinsumDense, Embedding, the convolutions and the normalizations.
 
 Nothing here imports TensorFlow or JAX: an engine brings what is its own (how it
 records a layer's inputs and output gradients, how it cuts a convolution's input
-into windows) and calls these functions for the math, which any Keras backend
-runs. All inputs are cast to float32; every result is float32.
+into windows, its kernel choices; docs/architecture.md, "What is backend-neutral")
+and calls these functions for the math, which any Keras backend runs. Results are
+float32 (the functions cast their inputs where they take a layer's tensors).
 
 Notation: `B` examples, `P` output positions per example, `C` input channels,
 `F` output channels (filters), `K` kernel offsets (the product of the kernel size).
@@ -18,15 +20,18 @@ grads = kernel_gradients(windows, d, groups=1)              # (B, K, C, F)
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import string
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 from keras import ops
 
 # Materializing per-example gradients of at most this many values per example is
 # weighed against the Gram form; larger ones are materialized only where the Gram
-# form costs more (both engines' cost model: the TensorFlow engine's `rules/cost.py`
-# reads these two).
+# form costs more (`gram_is_cheaper`, both engines' cost model).
 MATERIALIZE_MAX_VALUES = 2**16
 # One pass over a tensor, in multiply-adds of a matrix product of the same time (a
 # CPU calibration, docs/performance.md), times the passes a materialized gradient
@@ -38,19 +43,173 @@ def f32(value: Any) -> Any:
     return ops.cast(value, "float32")
 
 
-def gram_is_cheaper(positions: int, width_in: int, width_out: int, dots: bool) -> bool:
-    """Whether `||X_i^T D_i||^2` costs less as `<X_i X_i^T, D_i D_i^T>` than by
-    materializing `X_i^T D_i`, for `X_i` (P x in) and `D_i` (P x out).
+def gram_has_fewer_products(positions: Any, width_in: int, width_out: int) -> Any:
+    """Whether the Gram form `<X_i X_i^T, D_i D_i^T>` of `||X_i^T D_i||^2` takes fewer
+    multiply-adds (`P^2 (in + out)`) than the product `X_i^T D_i` (`P in out`), for
+    `X_i` (P x in) and `D_i` (P x out).
 
-    The Gram form costs `P^2 (in + out)` per example, plus `P in out` for the dot
-    with a reference (`dots`); materializing costs `P in out`, then a few passes over
-    its `in out` values, and holds `B in out` of them.
+    False when P is unknown (None); a boolean tensor when P is a scalar tensor (a size
+    known only at run time, for an engine's conditional).
     """
-    values = width_in * width_out
-    if positions * (width_in + width_out) >= values:
+    return positions is not None and positions * (width_in + width_out) < width_in * width_out
+
+
+def gram_is_cheaper(
+    positions: int | None, width_in: int, width_out: int, dots: bool, groups: int = 1
+) -> bool:
+    """Whether the Gram form serves `||X_i^T D_i||^2` (and, with `dots`, `<X_i^T D_i, R>`
+    as `sum <X_i R, D_i>`) at less cost than materializing `X_i^T D_i`, for `X_i`
+    (P x in) and `D_i` (P x out) per group of channels.
+
+    The Gram form costs `P^2 (in + out)` per example, plus `P in out` for the dot with
+    a reference (`dots`); materializing costs `P in out` (replacing the backward pass'
+    weight gradient), then a few passes over its `in out` values, and holds `B in out`
+    of them per group. Per-example gradients of more than `MATERIALIZE_MAX_VALUES`
+    values (over all `groups`) are materialized only where the Gram form takes more
+    multiply-adds. False when P is unknown (None).
+    """
+    if positions is None or not gram_has_fewer_products(positions, width_in, width_out):
         return False
+    values = width_in * width_out
     gram = positions**2 * (width_in + width_out) + (positions * values if dots else 0)
-    return values > MATERIALIZE_MAX_VALUES or gram < MATERIALIZED_PASS_COST * values
+    return groups * values > MATERIALIZE_MAX_VALUES or gram <= MATERIALIZED_PASS_COST * values
+
+
+def gram_sq_norms(a: Any, d: Any) -> Any:
+    """`(B,)` `||A_i^T D_i||_F^2 = <A_i A_i^T, D_i D_i^T>` for `a` (B, P, in) and `d`
+    (B, P, out), never building `A_i^T D_i` (cost `P^2 (in + out)` per example)."""
+    gram_a = ops.einsum("bpc,bqc->bpq", a, a)
+    gram_d = ops.einsum("bpf,bqf->bpq", d, d)
+    return ops.sum(gram_a * gram_d, axis=(1, 2))
+
+
+# -- Dense, Embedding ----------------------------------------------------------
+
+
+def dense_kernel_gradients(a: Any, d: Any) -> Any:
+    """`(B, in, out)` per-example kernel gradients `A_i^T D_i` of a Dense layer, for its
+    input `a` (B, T, in) and output gradient `d` (B, T, out) (T: the positions)."""
+    return ops.einsum("bti,bto->bio", a, d)
+
+
+def bias_gradients(output_grad: Any, bias_shape: Sequence[int]) -> Any:
+    """`(B, bias size)`: example i's gradient of a bias added to the output's trailing
+    axes, `d_i` summed over the other non-batch axes and those the bias is broadcast
+    along (its axes of size one)."""
+    d = f32(output_grad)
+    offset = len(d.shape) - len(bias_shape)
+    broadcast = [offset + j for j, size in enumerate(bias_shape) if size == 1]
+    summed = ops.sum(d, axis=list(range(1, offset)) + broadcast)
+    return ops.reshape(summed, [ops.shape(d)[0], -1])
+
+
+def wrapped_ids(ids: Any, rows: int) -> Any:
+    """Token ids with the negative ones wrapped around, as `ops.take` looks them up."""
+    return ops.where(ids < 0, ids + ops.cast(rows, ids.dtype), ids)
+
+
+def token_gram_sq_norms(ids: Any, d: Any) -> Any:
+    """`(B,)` `||g_i||^2` of an Embedding's per-example gradient, for its token ids `ids`
+    (B, T) and output gradient `d` (B, T, dim): example i adds `d_it` to row `id_it`, so
+    `||g_i||^2 = sum_{t,s: id_t = id_s} <d_t, d_s>` (cost `T^2 dim`; ids wrapped)."""
+    same_id = ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), d.dtype)
+    gram = ops.einsum("btd,bsd->bts", d, d)
+    return ops.sum(same_id * gram, axis=(1, 2))
+
+
+def token_dots(ids: Any, d: Any, table_reference: Any) -> Any:
+    """`(B,)` `<g_i, R> = sum_t <d_t, R[id_t]>` of an Embedding (as `token_gram_sq_norms`),
+    a lookup of the reference's rows: no `(vocabulary, dim)` gradient."""
+    return ops.sum(ops.take(table_reference, ids, axis=0) * d, axis=(1, 2))
+
+
+# -- EinsumDense ----------------------------------------------------------------
+#
+# `z = einsum(equation, x, kernel) + bias`. Each letter other than the batch letter
+# plays one of four roles: shared S (input, kernel and output: a batched kernel
+# axis), steps T (input and output only), contracted K (input and kernel only),
+# produced O (kernel and output only); input letters in neither the kernel nor the
+# output are summed over first.
+
+EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class EinsumRoles:
+    """The letters of an EinsumDense equation, by role (see this section's comment).
+
+    Attributes:
+        input: Input subscripts, any ellipsis spelled out.
+        kernel: Kernel subscripts.
+        output: Output subscripts, any ellipsis spelled out.
+        batch: The batch letter (first of input and output, not in the kernel).
+        shared: S letters, in kernel order.
+        steps: T letters, in input order.
+        contracted: K letters, in kernel order.
+        produced: O letters, in kernel order.
+    """
+
+    input: str
+    kernel: str
+    output: str
+    batch: str
+    shared: str
+    steps: str
+    contracted: str
+    produced: str
+
+
+def expand_ellipsis(equation: str, input_rank: int | None) -> tuple[str, str, str] | None:
+    """The equation's three subscripts with `...` replaced by fresh letters, or None."""
+    match = EQUATION.match(equation.replace(" ", ""))
+    if match is None:
+        return None
+    inputs, kernel, output = match.groups()
+    if "..." not in inputs and "..." not in output:
+        return (inputs, kernel, output) if "." not in inputs + output else None
+    if inputs.count("...") != 1 or output.count("...") != 1 or input_rank is None:
+        return None
+    elided = input_rank - (len(inputs) - 3)
+    fresh = [c for c in string.ascii_letters if c not in equation]
+    if elided < 0 or elided > len(fresh) or "." in inputs.replace("...", "", 1):
+        return None
+    letters = "".join(fresh[:elided])
+    return inputs.replace("...", letters), kernel, output.replace("...", letters)
+
+
+def einsum_roles(equation: str, input_rank: int | None) -> EinsumRoles | None:
+    """The roles of the equation's letters, or None if it has no clear batch letter."""
+    expanded = expand_ellipsis(equation, input_rank)
+    if expanded is None:
+        return None
+    inputs, kernel, output = expanded
+    if any(len(set(spec)) != len(spec) for spec in expanded) or not inputs or not output:
+        return None
+    batch = inputs[0]
+    if output[0] != batch or batch in kernel:
+        return None
+    if any(c not in inputs + output for c in kernel) or any(
+        c not in inputs + kernel for c in output
+    ):
+        return None
+    return EinsumRoles(
+        input=inputs,
+        kernel=kernel,
+        output=output,
+        batch=batch,
+        shared="".join(c for c in kernel if c in inputs and c in output),
+        steps="".join(c for c in inputs[1:] if c in output and c not in kernel),
+        contracted="".join(c for c in kernel if c in inputs and c not in output),
+        produced="".join(c for c in kernel if c in output and c not in inputs),
+    )
+
+
+def einsum_kernel_gradients(roles: EinsumRoles, x: Any, d: Any) -> Any:
+    """`(B, *kernel.shape)` per-example kernel gradients of an EinsumDense layer, for its
+    input `x` and output gradient `d` laid out as the equation says: one einsum of the
+    two over every letter the kernel does not have."""
+    equation = f"{roles.input},{roles.output}->{roles.batch}{roles.kernel}"
+    return ops.einsum(equation, f32(x), f32(d))
 
 
 # -- convolutions -------------------------------------------------------------
@@ -97,11 +256,8 @@ def kernel_gradients(windows: Sequence[Any], output_grad: Any, groups: int = 1) 
 def kernel_gram_sq_norms(windows: Sequence[Any], output_grad: Any) -> Any:
     """`(B,)` `||g_i||^2` of an ungrouped convolution's kernel without building `g_i`:
     `sum_{p,q} (sum_k <S_ik[p], S_ik[q]>) <D_i[p], D_i[q]>`."""
-    d = _positions(output_grad)
     stacked = ops.concatenate([_positions(w) for w in windows], axis=-1)  # (B, P, K C)
-    window_gram = ops.einsum("bpc,bqc->bpq", stacked, stacked)
-    grad_gram = ops.einsum("bpf,bqf->bpq", d, d)
-    return ops.sum(window_gram * grad_gram, axis=(1, 2))
+    return gram_sq_norms(stacked, _positions(output_grad))
 
 
 def kernel_dots(windows: Sequence[Any], output_grad: Any, kernel_ref: Any) -> Any:
@@ -154,6 +310,59 @@ def position_sums(output_grad: Any) -> Any:
 
 
 # -- normalizations -----------------------------------------------------------
+#
+# LayerNormalization, RMSNormalization and GroupNormalization compute
+# `y = n(x) * scale + offset`, `n(x)` normalized within one example; example i's
+# parameter gradients are `sum d_i n(x_i)` and `sum d_i` over the axes the parameters
+# do not span. What the engines share: which layers a rule covers, `n(x)` as each
+# layer computes it, and the reductions.
+
+
+def built_input_rank(layer: Any) -> int | None:
+    """The rank of the input the layer was built for, if Keras recorded it."""
+    shape = (layer.get_build_config() or {}).get("input_shape")
+    return len(shape) if isinstance(shape, (list, tuple)) else None
+
+
+def axes_list(axis: int | Sequence[int]) -> list[int]:
+    return [axis] if isinstance(axis, int) else list(axis)
+
+
+def excludes_batch_axis(layer: Any, axis: int | Sequence[int]) -> bool:
+    """False when `axis` is (or may be) the batch axis of the layer's input."""
+    rank = built_input_rank(layer)
+    if rank is None:
+        return all(a != 0 for a in axes_list(axis))
+    return all(a % rank != 0 for a in axes_list(axis))
+
+
+def spans_trailing_axes(layer: Any) -> bool:
+    """Whether the layer's `axis` is its input's trailing axes: `ops.rms_normalization`
+    broadcasts `scale` against those, whatever `axis` says, so only then is a rule's view
+    (the scale spans `axis`) RMSNormalization's."""
+    axes, rank = axes_list(layer.axis), built_input_rank(layer)
+    if rank is None:
+        # Without the rank, only negative axes can be known to be trailing.
+        return sorted(axes) == list(range(-len(axes), 0))
+    resolved = sorted(a % rank for a in axes)
+    return 0 not in resolved and resolved == list(range(rank - len(resolved), rank))
+
+
+def epsilon_of(layer: Any) -> float:
+    return keras.config.epsilon() if layer.epsilon is None else layer.epsilon
+
+
+def layer_normalized(layer: Any, x: Any, axes: Sequence[int]) -> Any:
+    """LayerNormalization's `n(x)` over `axes` (its deprecated `rms_scaling` divides by
+    the standard deviation)."""
+    if layer.rms_scaling:
+        return variance_scaled(x, axes, epsilon_of(layer))
+    return centered_normalized(x, axes, epsilon_of(layer))
+
+
+def rms_normalized(layer: Any, x: Any, axes: Sequence[int]) -> Any:
+    """RMSNormalization's `n(x)` over `axes`."""
+    return rms_scaled(x, axes, epsilon_of(layer))
 
 
 def centered_normalized(x: Any, axes: Sequence[int], epsilon: float) -> Any:
@@ -177,18 +386,34 @@ def rms_scaled(x: Any, axes: Sequence[int], epsilon: float) -> Any:
     return x * ops.rsqrt(ops.mean(ops.square(x), axis=list(axes), keepdims=True) + epsilon)
 
 
-def group_normalized(x: Any, channel_axis: int, groups: int, epsilon: float) -> Any:
-    """`x` normalized over every non-batch axis within each of `groups` groups of
-    channels along `channel_axis` (GroupNormalization's `n(x)`)."""
-    x = f32(x)
+def in_groups(x: Any, channel_axis: int, groups: int) -> Any:
+    """`x` laid out `(B, ..., groups, C / groups, ...)`, the groups at `channel_axis`
+    (GroupNormalization's view; its non-batch sizes static)."""
     shape = list(x.shape)
     axis = channel_axis % len(shape)
-    grouped_shape = [-1, *shape[1:axis], groups, shape[axis] // groups, *shape[axis + 1 :]]
-    grouped = ops.reshape(x, grouped_shape)
-    reduced = [a for a in range(1, len(grouped_shape)) if a != axis]
-    mean, variance = ops.moments(grouped, axes=reduced, keepdims=True)
+    return ops.reshape(x, [-1, *shape[1:axis], groups, shape[axis] // groups, *shape[axis + 1 :]])
+
+
+def group_moments(grouped: Any, channel_axis: int, epsilon: float) -> tuple[Any, Any]:
+    """GroupNormalization's `(mean, inverse)` per example and group, from the input laid
+    out in groups (`in_groups`), each spread to one value per channel at the input's
+    rank: `(B, 1.., C, 1..)`, so that `n(x) = (x - mean) * inverse`."""
+    rank = len(grouped.shape) - 1
+    axis = channel_axis % rank
+    reduction = [a for a in range(1, rank + 1) if a != axis]
+    mean, variance = ops.moments(grouped, axes=reduction, keepdims=True)
     inverse = ops.rsqrt(variance + epsilon)
-    return ops.reshape(grouped * inverse - mean * inverse, (-1, *shape[1:]))
+    # (B, 1.., groups, 1, 1..) to (B, 1.., groups, C / groups, 1..) to (B, 1.., C, 1..).
+    spread = [1] * (rank + 1)
+    spread[axis : axis + 2] = grouped.shape[axis : axis + 2]
+    by_channel = [-1] + [1] * (rank - 1)
+    by_channel[axis] = grouped.shape[axis] * grouped.shape[axis + 1]
+
+    def to_channels(moment: Any) -> Any:
+        spread_out = ops.broadcast_to(moment, [ops.shape(moment)[0], *spread[1:]])
+        return ops.reshape(spread_out, by_channel)
+
+    return to_channels(mean), to_channels(inverse)
 
 
 def affine_per_example(output_grad: Any, normalized: Any | None, kept_axes: Sequence[int]) -> Any:
@@ -203,3 +428,25 @@ def affine_per_example(output_grad: Any, normalized: Any | None, kept_axes: Sequ
     term = d if normalized is None else d * f32(normalized)
     summed = [a for a in range(1, len(d.shape)) if a not in set(kept_axes)]
     return ops.sum(term, axis=summed) if summed else term
+
+
+def scale_from_moments(
+    x: Any, output_grad: Any, mean: Any | None, inverse: Any, kept_axes: Sequence[int]
+) -> Any:
+    """`sum d_i (x_i - mean) inverse` (mean None: `sum d_i x_i inverse`) over the
+    non-batch axes not in `kept_axes`, for a mean and inverse constant over those axes
+    (GroupNormalization's, BatchNormalization's): `inverse (sum d_i x_i - mean sum d_i)`,
+    two sums per kept position and no `n(x)` as large as the input (Keras' own
+    gradient of gamma takes the same order).
+
+    Returns:
+        `(B, *[x.shape[a] for a in kept_axes])`.
+    """
+    x, d = f32(x), f32(output_grad)
+    summed = [a for a in range(1, len(d.shape)) if a not in set(kept_axes)]
+    sum_dx = ops.sum(d * x, axis=summed, keepdims=True)
+    if mean is not None:
+        sum_dx = sum_dx - mean * ops.sum(d, axis=summed, keepdims=True)
+    gradient = inverse * sum_dx
+    # (Squeezing no axes would squeeze every axis of size one.)
+    return ops.squeeze(gradient, axis=summed) if summed else gradient

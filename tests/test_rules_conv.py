@@ -21,8 +21,8 @@ from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
+from keras_gradtrack.rule_math import gram_has_fewer_products
 from keras_gradtrack.rules import LayerCall, chunks, lookup
-from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs
 from keras_gradtrack.rules.windows import FEW_CHANNELS
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
@@ -79,7 +79,7 @@ def single_layer(
 def gram_form(name: str, groups: int) -> Any:
     """Few output positions, wide windows: the Gram form is cheaper than materializing."""
     # 2 x 2 output positions, 3 x 3 x 16 / groups wide windows, 32 / groups filters per group.
-    assert gram_is_cheaper(4, 9 * 16 // groups, 32 // groups)
+    assert gram_has_fewer_products(4, 9 * 16 // groups, 32 // groups)
     return single_layer(name, lambda: L.Conv2D(32, 3, groups=groups, activation="tanh"), (4, 4, 16))
 
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_gradtrack._keras_seam import batch_moments
 from keras_gradtrack.rules.contract import LayerCall, Rule
-from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example
+from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example, scale_of_moments
 
 
 def batch_normalization_applies(layer: Any) -> bool:
@@ -69,6 +69,6 @@ def batch_normalization_statistics(layer: Any) -> StatisticsFn:
 
 BATCH_NORMALIZATION = Rule.from_per_example(
     "batch_normalization",
-    normalization_per_example(batch_normalization_statistics, "gamma", "beta", True),
+    normalization_per_example(scale_of_moments(batch_normalization_statistics), "gamma", "beta"),
     applies=batch_normalization_applies,
 )

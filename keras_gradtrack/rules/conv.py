@@ -15,8 +15,8 @@ import tensorflow as tf
 from keras import ops
 
 from keras_gradtrack._keras_seam import causal_padding
+from keras_gradtrack.rule_math import gram_is_cheaper
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
-from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
     convolution_rule,
     kernel_and_bias_per_example,
@@ -34,13 +34,13 @@ def kernel_materializes(
     layer: Any, calls: Sequence[LayerCall], group_channels: int, group_filters: int, groups: int
 ) -> bool:
     """Whether per-example kernel gradients cost less than the direct form
-    (`materializing_is_cheaper`, per group)."""
+    (`rule_math.gram_is_cheaper` says no, per group)."""
     if not layer.kernel.trainable:
         return True  # only the bias, (B, filters)
     tapped = [call.tapped[0] for call in calls]
     positions = positions_per_example(tapped, layer.data_format == "channels_first")
     window_width = math.prod(layer.kernel_size) * group_channels
-    return materializing_is_cheaper(positions, window_width, group_filters, groups)
+    return not gram_is_cheaper(positions, window_width, group_filters, dots=True, groups=groups)
 
 
 def conv_primitives(

@@ -17,9 +17,9 @@ from typing import Any
 import tensorflow as tf
 from keras import ops
 
+from keras_gradtrack.rule_math import gram_is_cheaper
 from keras_gradtrack.rules import windows
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
-from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
     convolution_rule,
     kernel_and_bias_per_example,
@@ -71,7 +71,7 @@ def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     window_width = math.prod(layer.kernel_size) * filters
     inputs = [call.inputs for call in calls]
     positions = positions_per_example(inputs, layer.data_format == "channels_first")
-    return materializing_is_cheaper(positions, window_width, channels)
+    return not gram_is_cheaper(positions, window_width, channels, dots=True)
 
 
 def conv_transpose_per_example(

@@ -13,8 +13,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack import rule_math
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
-from keras_gradtrack.rules.cost import gram_is_cheaper, materializing_is_cheaper
 from keras_gradtrack.rules.ops import (
     along_time,
     cross_of,
@@ -144,9 +144,13 @@ def dense_2d_primitives(
     if kernel is None or not reference.is_batch_sum(variables):
         sq_norm, dot = direct()
     elif a.shape[0] is not None:
-        sq_norm, dot = from_gram() if gram_is_cheaper(a.shape[0], d_in, d_out) else direct()
+        sq_norm, dot = (
+            from_gram() if rule_math.gram_has_fewer_products(a.shape[0], d_in, d_out) else direct()
+        )
     else:
-        sq_norm, dot = tf.cond(gram_is_cheaper(tf.shape(a)[0], d_in, d_out), from_gram, direct)
+        sq_norm, dot = tf.cond(
+            rule_math.gram_has_fewer_products(tf.shape(a)[0], d_in, d_out), from_gram, direct
+        )
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 
 
@@ -181,13 +185,15 @@ def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
 
 def dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     """On sequences, when materializing `A_i^T D_i` costs less than the direct form
-    (`materializing_is_cheaper`), or when only the bias is trained; never on 2-D
+    (`rule_math.gram_is_cheaper` says no), or when only the bias is trained; never on 2-D
     inputs, where `||a_i||^2 ||d_i||^2` costs nothing."""
     steps = positions_per_example([call.inputs for call in calls])
     if steps == 1:
         return False
     d_in, d_out = layer.kernel.shape
-    return not layer.kernel.trainable or materializing_is_cheaper(steps, d_in, d_out)
+    return not layer.kernel.trainable or not rule_math.gram_is_cheaper(
+        steps, d_in, d_out, dots=True
+    )
 
 
 def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
@@ -196,7 +202,7 @@ def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any,
     kernel, bias = trained_variables(layer)
     pairs = []
     if kernel is not None:
-        pairs.append((kernel, tf.einsum("btd,bte->bde", a, d)))
+        pairs.append((kernel, rule_math.dense_kernel_gradients(a, d)))
     if bias is not None:
         pairs.append((bias, summed_bias_gradient(calls, bias.shape)))
     return pairs

@@ -18,17 +18,20 @@ T K O), whichever is cheaper. Several calls of a shared layer are stacked along 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
-import string
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack import rule_math
+from keras_gradtrack.rule_math import (
+    EinsumRoles,
+    einsum_roles,
+    gram_has_fewer_products,
+    gram_is_cheaper,
+)
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
-from keras_gradtrack.rules.cost import gram_is_cheaper, materializing_is_cheaper
 from keras_gradtrack.rules.ops import (
     has_plain_weights,
     reshape_per_example,
@@ -37,78 +40,6 @@ from keras_gradtrack.rules.ops import (
     summed_bias_gradient,
 )
 
-EQUATION = re.compile(r"^([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class EinsumRoles:
-    """The letters of an EinsumDense equation, by role (see the module docstring).
-
-    Attributes:
-        input: Input subscripts, any ellipsis spelled out.
-        kernel: Kernel subscripts.
-        output: Output subscripts, any ellipsis spelled out.
-        batch: The batch letter (first of input and output, not in the kernel).
-        shared: S letters, in kernel order.
-        steps: T letters, in input order.
-        contracted: K letters, in kernel order.
-        produced: O letters, in kernel order.
-    """
-
-    input: str
-    kernel: str
-    output: str
-    batch: str
-    shared: str
-    steps: str
-    contracted: str
-    produced: str
-
-
-def expand_ellipsis(equation: str, input_rank: int | None) -> tuple[str, str, str] | None:
-    """The equation's three subscripts with `...` replaced by fresh letters, or None."""
-    match = EQUATION.match(equation.replace(" ", ""))
-    if match is None:
-        return None
-    inputs, kernel, output = match.groups()
-    if "..." not in inputs and "..." not in output:
-        return (inputs, kernel, output) if "." not in inputs + output else None
-    if inputs.count("...") != 1 or output.count("...") != 1 or input_rank is None:
-        return None
-    elided = input_rank - (len(inputs) - 3)
-    fresh = [c for c in string.ascii_letters if c not in equation]
-    if elided < 0 or elided > len(fresh) or "." in inputs.replace("...", "", 1):
-        return None
-    letters = "".join(fresh[:elided])
-    return inputs.replace("...", letters), kernel, output.replace("...", letters)
-
-
-def einsum_roles(equation: str, input_rank: int | None) -> EinsumRoles | None:
-    """The roles of the equation's letters, or None if it has no clear batch letter."""
-    expanded = expand_ellipsis(equation, input_rank)
-    if expanded is None:
-        return None
-    inputs, kernel, output = expanded
-    if any(len(set(spec)) != len(spec) for spec in expanded) or not inputs or not output:
-        return None
-    batch = inputs[0]
-    if output[0] != batch or batch in kernel:
-        return None
-    if any(c not in inputs + output for c in kernel) or any(
-        c not in inputs + kernel for c in output
-    ):
-        return None
-    return EinsumRoles(
-        input=inputs,
-        kernel=kernel,
-        output=output,
-        batch=batch,
-        shared="".join(c for c in kernel if c in inputs and c in output),
-        steps="".join(c for c in inputs[1:] if c in output and c not in kernel),
-        contracted="".join(c for c in kernel if c in inputs and c not in output),
-        produced="".join(c for c in kernel if c in output and c not in inputs),
-    )
-
 
 def einsum_dense_applies(layer: Any) -> bool:
     """The rule covers a plain float EinsumDense whose equation keeps the batch axis first."""
@@ -116,6 +47,19 @@ def einsum_dense_applies(layer: Any) -> bool:
         return False
     input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
     return einsum_roles(layer.equation, input_rank) is not None
+
+
+def roles_of_call(layer: Any, x: tf.Tensor) -> EinsumRoles:
+    """The roles of the equation's letters for one call's input `x`; raises where the
+    equation has no batch letter first."""
+    roles = einsum_roles(layer.equation, x.shape.rank)
+    if roles is None:
+        raise ValueError(
+            f"EinsumDense layer {layer.name!r}: the equation has no batch letter first "
+            f"in its input and output. Received: equation={layer.equation!r}, input "
+            f"shape={x.shape}"
+        )
+    return roles
 
 
 def canonical_operands(
@@ -127,13 +71,7 @@ def canonical_operands(
     for call in calls:
         x = tf.cast(call.inputs, tf.float32)
         d = tf.cast(call.output_grad, tf.float32)
-        roles = einsum_roles(layer.equation, x.shape.rank)
-        if roles is None:
-            raise ValueError(
-                f"EinsumDense layer {layer.name!r}: the equation has no batch letter first "
-                f"in its input and output. Received: equation={layer.equation!r}, input "
-                f"shape={x.shape}"
-            )
+        roles = roles_of_call(layer, x)
         sizes = dict(zip(roles.kernel, layer.kernel.shape))
         shared = math.prod(sizes[c] for c in roles.shared)
         b, s, t = roles.batch, roles.shared, roles.steps
@@ -171,7 +109,7 @@ def einsum_dense_primitives(
                 reference(layer.kernel),
             )
             kernel_ref = tf.reshape(kernel_ref, [x.shape[1], x.shape[3], d.shape[3]])
-        if gram_is_cheaper(x.shape[2], x.shape[3], d.shape[3]):
+        if gram_has_fewer_products(x.shape[2], x.shape[3], d.shape[3]):
             gram_x = tf.einsum("bstk,bsuk->bstu", x, x)
             gram_d = tf.einsum("bsto,bsuo->bstu", d, d)
             sq_norm += tf.reduce_sum(gram_x * gram_d, axis=[1, 2, 3])
@@ -193,7 +131,7 @@ def einsum_dense_primitives(
 
 def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     """When materializing the per-example kernel gradients `X_is^T D_is` costs less
-    than the direct form (`materializing_is_cheaper`)."""
+    than the direct form (`rule_math.gram_is_cheaper` says no)."""
     if not layer.kernel.trainable:
         return True  # only the bias
     steps: int | None = 0
@@ -211,22 +149,20 @@ def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     sizes = dict(zip(roles.kernel, layer.kernel.shape))
     contracted = math.prod(sizes[c] for c in roles.contracted)
     produced = math.prod(sizes[c] for c in roles.produced)
-    return materializing_is_cheaper(steps, contracted, produced)
+    return not gram_is_cheaper(steps, contracted, produced, dots=True)
 
 
 def einsum_dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
-    """Per-example gradients of an EinsumDense layer's kernel (in its own layout) and bias."""
+    """Per-example gradients of an EinsumDense layer's kernel (in its own layout,
+    `rule_math.einsum_kernel_gradients`, summed over the calls) and bias."""
     pairs = []
     if layer.kernel.trainable:
-        roles, x, d = canonical_operands(layer, calls)
-        per_example = tf.einsum("bstk,bsto->bsko", x, d)
-        sizes = dict(zip(roles.kernel, layer.kernel.shape))
-        canonical = roles.shared + roles.contracted + roles.produced
-        per_example = reshape_per_example(per_example, [sizes[c] for c in canonical])
-        per_example = tf.einsum(
-            f"{roles.batch}{canonical}->{roles.batch}{roles.kernel}", per_example
-        )
-        pairs.append((layer.kernel, per_example))
+        grads = []
+        for call in calls:
+            x = tf.convert_to_tensor(call.inputs)
+            roles = roles_of_call(layer, x)
+            grads.append(rule_math.einsum_kernel_gradients(roles, x, call.output_grad))
+        pairs.append((layer.kernel, tf.add_n(grads)))
     if layer.bias is not None and layer.bias.trainable:
         pairs.append((layer.bias, summed_bias_gradient(calls, layer.bias.shape)))
     return pairs

@@ -15,6 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack import rule_math
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.ops import (
     along_time,
@@ -47,7 +48,7 @@ def token_ids(layer: Any, call: LayerCall) -> tf.Tensor:
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int32)
     # `ops.take` wraps negative indices around, as numpy does.
-    return tf.where(ids < 0, ids + tf.cast(layer.input_dim, ids.dtype), ids)
+    return rule_math.wrapped_ids(ids, layer.input_dim)
 
 
 def as_token_sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
@@ -60,13 +61,6 @@ def as_token_sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tenso
 
     ids, d = along_time(calls, sequences)
     return ids, d
-
-
-def masked_gram_sq_norm(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
-    """`sum_{t,s} [id_t = id_s] <d_t, d_s>` per example (cost T^2 dim)."""
-    same_id = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), d.dtype)
-    gram = tf.einsum("btd,bsd->bts", d, d)
-    return tf.reduce_sum(same_id * gram, axis=[1, 2])
 
 
 def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tensor:
@@ -104,14 +98,14 @@ def embedding_primitives(
     ids, d = as_token_sequences(layer, calls)
     steps = ids.shape[1]
     if steps is not None and steps <= GRAM_MAX_TOKENS:
-        sq_norm = masked_gram_sq_norm(ids, d)
+        sq_norm = rule_math.token_gram_sq_norms(ids, d)
     else:
         sq_norm = segment_sq_norm(ids, d, calls[0].xla)
     if reference is None:
         return LayerPrimitives(sq_norm=sq_norm, dot=None)
-    looked_up_reference = tf.gather(reference(layer.embeddings), ids)
-    dot = tf.reduce_sum(looked_up_reference * d, axis=[1, 2])
-    return LayerPrimitives(sq_norm=sq_norm, dot=dot)
+    return LayerPrimitives(
+        sq_norm=sq_norm, dot=rule_math.token_dots(ids, d, reference(layer.embeddings))
+    )
 
 
 def embedding_cross(

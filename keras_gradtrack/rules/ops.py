@@ -8,6 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack import rule_math
 from keras_gradtrack.rules.contract import (
     LayerCall,
     LayerPrimitives,
@@ -17,7 +18,6 @@ from keras_gradtrack.rules.contract import (
     RuleFn,
     primitives_from,
 )
-from keras_gradtrack.rules.cost import gram_is_cheaper
 
 
 def has_plain_weights(layer: Any) -> bool:
@@ -159,9 +159,7 @@ def summed_bias_gradient(
                 f"The bias spans the batch axis. Received: bias shape={tuple(bias_shape)}, "
                 f"output shape={d.shape}"
             )
-        broadcast = [offset + j for j, size in enumerate(bias_shape) if size == 1]
-        summed = tf.reduce_sum(d, axis=list(range(1, offset)) + broadcast)
-        return tf.reshape(summed, [tf.shape(d)[0], -1])
+        return rule_math.bias_gradients(d, bias_shape)
 
     return tf.add_n([one_call(call) for call in calls])
 
@@ -181,20 +179,21 @@ def positions_per_example(tensors: Sequence[Any], channels_first: bool = False) 
 
 def sequence_kernel_sq_norm(a: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tensor:
     """`||A_i^T D_i||_F^2` per example for `A` (B, T, in) and `D` (B, T, out), by
-    whichever form costs less (`gram_is_cheaper`): `<A_i A_i^T, D_i D_i^T>` or the
-    materialized product (`xla` as for `sum_of_squares`)."""
-    if gram_is_cheaper(a.shape[1], a.shape[2], d.shape[2]):
-        gram_a = tf.einsum("btd,bsd->bts", a, a)
-        gram_d = tf.einsum("bte,bse->bts", d, d)
-        return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
-    per_example_kernel = tf.einsum("btd,bte->bde", a, d)
+    whichever takes fewer multiply-adds (`rule_math.gram_has_fewer_products`):
+    `<A_i A_i^T, D_i D_i^T>` or the materialized product (`xla` as for `sum_of_squares`)."""
+    if rule_math.gram_has_fewer_products(a.shape[1], a.shape[2], d.shape[2]):
+        return rule_math.gram_sq_norms(a, d)
+    per_example_kernel = rule_math.dense_kernel_gradients(a, d)
     return sum_of_squares(per_example_kernel, axis=[1, 2], xla=xla)
 
 
-# Maps a normalization layer's input (float32) and its call to the `(mean, inverse)`
-# it normalizes with, `n(x) = (x - mean) * inverse` (mean None: `x * inverse`), each
-# of the input's rank and broadcastable to it.
+# Maps a normalization layer's input (float32) and its call to the `(mean, inverse)` it
+# normalizes with, `n(x) = (x - mean) * inverse` (mean None: `x * inverse`), each of the
+# input's rank and broadcastable to it.
 StatisticsFn = Callable[[tf.Tensor, LayerCall], tuple[tf.Tensor | None, tf.Tensor]]
+# (layer, one call's float32 output gradient, the call, the axes the scale spans) ->
+# the call's `(B, ...)` per-example gradient of the variable multiplying `n(x)`.
+ScaleGradientFn = Callable[[Any, tf.Tensor, LayerCall, list[int]], tf.Tensor]
 
 
 def normalized_axes(layer: Any, axis: int | Sequence[int], rank: int) -> list[int]:
@@ -211,29 +210,20 @@ def normalized_axes(layer: Any, axis: int | Sequence[int], rank: int) -> list[in
 
 
 def normalization_per_example(
-    statistics_of: Callable[[Any], StatisticsFn],
-    scale: str,
-    offset: str | None,
-    constant_over_positions: bool = False,
+    scale_gradient: ScaleGradientFn, scale: str, offset: str | None
 ) -> PerExampleFn:
     """The per-example gradients of a normalization layer, `y = n(x) * scale + offset`
-    with `n(x) = (x - mean) * inverse` (both parameters optional, spanning the input
-    axes of `layer.axis`): `sum_pos d_i n(x_i)` and `sum_pos d_i` over the other axes.
+    (both parameters optional, spanning the input axes of `layer.axis`):
+    `sum_pos d_i n(x_i)` by `scale_gradient` and `sum_pos d_i` over the other axes.
 
     Args:
-        statistics_of: Maps the layer to its `StatisticsFn`: the moments as the layer
-            computes them (float32, same epsilon and axes).
+        scale_gradient: One call's gradient of the scale (`scale_of_normalized` or
+            `scale_of_moments`).
         scale: The name of the layer's variable multiplying `n(x)`.
         offset: The name of the variable added, or None.
-        constant_over_positions: The mean and inverse are constant over the positions
-            summed per example (GroupNormalization, BatchNormalization):
-            `sum_pos d_i (x_i - mean) inverse = inverse (sum_pos d_i x_i - mean sum_pos d_i)`,
-            two sums per channel and no `n(x)` as large as the input (Keras' own
-            gradient of gamma takes the same order).
     """
 
     def per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
-        statistics = statistics_of(layer)
         scale_variable = getattr(layer, scale, None)
         offset_variable = getattr(layer, offset, None) if offset else None
         scale_variable = (
@@ -245,14 +235,11 @@ def normalization_per_example(
         scale_grads, offset_grads = [], []
         for call in calls:
             d = tf.cast(call.output_grad, tf.float32)
-            rank = call.output_grad.shape.rank
-            kept = normalized_axes(layer, layer.axis, rank)
-            summed = [a for a in range(1, rank) if a not in kept]
+            kept = normalized_axes(layer, layer.axis, call.output_grad.shape.rank)
             if scale_variable is not None:
-                gradient = scale_gradient(d, call, statistics, summed, constant_over_positions)
-                scale_grads.append(gradient)
+                scale_grads.append(scale_gradient(layer, d, call, kept))
             if offset_variable is not None:
-                offset_grads.append(tf.reduce_sum(d, axis=summed))
+                offset_grads.append(rule_math.affine_per_example(d, None, kept))
         pairs = [(scale_variable, tf.add_n(scale_grads))] if scale_variable is not None else []
         if offset_variable is not None:
             pairs.append((offset_variable, tf.add_n(offset_grads)))
@@ -261,29 +248,29 @@ def normalization_per_example(
     return per_example
 
 
-def scale_gradient(
-    d: tf.Tensor,
-    call: LayerCall,
-    statistics: StatisticsFn,
-    summed: list[int],
-    constant_over_positions: bool,
-) -> tf.Tensor:
-    """One call's per-example gradient of the variable multiplying `n(x)`, `sum_pos d n(x)`
-    over the `summed` axes (see `normalization_per_example`)."""
-    if constant_over_positions:
+def scale_of_normalized(normalize: Callable[[Any, Any, Sequence[int]], Any]) -> ScaleGradientFn:
+    """The scale's gradient `sum_pos d n(x)` from `normalize(layer, x, axes)`, `n(x)` as the
+    layer computes it (`rule_math.layer_normalized`, `rule_math.rms_normalized`)."""
+
+    def scale_gradient(layer: Any, d: tf.Tensor, call: LayerCall, kept: list[int]) -> tf.Tensor:
+        # `n(x)` is as large as the input and needs only the input: without this
+        # dependency the executor computes it early in the backward pass and holds it
+        # until `d` arrives (several normalization layers' at once at the allocator's peak).
+        with tf.control_dependencies([d]):
+            x = tf.identity(tf.cast(call.inputs, tf.float32))
+        return rule_math.affine_per_example(d, normalize(layer, x, kept), kept)
+
+    return scale_gradient
+
+
+def scale_of_moments(statistics_of: Callable[[Any], StatisticsFn]) -> ScaleGradientFn:
+    """The scale's gradient from the layer's moments (`statistics_of(layer)`, as the layer
+    computes them), constant over the positions summed per example (GroupNormalization,
+    BatchNormalization): `rule_math.scale_from_moments`, no `n(x)` as large as the input."""
+
+    def scale_gradient(layer: Any, d: tf.Tensor, call: LayerCall, kept: list[int]) -> tf.Tensor:
         x = tf.cast(call.inputs, tf.float32)
-        mean, inverse = statistics(x, call)
-        sum_dx = tf.reduce_sum(d * x, axis=summed, keepdims=True)
-        if mean is not None:
-            sum_dx -= mean * tf.reduce_sum(d, axis=summed, keepdims=True)
-        gradient = inverse * sum_dx
-        # (`tf.squeeze` of no axes would squeeze every axis of size one.)
-        return tf.squeeze(gradient, axis=summed) if summed else gradient
-    # `n(x)` is as large as the input and needs only the input: without this
-    # dependency the executor computes it early in the backward pass and holds it
-    # until `d` arrives (several normalization layers' at once at the allocator's peak).
-    with tf.control_dependencies([d]):
-        x = tf.identity(tf.cast(call.inputs, tf.float32))
-    mean, inverse = statistics(x, call)
-    normalized = x * inverse if mean is None else x * inverse - mean * inverse
-    return tf.reduce_sum(d * normalized, axis=summed)
+        mean, inverse = statistics_of(layer)(x, call)
+        return rule_math.scale_from_moments(x, d, mean, inverse, kept)
+
+    return scale_gradient

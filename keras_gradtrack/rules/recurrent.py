@@ -27,8 +27,8 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import keras_backend
 from keras_gradtrack._patching import patched
+from keras_gradtrack.rule_math import gram_is_cheaper
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
-from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.ops import (
     positions_per_example,
     sequence_kernel_sq_norm,
@@ -259,12 +259,12 @@ def side_by_side(terms: Sequence[Term]) -> tf.Tensor:
 
 
 def recurrent_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
-    """When materializing `Σ_t a_tᵀ δ_t` costs less for both kernels (`materializing_is_cheaper`,
+    """When materializing `Σ_t a_tᵀ δ_t` costs less for both kernels (`rule_math.gram_is_cheaper`,
     with the calls' steps; always for sequences of unknown length)."""
     steps = positions_per_example([call.inputs for call in calls])
     cell = layer.cell
     return all(
-        materializing_is_cheaper(steps, *kernel.shape)
+        not gram_is_cheaper(steps, *kernel.shape, dots=True)
         for kernel in (cell.kernel, cell.recurrent_kernel)
     )
 

@@ -18,8 +18,8 @@ from typing import Any
 import tensorflow as tf
 from keras import ops
 
+from keras_gradtrack.rule_math import gram_is_cheaper
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
-from keras_gradtrack.rules.cost import materializing_is_cheaper
 from keras_gradtrack.rules.filter_gradients import (
     filter_gradient_kernel,
     per_example_filter_gradients,
@@ -169,7 +169,7 @@ def separable_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
         [call.tapped[0] for call in calls], layer.data_format == "channels_first"
     )
     width_in, filters = layer.pointwise_kernel.shape[-2:]
-    return materializing_is_cheaper(positions, width_in, filters)
+    return not gram_is_cheaper(positions, width_in, filters, dots=True)
 
 
 def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:

@@ -28,8 +28,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack.rule_math import gram_has_fewer_products
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
-from keras_gradtrack.rules.cost import gram_is_cheaper
 from keras_gradtrack.rules.ops import (
     materialized,
     references_of,
@@ -277,7 +277,7 @@ def grouped_kernel_primitives(
     """
     group_channels = slices[0].shape[-1] // groups
     group_filters = targets.shape[-1] // groups
-    if not gram_is_cheaper(targets.shape[1], len(slices) * group_channels, group_filters):
+    if not gram_has_fewer_products(targets.shape[1], len(slices) * group_channels, group_filters):
         references = None if kernel_reference is None else [kernel_reference]
         return materialized(
             [per_example_kernel_gradients(slices, targets, groups)], references, xla

@@ -1,4 +1,4 @@
-"""The JAX engine's convolution and normalization rules against the `jax.grad` oracle.
+"""The JAX engine's convolution, normalization and EinsumDense rules against the `jax.grad` oracle.
 
 Every setting is a layer (strides, dilation, padding, 1-D to 3-D, groups, depth
 multipliers, channels first, normalized axes, variants) under a small classifier:
@@ -92,6 +92,22 @@ SETTINGS: dict[str, tuple[Callable[[], Any], tuple[int, ...], str]] = {
         lambda: L.SeparableConv2D(4, 2, strides=2, use_bias=False),
         (6, 6, 3),
         "rule:separable_conv",
+    ),
+    # The equation's ellipsis, a bias over two axes, an input axis summed over first.
+    "einsum_dense_ellipsis": (
+        lambda: L.EinsumDense("...b,bc->...c", output_shape=4, bias_axes="c"),
+        (4, 5),
+        "rule:einsum_dense",
+    ),
+    "einsum_dense_heads": (
+        lambda: L.EinsumDense("abc,cde->abde", output_shape=(3, 2, 4), bias_axes="de"),
+        (3, 5),
+        "rule:einsum_dense",
+    ),
+    "einsum_dense_summed_input_axis": (
+        lambda: L.EinsumDense("abc,cd->ad", output_shape=4, bias_axes="d"),
+        (3, 5),
+        "rule:einsum_dense",
     ),
     "layer_normalization_two_axes": (
         lambda: L.LayerNormalization(axis=[1, 2]),
@@ -254,6 +270,75 @@ def test_layers_the_rules_do_not_cover_are_on_the_fallback_and_say_so() -> None:
     inputs = keras.Input((3, 4))
     hidden = L.RMSNormalization(axis=1)(inputs)  # not the trailing axes: scale misaligned
     hidden = L.PReLU()(hidden)
-    model = kgt.GradientTrackingModel(inputs, L.Dense(2)(L.Flatten()(hidden)))
+    lora = L.Dense(3)
+    hidden = lora(L.Flatten()(hidden))
+    lora.enable_lora(2)  # its variables are the low-rank factors, not the kernel
+    model = kgt.GradientTrackingModel(inputs, L.Dense(2)(hidden))
     paths = [tracked.path for tracked in model.gradient_tracking_plan()]
-    assert paths == [FALLBACK_PATH, FALLBACK_PATH, "rule:dense"]
+    assert paths == [FALLBACK_PATH, FALLBACK_PATH, FALLBACK_PATH, "rule:dense"]
+
+
+def flat_per_example(grads: list[Any]) -> Any:
+    return jnp.concatenate([g.reshape(BATCH, -1) for g in grads], axis=1)
+
+
+def assert_primitives_match(primitives: Any, flat: Any, refs: list[Any]) -> None:
+    """The primitives against those of the per-example gradients `flat` (B, n)."""
+    reference = jnp.concatenate([jnp.reshape(r, -1) for r in refs])
+    np.testing.assert_allclose(primitives.sq_norm, jnp.sum(flat**2, axis=1), rtol=1e-4)
+    np.testing.assert_allclose(primitives.dot, flat @ reference, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(primitives.sum_sq_norm, jnp.sum(jnp.sum(flat, 0) ** 2), rtol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["materialized", "gram"])
+def test_dense_on_sequences_gives_the_per_example_primitives(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if form == "gram":  # `rule_math.gram_sq_norms`, as for layers too large to materialize
+        monkeypatch.setattr(jax_rules, "MATERIALIZED_VALUES", 0)
+    rng = np.random.default_rng(3)
+    layer = L.Dense(4)
+    layer.build((None, 3, 6))
+    a = jnp.asarray(rng.normal(size=(BATCH, 3, 6)), jnp.float32)
+    d = jnp.asarray(rng.normal(size=(BATCH, 3, 4)), jnp.float32)
+    call = jax_rules.ProbedCall(inputs=a, kwargs={}, output_grad=d)
+    values = [v.value for v in layer.trainable_variables]
+    flat = flat_per_example(jax_rules.dense_per_example(layer, values, call))
+    refs = [jnp.asarray(rng.normal(size=v.shape), jnp.float32) for v in layer.trainable_variables]
+    assert_primitives_match(jax_rules.dense_primitives(layer, call, refs), flat, refs)
+
+
+@pytest.mark.parametrize("reference_factor", [None, 0.5])
+def test_dense_on_rows_gives_the_per_example_primitives(reference_factor: float | None) -> None:
+    # B (in + out) < in out: with the batch gradient as the reference, the dot comes from
+    # the Gram matrices (`rule_math.gram_has_fewer_products`); without, directly.
+    rng = np.random.default_rng(4)
+    layer = L.Dense(40)
+    layer.build((None, 6))
+    assert rule_math.gram_has_fewer_products(BATCH, 6, 40)
+    a = jnp.asarray(rng.normal(size=(BATCH, 6)), jnp.float32)
+    d = jnp.asarray(rng.normal(size=(BATCH, 40)), jnp.float32)
+    call = jax_rules.ProbedCall(
+        inputs=a, kwargs={}, output_grad=d, reference_factor=reference_factor
+    )
+    values = [v.value for v in layer.trainable_variables]
+    grads = jax_rules.dense_per_example(layer, values, call)
+    factor = 1.0 if reference_factor is None else reference_factor
+    refs = [factor * jnp.sum(g, axis=0) for g in grads]  # the batch gradient, c sum_i g_i
+    assert_primitives_match(
+        jax_rules.dense_primitives(layer, call, refs), flat_per_example(grads), refs
+    )
+
+
+def test_embedding_primitives_group_repeated_and_negative_ids() -> None:
+    # ids -1 and 6 are one row of 7 (`ops.take` wraps negative ids), as are 2 and -5.
+    rng = np.random.default_rng(6)
+    layer = L.Embedding(7, 3)
+    layer.build((None, 4))
+    ids = jnp.asarray([[0, -1, 6, 2], [2, -5, 3, 3], [1, 1, 1, 1], [4, 5, -7, 0], [6, 6, -1, 2]])
+    d = jnp.asarray(rng.normal(size=(BATCH, 4, 3)), jnp.float32)
+    call = jax_rules.ProbedCall(inputs=ids, kwargs={}, output_grad=d)
+    values = [v.value for v in layer.trainable_variables]
+    flat = flat_per_example(jax_rules.embedding_per_example(layer, values, call))
+    refs = [jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)]
+    assert_primitives_match(jax_rules.embedding_primitives(layer, call, refs), flat, refs)

@@ -4,7 +4,8 @@ Each computes `y = n(x) * scale + offset`, `n(x)` normalized within one example,
 example i's parameter gradients are `sum d_i * n(x_i)` and `sum d_i` over the axes
 the parameters do not span: as small as the parameters, built directly. `n(x)` is
 recomputed from the probed input as the layer computes it (its axes, epsilon and
-variant), by `keras_gradtrack.rule_math` in `keras.ops`.
+variant), by `keras_gradtrack.rule_math` in `keras.ops`, the TensorFlow engine's math
+too; GroupNormalization's from its moments, constant per group and channel.
 
 Example:
 
@@ -18,85 +19,59 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import keras
-
 from keras_gradtrack import rule_math
 from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall
 
-# (layer, the input, its normalized axes, epsilon) -> n(x)
-Normalize = Callable[[Any, Any, Sequence[int], float], Any]
+# (layer, the input, the axes the scale spans, the output gradient) -> the scale's
+# per-example gradient.
+ScaleGradient = Callable[[Any, Any, Sequence[int], Any], Any]
 
 
-def built_rank(layer: Any) -> int | None:
-    """The rank of the input the layer was built for, if Keras recorded it."""
-    shape = (layer.get_build_config() or {}).get("input_shape")
-    return len(shape) if isinstance(shape, (list, tuple)) else None
-
-
-def axes_of(layer: Any) -> list[int]:
-    return [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
+def axes_of(layer: Any, rank: int) -> list[int]:
+    return sorted(a % rank for a in rule_math.axes_list(layer.axis))
 
 
 def excludes_batch_axis(layer: Any) -> bool:
-    """False when the layer's `axis` is (or may be) the batch axis of its input."""
-    rank = built_rank(layer)
-    if rank is None:
-        return all(a != 0 for a in axes_of(layer))
-    return all(a % rank != 0 for a in axes_of(layer))
+    return rule_math.excludes_batch_axis(layer, layer.axis)
 
 
-def trailing_axes(layer: Any) -> bool:
-    """RMSNormalization's `scale` broadcasts against the input's trailing axes, whatever
-    `axis` says: the rule covers it where `axis` is those trailing axes."""
-    axes, rank = axes_of(layer), built_rank(layer)
-    if rank is None:
-        return sorted(axes) == list(range(-len(axes), 0))
-    resolved = sorted(a % rank for a in axes)
-    return 0 not in resolved and resolved == list(range(rank - len(resolved), rank))
+def scale_of_normalized(normalize: Callable[[Any, Any, Sequence[int]], Any]) -> ScaleGradient:
+    """`sum d_i n(x_i)` with `n(x) = normalize(layer, x, axes)` built as large as the input."""
+
+    def scale_gradient(layer: Any, x: Any, axes: Sequence[int], d: Any) -> Any:
+        return rule_math.affine_per_example(d, normalize(layer, x, axes), axes)
+
+    return scale_gradient
 
 
-def epsilon_of(layer: Any) -> float:
-    return keras.config.epsilon() if layer.epsilon is None else layer.epsilon
-
-
-def layer_normalized(layer: Any, x: Any, axes: Sequence[int], epsilon: float) -> Any:
-    if layer.rms_scaling:  # the deprecated option divides by the standard deviation
-        return rule_math.variance_scaled(x, axes, epsilon)
-    return rule_math.centered_normalized(x, axes, epsilon)
-
-
-def rms_normalized(layer: Any, x: Any, axes: Sequence[int], epsilon: float) -> Any:
-    return rule_math.rms_scaled(x, axes, epsilon)
-
-
-def group_normalized(layer: Any, x: Any, axes: Sequence[int], epsilon: float) -> Any:
+def group_scale_gradient(layer: Any, x: Any, axes: Sequence[int], d: Any) -> Any:
+    """GroupNormalization's `sum d_i n(x_i)` from its moments, constant per group and
+    channel: `rule_math.scale_from_moments`, no `n(x)` as large as the input."""
     (axis,) = axes
-    return rule_math.group_normalized(x, axis, layer.groups, epsilon)
+    grouped = rule_math.in_groups(rule_math.f32(x), axis, layer.groups)
+    mean, inverse = rule_math.group_moments(grouped, axis, rule_math.epsilon_of(layer))
+    return rule_math.scale_from_moments(x, d, mean, inverse, axes)
 
 
 def normalization_rule(
     name: str,
-    normalize: Normalize,
+    scale_gradient: ScaleGradient,
     scale: str,
     offset: str | None,
     applies: Callable[[Any], bool],
 ) -> JaxRule:
-    """A rule for `y = normalize(x) * <scale> + <offset>` (variables named `scale` and
-    `offset`; either may be absent or frozen)."""
+    """A rule for `y = n(x) * <scale> + <offset>` (variables named `scale` and `offset`;
+    either may be absent or frozen), `scale_gradient` giving the scale's."""
 
     def per_example(
         layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
     ) -> list[Any]:
         x = call.inputs
-        rank = len(x.shape)
-        axes = sorted(a % rank for a in axes_of(layer))
+        axes = axes_of(layer, len(x.shape))
         grads = {}
         for variable in layer.trainable_variables:
             if variable.name == scale:
-                normalized = normalize(layer, x, axes, epsilon_of(layer))
-                grads[variable.name] = rule_math.affine_per_example(
-                    call.output_grad, normalized, axes
-                )
+                grads[variable.name] = scale_gradient(layer, x, axes, call.output_grad)
             elif variable.name == offset:
                 grads[variable.name] = rule_math.affine_per_example(call.output_grad, None, axes)
         return [grads[v.name] for v in layer.trainable_variables]
@@ -105,11 +80,19 @@ def normalization_rule(
 
 
 LAYER_NORMALIZATION = normalization_rule(
-    "layer_normalization", layer_normalized, "gamma", "beta", excludes_batch_axis
+    "layer_normalization",
+    scale_of_normalized(rule_math.layer_normalized),
+    "gamma",
+    "beta",
+    excludes_batch_axis,
 )
 RMS_NORMALIZATION = normalization_rule(
-    "rms_normalization", rms_normalized, "scale", None, trailing_axes
+    "rms_normalization",
+    scale_of_normalized(rule_math.rms_normalized),
+    "scale",
+    None,
+    rule_math.spans_trailing_axes,
 )
 GROUP_NORMALIZATION = normalization_rule(
-    "group_normalization", group_normalized, "gamma", "beta", excludes_batch_axis
+    "group_normalization", group_scale_gradient, "gamma", "beta", excludes_batch_axis
 )

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from keras_gradtrack import rule_math
 from keras_gradtrack._patching import patched
 
 
@@ -161,7 +162,9 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
     if steps == 1:
         rows, grads = a[:, 0], d[:, 0]
         sq_norm = jnp.sum(rows**2, axis=1) * jnp.sum(grads**2, axis=1)
-        if call.reference_factor is not None and batch * (d_in + d_out) < d_in * d_out:
+        if call.reference_factor is not None and rule_math.gram_has_fewer_products(
+            batch, d_in, d_out
+        ):
             # R = c sum_j a_j d_j^T: <g_i, R> = c sum_j <a_i, a_j> <d_i, d_j>, cheaper
             # than a_i^T R d_i when the batch is smaller than the layer.
             gram = (rows @ rows.T) * (grads @ grads.T)
@@ -169,18 +172,16 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
         else:
             dot = jnp.sum((rows @ kernel_ref) * grads, axis=1)
     elif batch * d_in * d_out <= MATERIALIZED_VALUES:
-        per_example = jnp.einsum("bti,bto->bio", a, d)
+        per_example = rule_math.dense_kernel_gradients(a, d)
         sq_norm = jnp.sum(per_example**2, axis=(1, 2))
         dot = jnp.einsum("bio,io->b", per_example, kernel_ref)
     else:
-        gram_a = jnp.einsum("bti,bsi->bts", a, a)
-        gram_d = jnp.einsum("bto,bso->bts", d, d)
-        sq_norm = jnp.sum(gram_a * gram_d, axis=(1, 2))
+        sq_norm = rule_math.gram_sq_norms(a, d)
         dot = jnp.sum(jnp.einsum("bti,io->bto", a, kernel_ref) * d, axis=(1, 2))
     summed = jnp.einsum("bti,bto->io", a, d)
     sum_sq_norm = jnp.sum(summed**2)
     if bias_ref is not None:
-        bias_grad = jnp.sum(d, axis=1)
+        bias_grad = rule_math.bias_gradients(d, bias_ref.shape)
         sq_norm = sq_norm + jnp.sum(bias_grad**2, axis=1)
         dot = dot + bias_grad @ bias_ref
         sum_sq_norm = sum_sq_norm + jnp.sum(jnp.sum(bias_grad, axis=0) ** 2)
@@ -190,57 +191,53 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
 def dense_per_example(
     layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
 ) -> list[Any]:
-    if not plain_weights(layer):
-        return fallback_per_example(layer, values, call, others)
     a, d = f32(call.inputs), f32(call.output_grad)
     batch = a.shape[0]
     a = a.reshape(batch, -1, a.shape[-1])
     d = d.reshape(batch, -1, d.shape[-1])
-    grads = {"kernel": jnp.einsum("bti,bto->bio", a, d), "bias": jnp.sum(d, axis=1)}
+    grads = {
+        "kernel": rule_math.dense_kernel_gradients(a, d),
+        "bias": rule_math.bias_gradients(d, (d.shape[-1],)),
+    }
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-DENSE = JaxRule("dense", dense_per_example, dense_primitives)
+# A layer with LoRA or quantized weights runs on the fallback, and its path says so.
+DENSE = JaxRule("dense", dense_per_example, dense_primitives, applies=plain_weights)
 
 
 # -- EinsumDense ------------------------------------------------------------
 
 
-def _bias_per_example(d: Any, bias_shape: Sequence[int]) -> Any:
-    """Example i's gradient of a bias broadcast over the output: `d_i` summed over the
-    axes the bias is broadcast along."""
-    batch, output_shape = d.shape[0], d.shape[1:]
-    full = (1,) * (len(output_shape) - len(bias_shape)) + tuple(bias_shape)
-    axes = tuple(1 + j for j, (b, o) in enumerate(zip(full, output_shape)) if b == 1 and o != 1)
-    return jnp.sum(d, axis=axes, keepdims=True).reshape(batch, *bias_shape)
+def einsum_dense_applies(layer: Any) -> bool:
+    """The rule covers a plain float EinsumDense whose equation keeps the batch axis first
+    (`rule_math.einsum_roles`, the TensorFlow engine's reading of the equation)."""
+    input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
+    return plain_weights(layer) and rule_math.einsum_roles(layer.equation, input_rank) is not None
 
 
 def einsum_dense_per_example(
     layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
 ) -> list[Any]:
     """EinsumDense `x,k->y`: example i's kernel gradient is `einsum(x_i, d_i)` over the
-    axes the kernel does not have; the bias's is `d_i` summed where it is broadcast."""
-    equation = layer.equation
-    inputs_spec, _, output_spec = equation.partition("->")
-    x_spec, _, kernel_spec = inputs_spec.partition(",")
-    batch_axis = x_spec[:1]
-    if (
-        not plain_weights(layer)
-        or "." in equation
-        or not batch_axis
-        or batch_axis in kernel_spec
-        or output_spec[:1] != batch_axis
-    ):
-        return fallback_per_example(layer, values, call, others)
-    x, d = f32(call.inputs), f32(call.output_grad)
-    grads = {"kernel": jnp.einsum(f"{x_spec},{output_spec}->{batch_axis}{kernel_spec}", x, d)}
+    axes the kernel does not have (`rule_math.einsum_kernel_gradients`); the bias's is
+    `d_i` summed where it is broadcast (`rule_math.bias_gradients`)."""
+    roles = rule_math.einsum_roles(layer.equation, len(call.inputs.shape))
+    if roles is None:
+        raise ValueError(
+            f"EinsumDense layer {layer.name!r}: the equation has no batch letter first in "
+            f"its input and output. Received: equation={layer.equation!r}, input "
+            f"shape={call.inputs.shape}"
+        )
+    grads = {"kernel": rule_math.einsum_kernel_gradients(roles, call.inputs, call.output_grad)}
     for variable in layer.trainable_variables:
         if variable.name == "bias":
-            grads["bias"] = _bias_per_example(d, variable.shape)
+            bias_grad = rule_math.bias_gradients(call.output_grad, variable.shape)
+            grads["bias"] = bias_grad.reshape(bias_grad.shape[0], *variable.shape)
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-EINSUM_DENSE = JaxRule("einsum_dense", einsum_dense_per_example)
+EINSUM_DENSE = JaxRule("einsum_dense", einsum_dense_per_example, applies=einsum_dense_applies)
 
 
 # -- Embedding --------------------------------------------------------------
@@ -258,10 +255,9 @@ def embedding_primitives(
     batch, dim = ids.shape[0], d.shape[-1]
     ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)
     d = d.reshape(batch, -1, dim)
-    same = ids[:, :, None] == ids[:, None, :]
-    gram = jnp.einsum("btk,bsk->bts", d, d)
-    sq_norm = jnp.sum(jnp.where(same, gram, 0.0), axis=(1, 2))
-    dot = jnp.sum(d * table_ref[ids], axis=(1, 2))
+    ids = rule_math.wrapped_ids(ids, table_ref.shape[0])
+    sq_norm = rule_math.token_gram_sq_norms(ids, d)
+    dot = rule_math.token_dots(ids, d, table_ref)
     summed = jnp.zeros(table_ref.shape, jnp.float32).at[ids.reshape(-1)].add(d.reshape(-1, dim))
     return LayerPrimitives(sq_norm, dot, jnp.sum(summed**2))
 
@@ -269,8 +265,6 @@ def embedding_primitives(
 def embedding_per_example(
     layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
 ) -> list[Any]:
-    if not plain_weights(layer):
-        return fallback_per_example(layer, values, call, others)
     ids, d = call.inputs, f32(call.output_grad)
     batch, dim = ids.shape[0], d.shape[-1]
     ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)
@@ -279,4 +273,4 @@ def embedding_per_example(
     return [rows.at[positions, ids].add(d.reshape(batch, -1, dim))]
 
 
-EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives)
+EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives, applies=plain_weights)
