@@ -65,6 +65,19 @@ def as_sequences(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tens
     return a, d
 
 
+def as_rows(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tensor, tf.Tensor] | None:
+    """One call on 2-D inputs: its input and output gradient `(B, d_in)`, `(B, d_out)`
+    as they are (float32), without the sequences' reshapes; otherwise None."""
+    if len(calls) != 1 or calls[0].inputs.shape.rank != 2:
+        return None
+    a = tf.cast(calls[0].inputs, tf.float32)
+    d = tf.cast(calls[0].output_grad, tf.float32)
+    if layer is not None and (a.shape[-1] is None or d.shape[-1] is None):
+        a = tf.ensure_shape(a, [None, layer.kernel.shape[0]])
+        d = tf.ensure_shape(d, [None, layer.kernel.shape[1]])
+    return a, d
+
+
 def dense_primitives(
     layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
@@ -81,8 +94,11 @@ def dense_primitives(
     #                                  <g_i, R> = a_i^T R d_i
     ```
     """
-    a, d = as_sequences(calls, layer)
     kernel, bias = trained_variables(layer)
+    rows = as_rows(calls, layer)
+    if rows is not None:
+        return dense_2d_primitives(*rows, kernel, bias, reference, calls[0].xla)
+    a, d = as_sequences(calls, layer)
     if a.shape[1] == 1:
         return dense_2d_primitives(a[:, 0, :], d[:, 0, :], kernel, bias, reference, calls[0].xla)
     terms = []
@@ -176,8 +192,11 @@ def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
     On 2-D inputs `<g_i, g_j> = (a_i . a_j)(d_i . d_j) (+ d_i . d_j for the bias)`;
     on sequences from the per-example gradients.
     """
-    a, d = as_sequences(calls, layer)
     kernel, bias = trained_variables(layer)
+    rows = as_rows(calls, layer)
+    if rows is not None:
+        return dense_2d_gram(*rows, kernel is not None, bias is not None)
+    a, d = as_sequences(calls, layer)
     if a.shape[1] == 1:
         return dense_2d_gram(a[:, 0, :], d[:, 0, :], kernel is not None, bias is not None)
     return gram_of([flat_per_example(g) for _, g in dense_per_example(layer, calls)])
