@@ -136,3 +136,26 @@ def tracked_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) ->
     (report,) = reports
     assert report.values is not None
     return dict(report.values)
+
+
+def assert_trains_as_plain(
+    tracked: Any, plain: Any, x: Any, y: Any, batch_size: int
+) -> dict[str, Any]:
+    """Two steps of `fit` (the first tracked, the second not) give the plain model's
+    weights and logs (`plain` starts from `tracked`'s weights); returns the tracked
+    fit's history."""
+    from keras_gradtrack import statistics
+
+    tracked(x[:1]), plain(x[:1])
+    plain.set_weights(tracked.get_weights())
+    reports: list[Any] = []
+    tracked.gradient_tracking.subscribe("test", statistics.resolve(None), 2, reports.append)
+    history = tracked.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history
+    expected = plain.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history
+    assert [r.values is not None for r in reports] == [True, False]
+    for got, want in zip(tracked.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert history.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    return history

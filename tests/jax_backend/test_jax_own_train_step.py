@@ -14,7 +14,12 @@ import jax
 import keras
 import numpy as np
 import pytest
-from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
+from jax_oracle import (
+    assert_matches_oracle,
+    assert_trains_as_plain,
+    oracle_statistics,
+    tracked_statistics,
+)
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics
@@ -180,29 +185,11 @@ def test_sample_weights_reach_the_per_example_losses() -> None:
     assert_matches_oracle(tracked_statistics(model, x, y, weights), expected)
 
 
-def assert_trains_as_plain(tracked: Any, plain: Any, x: Any, y: Any) -> dict[str, Any]:
-    """Two steps of `fit` (the first tracked, the second not) give the plain model's
-    weights and logs; returns the tracked fit's history."""
-    tracked(x[:1]), plain(x[:1])
-    plain.set_weights(tracked.get_weights())
-    reports: list[Any] = []
-    tracked.gradient_tracking.subscribe("test", statistics.resolve(None), 2, reports.append)
-    history = tracked.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    expected = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    assert [r.values is not None for r in reports] == [True, False]
-    for got, want in zip(tracked.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert history.keys() == expected.keys()
-    for key in expected:
-        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
-    return history
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_an_own_train_step_trains_as_with_jax_value_and_grad(name: str) -> None:
     tracked = MODELS[name](kgt.GradientTrackingModel, tracked=True)
     plain = MODELS[name](keras.Model, tracked=False)
-    assert_trains_as_plain(tracked, plain, *data(name, 2 * BATCH))
+    assert_trains_as_plain(tracked, plain, *data(name, 2 * BATCH), BATCH)
 
 
 def assert_tracked_fit_refused(model: Any, x: Any, y: Any, error: type, match: str) -> None:
@@ -335,7 +322,7 @@ def test_an_own_step_calling_super_train_step_is_exact_and_trains_as_keras() -> 
     assert_matches_oracle(tracked_statistics(model, x[:BATCH], y[:BATCH]), expected)
 
     tracked = super_step_model(kgt.GradientTrackingModel)
-    history = assert_trains_as_plain(tracked, super_step_model(keras.Model), x, y)
+    history = assert_trains_as_plain(tracked, super_step_model(keras.Model), x, y, BATCH)
     assert "twice_the_loss" in history
 
 
