@@ -18,7 +18,7 @@ import pytest
 from helpers_io import expected_tables, fake_step, make_writer, next_file_step, write_steps
 
 import keras_gradtrack as kgt
-from keras_gradtrack.io import LogReader, LogWriter, block_writer
+from keras_gradtrack.io import LogReader, LogWriter, block_writer, blocks
 
 X = np.random.default_rng(3).normal(size=(64, 6)).astype("float32")
 Y = np.random.default_rng(4).integers(0, 3, 64)
@@ -145,3 +145,62 @@ def test_fit_ends_with_the_writer_threads_error_and_the_log_closed(
     assert threads == [writer_thread] * 3 + [threading.current_thread().name]
     with LogReader(tmp_path / "run.h5") as log:  # the two blocks before the failed one
         assert written == [1, 3] and log.num_steps == 4
+
+
+def test_steps_given_unchecked_are_checked_on_the_writer_thread_into_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked_on: list[str] = []
+    record_of = blocks.record_of
+
+    def recorded(*args: Any) -> Any:
+        checked_on.append(threading.current_thread().name)
+        return record_of(*args)
+
+    monkeypatch.setattr(blocks, "record_of", recorded)
+    monkeypatch.setattr(block_writer, "record_of", recorded)
+    batches = [3, 1, 4, 1, 5, 9, 2]
+    files = {}
+    for checked in (True, False):
+        path = files[checked] = tmp_path / f"{checked}.h5"
+        checked_on.clear()
+        with make_writer(path, flush_every=3, flush_seconds=None, background=True) as writer:
+            for batch_size in batches:
+                writer.write_step(**fake_step(next_file_step(writer), batch_size), checked=checked)
+        main = threading.current_thread().name
+        if checked:
+            assert checked_on == [main] * len(batches)
+        else:  # the first step at once, the others with their block on its thread
+            assert checked_on[0] == main and len(checked_on) == len(batches)
+            assert checked_on.count(f"keras_gradtrack writer of {path}") == 5
+    steps = [fake_step(step, batch_size) for step, batch_size in enumerate(batches)]
+    assert_log_holds(files[False], steps)
+    assert_log_holds(files[True], steps)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_unchecked_step_that_does_not_fit_fails_its_block_before_the_file(
+    tmp_path: Path, background: bool
+) -> None:
+    path = tmp_path / "run.h5"
+    writer = make_writer(path, flush_every=2, flush_seconds=None, background=background)
+    writer.open()
+    first = fake_step(0, 2)
+    first["per_example"]["loss"] = np.zeros(3)
+    with pytest.raises(ValueError, match=r"per_example\['loss'\] to have shape \(2,\)"):
+        writer.write_step(**first, checked=False)  # the first step is checked at once
+    steps = [fake_step(step, 2) for step in range(3)]
+    steps[2]["per_example"]["loss"] = np.zeros(3)
+    for step in steps[:3]:
+        writer.write_step(**step, checked=False)  # the bad step is buffered as given
+    message = r"Expected per_example\['loss'\] to have shape \(2,\)"
+    if background:
+        message = "in the background failed: ValueError: " + message
+    with pytest.raises(RuntimeError if background else ValueError, match=message):
+        for step in range(3, 8):  # its block is due at step 3 (written by the next)
+            writer.write_step(**fake_step(step, 2), checked=False)
+    with pytest.raises(ValueError, match=r"to have shape \(2,\)"):
+        writer.close()  # the failed block was buffered again and fails again
+    with LogReader(path) as log:  # the block before it; nothing of the bad block
+        assert log.num_steps == 2
+        np.testing.assert_array_equal(log.per_step("step"), [0, 1])

@@ -334,4 +334,8 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
                 LEARNING_RATE: values[LEARNING_RATE],
                 **{s.name: values[s.name] for s in self.statistics if not s.per_example},
             },
+            # The compiled step made these rows to the layout, and its arrays are
+            # read-only: they are checked and copied on the writer's thread, with
+            # their block (the first step of each file at once).
+            checked=False,
         )

@@ -16,11 +16,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import h5py
-import numpy as np
 
-from keras_gradtrack.io import files, output_schema, schema
-from keras_gradtrack.io.blocks import Block, BlockThread, append_block, record_of
-from keras_gradtrack.io.checks import check_flush_seconds, non_negative_int
+from keras_gradtrack.io import blocks, files, output_schema, schema
+from keras_gradtrack.io.blocks import Block, BlockThread, Rows, append_block, record_of
+from keras_gradtrack.io.checks import check_flush_seconds, checked_step
 from keras_gradtrack.io.discard import close_without_writing
 from keras_gradtrack.io.hdf5_tables import COMPRESSIONS, Table, rows_in_all
 from keras_gradtrack.io.streamed import StreamedStep
@@ -110,8 +109,8 @@ class BlockWriter:
         self._steps_table = next(t for t in self._tables.values() if t.rows_per_step is None)
         self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
-        # One record per buffered step: column path -> its rows.
-        self._pending: list[dict[str, np.ndarray]] = []
+        # Per buffered step its record (column path -> its rows), or the step unchecked.
+        self._pending: Block = []
         self._step_offset = 0
         self._last_step: int | None = None
         self._written_step: int | None = None
@@ -200,7 +199,7 @@ class BlockWriter:
         self._require_open()
         return self._written_step
 
-    def write_rows(self, step: int, rows: Mapping[str, Mapping[str, Any]]) -> None:
+    def write_rows(self, step: int, rows: Rows, *, checked: bool = True) -> None:
         """Buffers one step; writes a block every `flush_every` steps.
 
         Args:
@@ -209,6 +208,10 @@ class BlockWriter:
                 except `step` (the writer fills it) and the streamed ones. A table with
                 one row per step takes the row itself (a scalar, or the row's shape);
                 others take one row per count in their `rows_per_step` column.
+            checked: False checks and copies the rows (arrays the caller leaves as
+                they are) when their block is written, on the writer's thread with
+                `background=True`; the first step after `open()` at once. A step that
+                does not fit then fails its block, before any of it reaches the file.
 
         Raises:
             ValueError: if a name, shape or type differs from the layout, or `step`
@@ -216,9 +219,11 @@ class BlockWriter:
             OSError: if a block cannot be written (now or in the background): as `flush`.
         """
         self._require_open()
-        step = self._checked_step(step)
-        record = record_of(self._tables, self._step_offset + step, rows)
-        self._pending.append(record)  # one append: an interrupt leaves the buffer whole
+        step = checked_step(step, self._last_step)
+        entry: Any = blocks.UncheckedStep(self._step_offset + step, rows)
+        if checked or self._last_step is None:
+            entry = record_of(self._tables, entry.step, rows)
+        self._pending.append(entry)  # one append: an interrupt leaves the buffer whole
         self._last_step = step
         if self._background.failed:
             self._wait_for_background()  # raises the block's error
@@ -255,7 +260,7 @@ class BlockWriter:
         """
         self._require_open()
         self._wait_for_background()
-        step = self._checked_step(step)
+        step = checked_step(step, self._last_step)
         columns = [c for t in self._tables.values() for c in t.columns if c.streamed]
         row = rows_in_all(
             self._datasets[c.path] for c in self._steps_table.columns if not c.streamed
@@ -316,8 +321,9 @@ class BlockWriter:
     def _write_block(self, block: Block) -> None:
         """Writes `block` (buffered steps) to the file, or none of it."""
         file = self._require_open()
+        records = blocks.records_of(self._tables, block)  # before the file is touched
         try:
-            append_block(file, self._datasets, self._tables, block)
+            append_block(file, self._datasets, self._tables, records)
         except (OSError, RuntimeError) as error:
             raise files.io_error(
                 "Cannot write the gradient log",
@@ -325,7 +331,7 @@ class BlockWriter:
                 error,
                 "The file keeps every block written before this one.",
             ) from error
-        self._written_step = int(block[-1][self._steps_table.step_column.path][-1])
+        self._written_step = int(records[-1][self._steps_table.step_column.path][-1])
 
     def close(self) -> None:
         """Flushes and closes the file. Calling it again does nothing.
@@ -371,15 +377,6 @@ class BlockWriter:
                 f"The {type(self).__name__} for '{self.path}' is not open. Call open() first."
             )
         return self._file
-
-    def _checked_step(self, step: Any) -> int:
-        step = non_negative_int("step", step)
-        if self._last_step is not None and step <= self._last_step:
-            raise ValueError(
-                f"Expected each step to come after the previous one ({self._last_step}). "
-                f"Received: step={step}"
-            )
-        return step
 
 
 def _close_open_writers() -> None:

@@ -2,13 +2,15 @@
 thread that writes one.
 
 A block is a list of records, one per step: column path -> that step's rows
-(`record_of` checks and makes one). `append_block` writes one to every table and flushes the file, or cuts the tables
+(`record_of` checks and makes one), or of steps buffered unchecked (`UncheckedStep`),
+made records when their block is written (`records_of`). `append_block` writes one to every table and flushes the file, or cuts the tables
 back to where they were; `BlockThread` runs it beside the caller, one block at a time
 (h5py releases Python's GIL while HDF5 compresses and writes, so the caller's thread
 runs meanwhile), and keeps a failed block and its error for the caller's thread.
 """
 
 import contextlib
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -20,12 +22,23 @@ import numpy as np
 from keras_gradtrack.io.checks import checked_rows, non_negative_int
 from keras_gradtrack.io.hdf5_tables import Table, rows_in_all
 
-Block = list[dict[str, np.ndarray]]
+# A step's rows: table name -> column name -> values.
+Rows = Mapping[str, Mapping[str, Any]]
 
 
-def record_of(
-    tables: Mapping[str, Table], step: int, rows: Mapping[str, Mapping[str, Any]]
-) -> dict[str, np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class UncheckedStep:
+    """A step's rows as given, numbered `step` in the file: checked and made a record
+    (`record_of`) only when its block is written."""
+
+    step: int
+    rows: Rows
+
+
+Block = list[dict[str, np.ndarray] | UncheckedStep]
+
+
+def record_of(tables: Mapping[str, Table], step: int, rows: Rows) -> dict[str, np.ndarray]:
     """The record of one step numbered `step` in the file: its `rows` (table name ->
     column name -> values, every column but the step and the streamed ones), checked.
 
@@ -55,8 +68,23 @@ def record_of(
     return record
 
 
+def records_of(tables: Mapping[str, Table], block: Block) -> list[dict[str, np.ndarray]]:
+    """The block's records: its unchecked steps checked and made records (`record_of`).
+
+    Raises:
+        ValueError: if an unchecked step's name, shape or type differs from the tables'.
+    """
+    return [
+        record_of(tables, entry.step, entry.rows) if isinstance(entry, UncheckedStep) else entry
+        for entry in block
+    ]
+
+
 def append_block(
-    file: h5py.File, datasets: Mapping[str, h5py.Dataset], tables: Mapping[str, Table], block: Block
+    file: h5py.File,
+    datasets: Mapping[str, h5py.Dataset],
+    tables: Mapping[str, Table],
+    block: list[dict[str, np.ndarray]],
 ) -> None:
     """Appends `block`'s rows to every table of `file` and flushes it to disk.
 

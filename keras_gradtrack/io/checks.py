@@ -23,6 +23,18 @@ def non_negative_int(argument: str, value: Any) -> int:
     return number
 
 
+def checked_step(step: Any, last_step: int | None) -> int:
+    """`step` as an int; raises ValueError unless it is a non-negative integer after
+    `last_step` (the step before it, if any)."""
+    step = non_negative_int("step", step)
+    if last_step is not None and step <= last_step:
+        raise ValueError(
+            f"Expected each step to come after the previous one ({last_step}). "
+            f"Received: step={step}"
+        )
+    return step
+
+
 def check_flush_seconds(flush_seconds: Any) -> None:
     """Raises ValueError unless `flush_seconds` is None or a non-negative number."""
     number = isinstance(flush_seconds, (int, float)) and not isinstance(flush_seconds, bool)

@@ -109,6 +109,7 @@ class LogWriter(BlockWriter):
         example_ids: Any,
         per_example: Mapping[str, Any],
         per_step: Mapping[str, Any],
+        checked: bool = True,
     ) -> None:
         """Buffers one training step; writes a block every `flush_every` steps.
 
@@ -122,6 +123,10 @@ class LogWriter(BlockWriter):
             per_example: every declared per-example column, shape (B,), (B, L), or
                 (B, width) for the reserved attribution columns.
             per_step: every declared per-step column, a scalar or shape (L,).
+            checked: False leaves every check of the step (and the copy of its
+                arrays) to when its block is written, as `BlockWriter.write_rows`
+                says: for rows made to the layout by the caller's own code, arrays
+                left unchanged; the first step after `open()` is checked at once.
 
         NaN and infinite values are stored as they are.
 
@@ -129,8 +134,27 @@ class LogWriter(BlockWriter):
             ValueError: if a name, shape or type differs from what was declared.
         """
         self._require_open()
-        epoch = non_negative_int("epoch", epoch)
-        example_ids = np.asarray(example_ids)
+        checked = checked or self.last_step is None
+        if checked:
+            epoch = non_negative_int("epoch", epoch)
+            example_ids = np.asarray(example_ids)
+            self._check_step_arguments(example_ids, per_example, per_step)
+        batch_size = len(example_ids)
+        rows = {
+            schema.PER_EXAMPLE_GROUP: {
+                schema.EPOCH: np.full(batch_size, epoch),
+                schema.EXAMPLE_ID: example_ids,
+                **per_example,
+            },
+            schema.PER_STEP_GROUP: {schema.EPOCH: epoch, schema.BATCH_SIZE: batch_size, **per_step},
+        }
+        self.write_rows(step, rows, checked=checked)
+
+    def _check_step_arguments(
+        self, example_ids: np.ndarray, per_example: Mapping[str, Any], per_step: Mapping[str, Any]
+    ) -> None:
+        """Raises ValueError unless the ids are 1-D integers and both tables hold
+        exactly the declared columns."""
         if example_ids.ndim != 1 or (example_ids.size and example_ids.dtype.kind not in "iu"):
             raise ValueError(
                 "Expected example_ids to be a 1-D array of integers. Received: "
@@ -146,13 +170,3 @@ class LogWriter(BlockWriter):
                     f"Expected {table} to hold exactly the declared columns {sorted(declared)}. "
                     f"Received: {sorted(values)}"
                 )
-        batch_size = len(example_ids)
-        rows = {
-            schema.PER_EXAMPLE_GROUP: {
-                schema.EPOCH: np.full(batch_size, epoch),
-                schema.EXAMPLE_ID: example_ids,
-                **per_example,
-            },
-            schema.PER_STEP_GROUP: {schema.EPOCH: epoch, schema.BATCH_SIZE: batch_size, **per_step},
-        }
-        self.write_rows(step, rows)
