@@ -204,3 +204,23 @@ def test_an_unchecked_step_that_does_not_fit_fails_its_block_before_the_file(
     with LogReader(path) as log:  # the block before it; nothing of the bad block
         assert log.num_steps == 2
         np.testing.assert_array_equal(log.per_step("step"), [0, 1])
+
+
+def test_a_statistic_of_the_wrong_shape_fails_the_first_step_it_gives(tmp_path: Path) -> None:
+    class Pairs(kgt.statistics.Statistic):
+        name = "pairs"
+        per_example = True
+        needs_dot = False
+
+        def compute(self, primitives: Any) -> Any:
+            norms = primitives.grad_sq_norm
+            return keras.ops.stack([norms, norms], axis=1)
+
+    inputs = keras.Input((6,))
+    model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", statistics=["loss", Pairs()])
+    # The logger gives its rows unchecked, but the first step of a file is checked at once.
+    with pytest.raises(ValueError, match=r"per_example\['pairs'\] to have shape \(8,\)"):
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[logger])
+    assert model.gradient_tracking.step == 1
