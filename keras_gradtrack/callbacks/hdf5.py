@@ -21,6 +21,7 @@ from keras_gradtrack.callbacks.base import (
     refuse_square_statistics,
     require_tracking_model,
 )
+from keras_gradtrack.engine.device_rows import deferred
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.io.checkpoints import check_checkpoints, checkpoint_path, remove_checkpoints
 from keras_gradtrack.io.checks import check_flush_seconds
@@ -319,23 +320,24 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         example_ids = values.get(EXAMPLE_ID)
         if example_ids is None:
             example_ids = self._epoch_position + np.arange(batch_size, dtype=np.int64)
-        per_example = {s.name: values[s.name] for s in self.statistics if s.per_example}
+        # On JAX the values stay on the device (`DeviceRows`) until their block is written.
+        per_example = {s.name: deferred(values, s.name) for s in self.statistics if s.per_example}
         if self.targets is not None:
             # TracIn's term of this step: the products times the rate the step used.
             per_example[TARGET_INFLUENCE] = values[self.targets.key] * values[LEARNING_RATE]
         if self.sketch is not None:
-            per_example[GRADIENT_SKETCH] = values[self.sketch.key]
+            per_example[GRADIENT_SKETCH] = deferred(values, self.sketch.key)
         self.writer.write_step(
             step=step,
             epoch=self._epoch,
             example_ids=example_ids,
             per_example=per_example,
             per_step={
-                LEARNING_RATE: values[LEARNING_RATE],
-                **{s.name: values[s.name] for s in self.statistics if not s.per_example},
+                LEARNING_RATE: deferred(values, LEARNING_RATE),
+                **{s.name: deferred(values, s.name) for s in self.statistics if not s.per_example},
             },
             # The compiled step made these rows to the layout, and its arrays are
-            # read-only: they are checked and copied on the writer's thread, with
-            # their block (the first step of each file at once).
+            # read-only: they are copied, checked (and on JAX fetched) on the writer's
+            # thread, with their block (the first step of each file at once).
             checked=False,
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_gradtrack.engine.device_rows import DeviceRows
 from keras_gradtrack.statistics import Statistic
 
 # The key under which a compiled step returns its gradient payload.
@@ -29,7 +30,8 @@ class StepReport:
         batch_size: Examples in the step (over all replicas).
         values: On steps the subscriber asked for, its statistics and the
             step's `example_id` (when the batch held ids), `learning_rate` and
-            `batch_size`, as numpy arrays; None on other steps.
+            `batch_size`, as numpy arrays; None on other steps. A `DeviceRows`
+            (JAX) copies them from the device when first read.
     """
 
     step: int
@@ -129,7 +131,9 @@ class GradientTrackingState:
     def report(self, batch_size: int, values: Mapping[str, Any] | None, due: Sequence[Any]) -> None:
         """Counts the step, then reports it to every subscriber (values to those due)."""
         step, self.step = self.step, self.step + 1
-        arrays = None if values is None else {k: np.asarray(v) for k, v in values.items()}
+        arrays = values
+        if values is not None and not isinstance(values, DeviceRows):
+            arrays = {k: np.asarray(v) for k, v in values.items()}
         for subscription in list(self._subscriptions.values()):
             wanted = arrays if any(subscription is d for d in due) else None
             subscription.consume(StepReport(step - subscription.first_step, batch_size, wanted))

@@ -6,13 +6,17 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import h5py
 import keras
 import numpy as np
+import pytest
 from jax_models import compiled, mlp
 
 import keras_gradtrack as kgt
+from keras_gradtrack import statistics
+from keras_gradtrack.backends.jax import mixin
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,3 +113,44 @@ def test_the_logger_and_the_log_need_no_tensorflow(tmp_path: Path) -> None:
 
 def test_keras_runs_on_jax_here() -> None:
     assert keras.backend.backend() == "jax"
+
+
+def test_the_rows_stay_on_the_device_until_their_block_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copies: list[int] = []
+    unpacked = mixin.unpacked
+
+    def counted(*args: Any) -> Any:
+        copies.append(1)
+        return unpacked(*args)
+
+    monkeypatch.setattr(mixin, "unpacked", counted)
+    copied_by_step: list[int] = []
+
+    class Copies(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            copied_by_step.append(len(copies))
+
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(48, 12)).astype("float32"), rng.integers(0, 3, 48)
+    keras.utils.set_random_seed(3)
+    model = compiled(mlp(kgt.GradientTrackingModel))
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", flush_every=4, flush_seconds=None)
+    model.fit(x, y, batch_size=8, verbose=0, shuffle=False, callbacks=[logger, Copies()])
+    # The first step's rows are read (checked) at once; the next ones stay on the device
+    # until their block is written (steps 0-3 after step 3, on the writer's thread).
+    assert copied_by_step[:3] == [1, 1, 1]
+    assert len(copies) == 6
+    # The same rows as read after each step.
+    keras.utils.set_random_seed(3)
+    again = compiled(mlp(kgt.GradientTrackingModel))
+    reports: list[Any] = []
+    again.gradient_tracking.subscribe("k", statistics.resolve(None), 1, reports.append)
+    again.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+    log = kgt.GradientLog(tmp_path / "run.h5")
+    for name in ("loss", "grad_norm", "cosine", "layer_grad_norm"):
+        read = np.concatenate([np.asarray(report.values[name]) for report in reports])
+        np.testing.assert_allclose(log.per_example(name), read, rtol=1e-6, err_msg=name)
+    rates = [float(report.values["learning_rate"]) for report in reports]
+    np.testing.assert_allclose(log.per_step("learning_rate"), rates, rtol=1e-6)

@@ -26,6 +26,7 @@ from keras_gradtrack.backends.jax.step import (
     tracked_train_step,
     unpacked,
 )
+from keras_gradtrack.engine.device_rows import DeviceRows
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
     subscribes_to_gradients,
@@ -357,11 +358,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                     self._restore_variables(state)
                 raise
             logs = dict(logs)
-            # One transfer of the whole payload (it waits for the step).
-            payload = unpacked(logs.pop(PAYLOAD_KEY), layouts[-1])
-            payload[BATCH_SIZE] = np.asarray(batch_size, np.int32)
+            vector, layout = logs.pop(PAYLOAD_KEY), layouts[-1]
+            host = {BATCH_SIZE: np.asarray(batch_size, np.int32)}
             if ids is not None:
-                payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+                host[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+            # One transfer of the whole payload, when first read: it waits for the
+            # step, so not before (a logger reads it with its block).
+            payload = DeviceRows(lambda: unpacked(vector, layout), [n for n, _ in layout], host)
             tracking.report(batch_size, payload, due)
             return logs, state
 
