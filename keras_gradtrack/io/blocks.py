@@ -3,10 +3,11 @@ thread that writes one.
 
 A block is a list of records, one per step: column path -> that step's rows
 (`record_of` checks and makes one), or of steps buffered unchecked (`UncheckedStep`),
-made records when their block is written (`records_of`). `append_block` writes one to every table and flushes the file, or cuts the tables
-back to where they were; `BlockThread` runs it beside the caller, one block at a time
-(h5py releases Python's GIL while HDF5 compresses and writes, so the caller's thread
-runs meanwhile), and keeps a failed block and its error for the caller's thread.
+made records when their block is written (`records_of`). `append_block` writes one to
+every table and flushes the file, or cuts the tables back to where they were;
+`BlockThread` runs it beside the caller, one block at a time (h5py releases Python's
+GIL while HDF5 compresses and writes, so the caller's thread runs meanwhile), and keeps
+a failed block and its error for the caller's thread.
 """
 
 import contextlib
