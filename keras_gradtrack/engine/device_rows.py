@@ -85,9 +85,8 @@ class Deferred:
         self.rows = rows
         self.name = name
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        value = self.rows[self.name]
-        return value if dtype is None else value.astype(dtype)
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return np.array(self.rows[self.name], dtype=dtype, copy=copy)
 
 
 def deferred(values: Mapping[str, Any], name: str) -> Any:

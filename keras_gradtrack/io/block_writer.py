@@ -220,10 +220,9 @@ class BlockWriter:
         """
         self._require_open()
         step = checked_step(step, self._last_step)
-        entry: Any = blocks.UncheckedStep(self._step_offset + step, rows)
-        if checked or self._last_step is None:
-            entry = record_of(self._tables, entry.step, rows)
-        self._pending.append(entry)  # one append: an interrupt leaves the buffer whole
+        number = self._step_offset + step
+        # One append: an interrupt leaves the buffer whole.
+        self._pending.append(blocks.entry_of(self._tables, number, rows, self._checks_now(checked)))
         self._last_step = step
         if self._background.failed:
             self._wait_for_background()  # raises the block's error
@@ -317,6 +316,10 @@ class BlockWriter:
             f"{type(error).__name__}: {error}. The file keeps every block written before "
             "this one; the block stays buffered."
         ) from error
+
+    def _checks_now(self, checked: bool) -> bool:
+        """Whether a step is checked as it comes: if asked, and the first after `open()`."""
+        return checked or self._last_step is None
 
     def _write_block(self, block: Block) -> None:
         """Writes `block` (buffered steps) to the file, or none of it."""

@@ -69,6 +69,14 @@ def record_of(tables: Mapping[str, Table], step: int, rows: Rows) -> dict[str, n
     return record
 
 
+def entry_of(
+    tables: Mapping[str, Table], step: int, rows: Rows, checked: bool
+) -> dict[str, np.ndarray] | UncheckedStep:
+    """A block's entry for one step: its record (`record_of`) if `checked`, else the
+    step as given, made a record with its block (`records_of`)."""
+    return record_of(tables, step, rows) if checked else UncheckedStep(step, rows)
+
+
 def records_of(tables: Mapping[str, Table], block: Block) -> list[dict[str, np.ndarray]]:
     """The block's records: its unchecked steps checked and made records (`record_of`).
 

@@ -134,7 +134,7 @@ class LogWriter(BlockWriter):
             ValueError: if a name, shape or type differs from what was declared.
         """
         self._require_open()
-        checked = checked or self.last_step is None
+        checked = self._checks_now(checked)
         if checked:
             epoch = non_negative_int("epoch", epoch)
             example_ids = np.asarray(example_ids)
