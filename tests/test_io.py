@@ -23,6 +23,7 @@ from helpers_io import (
 )
 
 from keras_gradtrack.io import LogReader, LogWriter, schema
+from keras_gradtrack.io.hdf5_tables import LIBVER
 
 
 def assert_log_holds(path, steps):
@@ -119,6 +120,35 @@ def test_compression_can_be_switched_off(tmp_path):
     with h5py.File(tmp_path / "run.h5", "r") as file:
         assert file["per_example/loss"].compression is None
         assert not file["per_example/loss"].shuffle
+
+
+@pytest.mark.parametrize("compression", [None, "gzip", "lzf"])
+def test_datasets_are_made_as_h5pys_create_dataset_makes_them(tmp_path, compression):
+    made, expected = tmp_path / "run.h5", tmp_path / "h5py.h5"
+    with make_writer(made, compression=compression) as writer:
+        write_steps(writer, [3])
+    filters = {} if compression is None else {"compression": compression, "shuffle": True}
+    if compression == "gzip":
+        filters["compression_opts"] = 4
+    with h5py.File(made, "r") as file, h5py.File(expected, "w", libver=LIBVER) as own:
+        names = [f"{table}/{name}" for table in schema.TABLES for name in file[table]]
+        assert len(names) == 3 + len(PER_EXAMPLE) + 3 + len(PER_STEP)
+        for name in names:
+            own.create_dataset(
+                name,
+                shape=(0, *file[name].shape[1:]),
+                maxshape=file[name].maxshape,
+                dtype=file[name].dtype,
+                chunks=file[name].chunks,
+                fillvalue=-1 if file[name].dtype.kind == "i" else np.nan,
+                **filters,
+            )
+    # Both read back from their files: HDF5 describes a dataset just made differently.
+    with h5py.File(made, "r") as file, h5py.File(expected, "r") as own:
+        for name in names:
+            assert file[name].id.get_create_plist() == own[name].id.get_create_plist(), name
+            assert file[name].id.get_type() == own[name].id.get_type(), name
+
 
 
 def test_chunks_stay_under_one_mebibyte():
