@@ -150,7 +150,6 @@ def test_datasets_are_made_as_h5pys_create_dataset_makes_them(tmp_path, compress
             assert file[name].id.get_type() == own[name].id.get_type(), name
 
 
-
 def test_chunks_stay_under_one_mebibyte():
     assert schema.chunk_rows("per_example", None, 4) == 4096
     assert schema.chunk_rows("per_step", 3, 4) == 256

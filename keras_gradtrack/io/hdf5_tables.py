@@ -112,9 +112,7 @@ def _creation_properties(column: Column, compression: str | None) -> tuple[Any, 
             plist.set_filter(h5py.h5z.FILTER_LZF, h5py.h5z.FLAG_OPTIONAL)
     plist.set_fill_value(np.array(column.fill_value, dtype=column.dtype))
     plist.set_obj_track_times(False)
-    space = h5py.h5s.create_simple(
-        (0, *column.row_shape), (h5py.h5s.UNLIMITED, *column.row_shape)
-    )
+    space = h5py.h5s.create_simple((0, *column.row_shape), (h5py.h5s.UNLIMITED, *column.row_shape))
     return h5py.h5t.py_create(column.dtype, logical=True), space, plist
 
 
