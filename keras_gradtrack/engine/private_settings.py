@@ -235,14 +235,14 @@ def validated_settings(
     settings = PrivacySettings(
         bounds, sigma, expected, seed, members, *checked_noise(model, secure_noise, adaptive_clip)
     )
-    if adaptive_clip is not None:
+    if settings.adaptive_clip is not None:
         if isinstance(bounds, dict):
             raise ValueError(
                 "Adaptive clipping moves one bound: expected a float l2_norm_clip "
                 f"without groups. Received: l2_norm_clip={l2_norm_clip!r}, groups={groups!r}"
             )
         gradient_noise_multiplier(
-            sigma, adaptive_clip.clipped_count_stddev
+            sigma, settings.adaptive_clip.clipped_count_stddev
         )  # refuses 2 sigma_b <= sigma
     if model.built:
         layer_groups(settings, model, build_plan(model))  # refuses bad groups now

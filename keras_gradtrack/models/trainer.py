@@ -545,6 +545,8 @@ class GradientTrackingMixin(
         payload = context.result.payload
         if "dp_fraction_clipped" in payload:
             logs = {**logs, "dp_fraction_clipped": payload["dp_fraction_clipped"]}
+        if "dp_l2_norm_clip" in payload:  # adaptive clipping: the step's bound
+            logs = {**logs, "dp_l2_norm_clip": payload["dp_l2_norm_clip"]}
         return {**logs, PAYLOAD_KEY: payload}
 
     def make_train_function(self, force: bool = False) -> Any:
