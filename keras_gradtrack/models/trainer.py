@@ -154,7 +154,7 @@ class GradientTrackingMixin(
         )
         if adaptive_clip is not None:  # the bound C_t, updated by every step
             self.__dict__["_adaptive_clip_bound"] = tf.Variable(
-                float(l2_norm_clip), trainable=False, dtype=tf.float32
+                self.__dict__["_privacy_settings"].sensitivity, trainable=False, dtype=tf.float32
             )
         self.__dict__["_private_steps"] = 0
         self.train_function = None  # traced anew: every step takes the private path
