@@ -68,10 +68,14 @@ def test_one_step_is_the_papers_update_by_hand() -> None:
     )
     history = model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
     unclipped = int(np.sum(norms <= 2.0))  # 9 of 20
-    # C_1 = C_0 exp(-eta (b - gamma)), b = unclipped / B_expected.
-    expected = 2.0 * math.exp(-0.2 * (unclipped / 25 - 0.3))
+    # C_1 = C_0 exp(-eta (b - gamma)), b = (sum_i (1[...] - 1/2)) / B_expected + 1/2.
+    expected = 2.0 * math.exp(-0.2 * ((unclipped - 10) / 25 + 0.5 - 0.3))
     assert bound_of(model) == pytest.approx(expected, rel=1e-6)
-    assert next_bound(2.0, unclipped, 0.0, 25, AdaptiveClip(0.3, 0.2)) == pytest.approx(expected)
+    clip = AdaptiveClip(0.3, 0.2)
+    assert next_bound(2.0, unclipped, 20, 0.0, 25, clip) == pytest.approx(expected)
+    # With B = B_expected, the paper's b = unclipped / B_expected.
+    paper = 2.0 * math.exp(-0.2 * (unclipped / 20 - 0.3))
+    assert next_bound(2.0, unclipped, 20, 0.0, 20, clip) == pytest.approx(paper)
     assert history.history["dp_l2_norm_clip"] == [pytest.approx(2.0)]
 
 
@@ -101,7 +105,7 @@ def test_the_count_noise_moves_the_bound() -> None:
         l2_norm_clip=2.0, noise_multiplier=1.0, expected_batch_size=20, adaptive_clip=clip
     )
     model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
-    noiseless = next_bound(2.0, int(np.sum(norms <= 2.0)), 0.0, 20, clip)
+    noiseless = next_bound(2.0, int(np.sum(norms <= 2.0)), 20, 0.0, 20, clip)
     assert bound_of(model) != pytest.approx(noiseless, rel=1e-6)
 
 

@@ -2,22 +2,25 @@
 Learning with Adaptive Clipping", NeurIPS 2021).
 
 The bound `C` follows a quantile of the per-example norms instead of being fixed. At
-each step `t`, with the step's bound `C_t`:
+each step `t`, with the step's bound `C_t` and its `B` examples:
 
-    b_t     = (sum_i 1[||g_i|| <= C_t] + N(0, sigma_b^2)) / B_expected
+    b_t     = (sum_i (1[||g_i|| <= C_t] - 1/2) + N(0, sigma_b^2)) / B_expected + 1/2
     C_{t+1} = C_t exp(-eta_C (b_t - gamma))
 
 `gamma` the target quantile, `eta_C` the bound's learning rate, `sigma_b` the count's
 noise (`clipped_count_stddev`). The geometric update moves `C` down when more than a
-fraction `gamma` of the examples were unclipped, up otherwise.
+fraction `gamma` of the examples were unclipped, up otherwise. With `B = B_expected`,
+`b_t` is the paper's `(sum_i 1[||g_i|| <= C_t] + N(0, sigma_b^2)) / B_expected`; the
+centred bits `1[...] - 1/2` are the paper's device for a query of sensitivity 1/2, and
+centring by each example rather than by `B_expected / 2` keeps it so when the batch's
+size is itself random (Poisson sampling: adding an example moves the sum by 1/2 either
+way).
 
-The count is a second Gaussian query on the same examples: each example changes it by
-at most 1/2 once centred (`1[...] - 1/2`, whose sum differs from the count by a data-free
-`B/2`: the paper's Theorem 1), so the pair of queries together is one Gaussian
-mechanism whose noise multiplier is `(sigma_grad^-2 + (2 sigma_b)^-2)^(-1/2)`. To keep
-the user's `sigma` (what the accountant is told), the gradient's noise multiplier is
-lowered to `sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)`, which needs
-`2 sigma_b > sigma`.
+The count is a second Gaussian query on the same examples, of sensitivity 1/2, so the
+pair of queries together is one Gaussian mechanism whose noise multiplier is
+`(sigma_grad^-2 + (2 sigma_b)^-2)^(-1/2)` (the paper's Theorem 1). To keep the user's
+`sigma` (what the accountant is told), the gradient's noise multiplier is lowered to
+`sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)`, which needs `2 sigma_b > sigma`.
 """
 
 from __future__ import annotations
@@ -103,19 +106,25 @@ def gradient_noise_multiplier(noise_multiplier: float, clipped_count_stddev: flo
 
 
 def next_bound(
-    bound: Any, unclipped_count: Any, count_noise: Any, divisor: Any, clip: AdaptiveClip
+    bound: Any,
+    unclipped_count: Any,
+    batch_size: Any,
+    count_noise: Any,
+    divisor: Any,
+    clip: AdaptiveClip,
 ) -> Any:
-    """`C_{t+1} = C_t exp(-eta_C (b_t - gamma))`, `b_t = (unclipped + noise) / divisor`.
+    """`C_{t+1} = C_t exp(-eta_C (b_t - gamma))`, with
+    `b_t = (unclipped - batch_size / 2 + noise) / divisor + 1/2` (the module's docstring).
 
     Works on Python numbers and on tensors.
 
     Example:
 
     ```python
-    next_bound(1.0, 80, 0.0, 100, AdaptiveClip(0.5, 0.2))   # exp(-0.2 * 0.3) = 0.9418
+    next_bound(1.0, 80, 100, 0.0, 100, AdaptiveClip(0.5, 0.2))   # exp(-0.2 * 0.3) = 0.9418
     ```
     """
-    fraction = (unclipped_count + count_noise) / divisor
+    fraction = (unclipped_count - 0.5 * batch_size + count_noise) / divisor + 0.5
     step = -clip.learning_rate * (fraction - clip.target_quantile)
     if isinstance(step, (int, float)):
         return bound * math.exp(step)

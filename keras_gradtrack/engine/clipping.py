@@ -111,7 +111,8 @@ def private_step(state: StepState) -> PrivateStep | None:
     if settings.adaptive_clip is not None:
         rows["dp_l2_norm_clip"] = bound
         with tf.control_dependencies(gradients):  # the noise's scale read C_t
-            update_bound(state, settings, global_batch - clipped_count, divisor, bound)
+            unclipped = global_batch - clipped_count
+            update_bound(state, settings, unclipped, global_batch, divisor, bound)
     return PrivateStep(gradients, rows, global_batch)
 
 
@@ -132,6 +133,7 @@ def update_bound(
     state: StepState,
     settings: PrivacySettings,
     unclipped_count: tf.Tensor,
+    batch_size: tf.Tensor,
     divisor: tf.Tensor,
     bound: tf.Tensor,
 ) -> None:
@@ -150,7 +152,7 @@ def update_bound(
             )
             count_noise = standard_normal((), seed, clip.clipped_count_stddev)
     variable = state.context.model.__dict__["_adaptive_clip_bound"]
-    variable.assign(next_bound(bound, unclipped_count, count_noise, divisor, clip))
+    variable.assign(next_bound(bound, unclipped_count, batch_size, count_noise, divisor, clip))
 
 
 def clip_weights(
