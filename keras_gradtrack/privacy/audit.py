@@ -26,7 +26,10 @@ import dataclasses
 import math
 from typing import Any
 
+import keras
 import numpy as np
+
+from keras_gradtrack.models.model import GradientTrackingSequential
 
 
 def p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
@@ -165,10 +168,6 @@ def dirac_canary_audit(
     result.epsilon_lower_bound   # below compute_epsilon(3.0, 1.0, 4, 1e-5) = 2.98
     ```
     """
-    import keras
-
-    from keras_gradtrack.models.model import GradientTrackingSequential
-
     included = np.random.default_rng(seed).random(canaries) < 0.5
     x = canary_norm * np.eye(canaries, dtype=np.float32)[included]
     y = np.ones((len(x), 1), np.float32)
@@ -194,6 +193,4 @@ def dirac_canary_audit(
 
 def linear_loss(y_true: Any, y_pred: Any) -> Any:
     """`-<y_true, y_pred>` per example: its gradient at the output is `-y_true`."""
-    import keras
-
     return -keras.ops.sum(y_true * y_pred, axis=-1)
