@@ -155,3 +155,27 @@ def test_a_saved_model_goes_on_from_the_bound_reached(tmp_path: Any) -> None:
     )
     assert loaded.privacy_settings.adaptive_clip == clip
     assert bound_of(loaded) == pytest.approx(bound_of(model))
+
+
+def test_the_gradient_noise_has_the_lowered_multiplier() -> None:
+    """sigma 1 with sigma_b 0.6: the clipped sum's noise has multiplier
+    (1 - 1.2^-2)^(-1/2) = 1.81, not 1 (2400 weights: 5 relative standard errors 7%)."""
+    x = np.random.default_rng(8).normal(size=(16, 40)).astype("float32")
+    y = np.arange(16) % 60
+    clip = AdaptiveClip(0.5, 0.2, clipped_count_stddev=0.6)
+
+    def update(sigma: float) -> np.ndarray:
+        keras.utils.set_random_seed(0)
+        model = kgt.GradientTrackingSequential([keras.Input((40,)), keras.layers.Dense(60)])
+        model.compile(
+            optimizer=keras.optimizers.SGD(1.0),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.make_private(l2_norm_clip=0.7, noise_multiplier=sigma, adaptive_clip=clip)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+
+    noise = update(1.0) - update(0.0)
+    expected = gradient_noise_multiplier(1.0, 0.6) * 0.7 / 16
+    assert gradient_noise_multiplier(1.0, 0.6) == pytest.approx(1.809, abs=1e-3)
+    assert abs(noise.std() / expected - 1) < 5 / np.sqrt(2 * noise.size), noise.std()
