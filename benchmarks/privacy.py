@@ -12,7 +12,12 @@ python benchmarks/privacy.py --models mlp --rounds 3 --quick # smoke test
 python benchmarks/privacy.py --memory                        # + peak RSS growth per variant
 python benchmarks/privacy.py --memory --no-timing            # memory alone
 python benchmarks/privacy.py --noise-kernel                  # + noise by tf.random.stateless_normal
+python benchmarks/privacy.py --models mlp --secure-noise     # + secure_noise=True
 ```
+
+`--secure-noise` adds a private step with `make_private(..., secure_noise=True)` (the
+noise in float64 from `os.urandom`, a sum of 4 draws: `engine/secure_noise.py`), timed in
+the same interleaved rounds.
 
 `--noise-kernel` adds a private step whose noise is drawn by TensorFlow's own
 `tf.random.stateless_normal` kernel instead of `clipping.standard_normal` (the same
@@ -53,6 +58,8 @@ DEFAULT_MODELS = ("mlp", "cnn", "text", "transformer")
 VARIANTS = ("plain", "private", "clip_only")
 # "tf_kernel": a private step drawing its noise with tf.random.stateless_normal.
 KERNEL_VARIANT = "tf_kernel"
+# "secure": a private step with secure_noise=True.
+SECURE_VARIANT = "secure"
 WARMUP_STEPS = 2  # dropped at the start of every timed `fit`
 
 
@@ -60,7 +67,9 @@ def build(name: str, variant: str) -> Any:
     model = build_compiled(name, keras.Model if variant == "plain" else kgt.GradientTrackingModel)
     if variant != "plain":
         model.make_private(
-            l2_norm_clip=1.0, noise_multiplier=0.0 if variant == "clip_only" else 1.0
+            l2_norm_clip=1.0,
+            noise_multiplier=0.0 if variant == "clip_only" else 1.0,
+            secure_noise=variant == SECURE_VARIANT,
         )
     return model
 
@@ -182,6 +191,9 @@ def main() -> None:
     parser.add_argument(
         "--noise-kernel", action="store_true", help="+ noise by tf.random.stateless_normal"
     )
+    parser.add_argument(
+        "--secure-noise", action="store_true", help="+ a private step with secure_noise=True"
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -199,8 +211,12 @@ def main() -> None:
     )
     rule = "| --- | --- | --- | --- | --- | --- | --- | --- |"
     variants = VARIANTS + ((KERNEL_VARIANT,) if args.noise_kernel else ())
+    variants += (SECURE_VARIANT,) if args.secure_noise else ()
     if args.noise_kernel:
         header += " private, noise by TF's kernel (ms) | ratio |"
+        rule += " --- | --- |"
+    if args.secure_noise:
+        header += " private, secure noise (ms) | ratio |"
         rule += " --- | --- |"
     if args.memory:
         header += " plain peak growth (MiB) | private | clip only |"
@@ -223,6 +239,9 @@ def main() -> None:
         if args.noise_kernel:
             kernel = medians[KERNEL_VARIANT]
             row += f" {kernel * 1e3:.1f} | {kernel / medians['plain']:.2f}x |"
+        if args.secure_noise:
+            secure = medians[SECURE_VARIANT]
+            row += f" {secure * 1e3:.1f} | {secure / medians['plain']:.2f}x |"
         if args.memory:
             row += "".join(f" {memory_growth(name, v, args.batch_size):.0f} |" for v in VARIANTS)
         rows.append(row)

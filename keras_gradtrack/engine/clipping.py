@@ -46,6 +46,7 @@ import tensorflow as tf
 
 from keras_gradtrack._keras_seam import flatten_layers, layer_losses
 from keras_gradtrack.engine import distribute
+from keras_gradtrack.engine.adaptive_clip import next_bound
 from keras_gradtrack.engine.backward import Materialized
 from keras_gradtrack.engine.fallback import per_example_output_products
 from keras_gradtrack.engine.per_layer import layers_primitives
@@ -59,6 +60,7 @@ from keras_gradtrack.engine.private_settings import (
 from keras_gradtrack.engine.private_settings import (  # preflight's refusal text
     steps_per_execution_refusal as steps_per_execution_refusal,
 )
+from keras_gradtrack.engine.secure_noise import secure_standard_normal
 from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.engine.tracking import TrackingContext
 
@@ -86,7 +88,9 @@ def private_step(state: StepState) -> PrivateStep | None:
         tf.maximum(sq_norm, 0.0) * tf.square(unscale)
         for sq_norm, _ in layers_primitives(state, None)
     ]
-    weights, clipped = clip_weights(settings, state.context.model, plan, sq_norms)
+    model = state.context.model
+    bound = step_bound(model, settings)  # this step's C (adaptive: read before its update)
+    weights, clipped = clip_weights(settings, model, plan, sq_norms, bound)
 
     # Each layer's clipped sum, in the rules' scale (`c s sum_i w_i g_i`).
     sums: dict[int, tf.Tensor] = {}
@@ -100,16 +104,63 @@ def private_step(state: StepState) -> PrivateStep | None:
         if settings.expected_batch_size is not None
         else global_batch
     )
-    gradients = noisy_gradients(state, settings, sums, unscale, divisor)
+    gradients = noisy_gradients(state, settings, sums, unscale, divisor, bound)
     # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
     (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
-    return PrivateStep(
-        gradients, {"dp_fraction_clipped": clipped_count / global_batch}, global_batch
-    )
+    rows = {"dp_fraction_clipped": clipped_count / global_batch}
+    if settings.adaptive_clip is not None:
+        rows["dp_l2_norm_clip"] = bound
+        with tf.control_dependencies(gradients):  # the noise's scale read C_t
+            unclipped = global_batch - clipped_count
+            update_bound(state, settings, unclipped, global_batch, divisor, bound)
+    return PrivateStep(gradients, rows, global_batch)
+
+
+def step_bound(model: Any, settings: PrivacySettings) -> tf.Tensor | float:
+    """The step's one bound `C` (a float: `settings.sensitivity`), or with adaptive
+    clipping the current value of the model's bound variable."""
+    if settings.adaptive_clip is None:
+        return settings.sensitivity
+    if distribute.num_replicas() > 1:
+        raise ValueError(
+            "Adaptive clipping runs on one replica: its bound is one variable updated "
+            f"by each step. Received: {distribute.num_replicas()} replicas"
+        )
+    return tf.identity(model.__dict__["_adaptive_clip_bound"])
+
+
+def update_bound(
+    state: StepState,
+    settings: PrivacySettings,
+    unclipped_count: tf.Tensor,
+    batch_size: tf.Tensor,
+    divisor: tf.Tensor,
+    bound: tf.Tensor,
+) -> None:
+    """Sets the model's bound to `C_{t+1}` (`adaptive_clip.next_bound`), the count of
+    unclipped examples noised with deviation `clipped_count_stddev`."""
+    clip = settings.adaptive_clip
+    assert clip is not None
+    count_noise = tf.constant(0.0)
+    if clip.clipped_count_stddev > 0:
+        position = len(state.request.sources)  # past the variables' draws
+        if settings.secure_noise:
+            count_noise = secure_standard_normal((), clip.clipped_count_stddev)
+        else:
+            seed = tf.random.experimental.stateless_fold_in(
+                step_seed(state.context.model, settings.seed), position
+            )
+            count_noise = standard_normal((), seed, clip.clipped_count_stddev)
+    variable = state.context.model.__dict__["_adaptive_clip_bound"]
+    variable.assign(next_bound(bound, unclipped_count, batch_size, count_noise, divisor, clip))
 
 
 def clip_weights(
-    settings: PrivacySettings, model: Any, plan: Plan, sq_norms: Sequence[tf.Tensor]
+    settings: PrivacySettings,
+    model: Any,
+    plan: Plan,
+    sq_norms: Sequence[tf.Tensor],
+    bound: tf.Tensor | float | None = None,
 ) -> tuple[list[tf.Tensor], tf.Tensor]:
     """Per layer, each example's `(B,)` clipping weight `w_i`, and which examples were
     clipped (`(B,)` booleans), from the layers' squared norms (true scale).
@@ -117,10 +168,11 @@ def clip_weights(
     One bound: `w_i = min(1, C / ||g_i||)`. With bounds per group, every layer of
     group k takes the weight `min(1, C_k / ||g_i^(k)||)`, `||g_i^(k)||^2` the sum of
     its layers' squared norms; an example is clipped when some group is. The fraction
-    clipped that fit's logs and a gradient logger report both come from here."""
+    clipped that fit's logs and a gradient logger report both come from here. `bound`:
+    the one bound of this step (None: `step_bound`'s)."""
     groups = layer_groups(settings, model, plan)
     if groups is None:
-        bound = settings.sensitivity  # the one bound
+        bound = step_bound(model, settings) if bound is None else bound
         norms = tf.sqrt(tf.add_n(list(sq_norms)))
         return [tf.minimum(1.0, bound / norms)] * len(plan), norms > bound
     group_norms = [
@@ -140,14 +192,28 @@ def noisy_gradients(
     sums: dict[int, tf.Tensor],
     unscale: tf.Tensor,
     divisor: tf.Tensor,
+    bound: tf.Tensor | float | None = None,
 ) -> list[Any]:
     """Per source, what the optimizer receives: its clipped sum (`sums`, rules' scale)
     plus noise of deviation `sigma C`, over `divisor`, in the tape's scale, plus its
-    penalties' part."""
+    penalties' part.
+
+    The noise is `standard_normal`'s seeded float32 draw, or with `secure_noise`
+    `secure_noise.secure_standard_normal`'s (float64 from the operating system's
+    CSPRNG, scaled in float64 and cast once). `bound`: this step's `C` (None: the
+    settings' sensitivity); with adaptive clipping `sigma` is the gradient's share
+    (`settings.gradient_noise_multiplier`)."""
     context = state.context
     scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
     seed = step_seed(context.model, settings.seed)
-    std = settings.noise_multiplier * settings.sensitivity
+    sigma = settings.gradient_noise_multiplier
+    std = sigma * (settings.sensitivity if bound is None else bound)
+    if settings.secure_noise and sigma > 0.0 and context.xla:
+        raise ValueError(
+            f"Model {context.model.name!r} has secure_noise=True, whose random bits are "
+            "read on the host (`os.urandom`), which XLA cannot compile: compile with "
+            "`jit_compile=False`."
+        )
     # One pass per variable: `sum * a + z * b`, the noise's factor `b` applied to the
     # draw's radii (half its size) before they are multiplied out.
     clipped_factor = unscale * (scale / divisor)
@@ -160,7 +226,9 @@ def noisy_gradients(
                 f"layer. Received: {getattr(v, 'path', v)!r}"
             )
         gradient = sums[id(v)] * clipped_factor
-        if std > 0.0:
+        if sigma > 0.0 and settings.secure_noise:
+            gradient += secure_standard_normal(v.shape, noise_factor)
+        elif sigma > 0.0:
             seed_v = tf.random.experimental.stateless_fold_in(seed, position)
             gradient += standard_normal(v.shape, seed_v, noise_factor)
         if id(v) in state.penalties:

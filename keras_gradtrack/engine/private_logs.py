@@ -1,8 +1,10 @@
 """What a gradient logger records of a private model: the pre-clip norms, the fraction
-clipped per step, and the privacy settings as the log's attributes."""
+clipped per step (with adaptive clipping, the step's bound), and the privacy settings as
+the log's attributes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -45,11 +47,32 @@ class DPFractionClipped(Statistic):
         return tf.reduce_mean(tf.cast(clipped, tf.float32))
 
 
+class DPL2NormClip(Statistic):
+    """Per step, with adaptive clipping: the bound `C_t` the step clipped to (before the
+    step's update of it). The private step's own value (`PrivateStep.rows`) takes this
+    column's place in the step's payload; the value computed here is the bound variable
+    as the statistics read it."""
+
+    name = "dp_l2_norm_clip"
+    per_example = False
+    needs_dot = False
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+        return tf.identity(self.model.__dict__["_adaptive_clip_bound"])
+
+
 def privacy_statistics(model: Any) -> list[Statistic]:
     """What a gradient logger adds for a private model (none for another model)."""
-    if settings_of(model) is None:
+    settings = settings_of(model)
+    if settings is None:
         return []
-    return [DPGradNorm(), DPFractionClipped(model)]
+    found: list[Statistic] = [DPGradNorm(), DPFractionClipped(model)]
+    if settings.adaptive_clip is not None:
+        found.append(DPL2NormClip(model))
+    return found
 
 
 def privacy_attrs(model: Any) -> dict[str, Any]:
@@ -67,6 +90,10 @@ def privacy_attrs(model: Any) -> dict[str, Any]:
         "dp_noise_multiplier": settings.noise_multiplier,
         "dp_expected_batch_size": (
             float("nan") if settings.expected_batch_size is None else settings.expected_batch_size
+        ),
+        "dp_secure_noise": settings.secure_noise,
+        "dp_adaptive_clip": (
+            json.dumps(dataclasses.asdict(settings.adaptive_clip)) if settings.adaptive_clip else ""
         ),
     }
 

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers
+from keras_gradtrack.engine.adaptive_clip import AdaptiveClip, gradient_noise_multiplier
 from keras_gradtrack.engine.plan import Plan, build_plan
 
 
@@ -37,6 +38,11 @@ class PrivacySettings:
             tracked layer, or a layer holding tracked layers: all of them); None:
             one group per key of `l2_norm_clip` (a tracked layer's name), or no
             groups for a single bound.
+        secure_noise: Whether the noise is drawn in float64 from the operating
+            system's cryptographically secure generator (`engine/secure_noise.py`),
+            not seeded; False: the seeded float32 Box-Muller draw.
+        adaptive_clip: How the bound moves toward a quantile of the norms (one
+            bound only), or None for a fixed bound.
     """
 
     l2_norm_clip: float | Mapping[str, float]
@@ -44,6 +50,8 @@ class PrivacySettings:
     expected_batch_size: float | None
     seed: int
     groups: Mapping[str, tuple[Any, ...]] | None = None
+    secure_noise: bool = False
+    adaptive_clip: AdaptiveClip | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -56,6 +64,16 @@ class PrivacySettings:
         if isinstance(self.l2_norm_clip, Mapping):
             return math.sqrt(sum(c * c for c in self.l2_norm_clip.values()))
         return float(self.l2_norm_clip)
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The clipped sum's noise multiplier: `noise_multiplier`, or with adaptive
+        clipping the lower one that leaves room for the count's noise."""
+        if self.adaptive_clip is None:
+            return self.noise_multiplier
+        return gradient_noise_multiplier(
+            self.noise_multiplier, self.adaptive_clip.clipped_count_stddev
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +179,8 @@ def validated_settings(
     noise_multiplier: Any,
     expected_batch_size: Any,
     groups: Any = None,
+    secure_noise: Any = False,
+    adaptive_clip: Any = None,
 ) -> PrivacySettings:
     """The settings of `make_private`, checked; refuses, before any step, what cannot be private.
 
@@ -212,10 +232,41 @@ def validated_settings(
     ):
         raise ValueError(batch_normalization_refusal(model))
     seed = int(keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator()))
-    settings = PrivacySettings(bounds, sigma, expected, seed, members)
+    settings = PrivacySettings(
+        bounds, sigma, expected, seed, members, *checked_noise(model, secure_noise, adaptive_clip)
+    )
+    if settings.adaptive_clip is not None:
+        if isinstance(bounds, dict):
+            raise ValueError(
+                "Adaptive clipping moves one bound: expected a float l2_norm_clip "
+                f"without groups. Received: l2_norm_clip={l2_norm_clip!r}, groups={groups!r}"
+            )
+        gradient_noise_multiplier(
+            sigma, settings.adaptive_clip.clipped_count_stddev
+        )  # refuses 2 sigma_b <= sigma
     if model.built:
         layer_groups(settings, model, build_plan(model))  # refuses bad groups now
     return settings
+
+
+def checked_noise(model: Any, secure_noise: Any, adaptive_clip: Any) -> tuple[bool, Any]:
+    """`secure_noise` and `adaptive_clip` of `make_private`, checked."""
+    if not isinstance(secure_noise, bool):
+        raise ValueError(f"Expected secure_noise to be a bool. Received: {secure_noise!r}")
+    if secure_noise and getattr(model, "jit_compile", False) is True:
+        raise ValueError(
+            "secure_noise=True draws its random bits on the host (`os.urandom`), which "
+            "XLA cannot compile: compile the model with `jit_compile=False`. "
+            "Received: jit_compile=True"
+        )
+    if isinstance(adaptive_clip, Mapping):  # as a saved model's config holds it
+        adaptive_clip = AdaptiveClip(**adaptive_clip)
+    if adaptive_clip is not None and not isinstance(adaptive_clip, AdaptiveClip):
+        raise ValueError(
+            "Expected adaptive_clip to be a keras_gradtrack.privacy.AdaptiveClip or None. "
+            f"Received: adaptive_clip={adaptive_clip!r}"
+        )
+    return secure_noise, adaptive_clip
 
 
 def checked_groups(groups: Any) -> dict[str, tuple[Any, ...]]:
@@ -254,11 +305,18 @@ def config_of(model: Any) -> dict[str, Any] | None:
             groups = {name: list(members) for name, members in zip(found.names, found.members)}
         else:
             groups = describe(settings.groups)
+    adaptive_bound = getattr(model, "__dict__", {}).get("_adaptive_clip_bound")
+    if settings.adaptive_clip is not None and adaptive_bound is not None:
+        bound = float(adaptive_bound.numpy())  # a loaded model goes on from the bound reached
     return {
         "l2_norm_clip": dict(bound) if isinstance(bound, Mapping) else bound,
         "noise_multiplier": settings.noise_multiplier,
         "expected_batch_size": settings.expected_batch_size,
         "groups": groups,
+        "secure_noise": settings.secure_noise,
+        "adaptive_clip": (
+            None if settings.adaptive_clip is None else dataclasses.asdict(settings.adaptive_clip)
+        ),
     }
 
 

@@ -15,6 +15,7 @@ from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import distribute, executions, preflight, private_settings, tracking
+from keras_gradtrack.engine.adaptive_clip import AdaptiveClip
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
@@ -83,6 +84,8 @@ class GradientTrackingMixin(
         noise_multiplier: float,
         expected_batch_size: float | None = None,
         groups: dict[str, Sequence[Any]] | None = None,
+        secure_noise: bool = False,
+        adaptive_clip: AdaptiveClip | None = None,
     ) -> None:
         """Makes every following training step a DP-SGD step, on the compiled optimizer.
 
@@ -110,6 +113,15 @@ class GradientTrackingMixin(
                 bound (a float `l2_norm_clip`: the same for every group). A
                 member is a tracked layer, or a layer holding tracked layers
                 (all of them); every tracked layer must be in exactly one group.
+            secure_noise: Draw the noise in float64 from the operating system's
+                cryptographically secure generator (Opacus' `secure_mode`: a sum
+                of 4 Box-Muller draws on 53-bit uniforms), not seeded, so that it
+                resists the floating-point attacks on the default float32 draw
+                (`docs/privacy.md`, "The noise"). Slower; not with XLA.
+            adaptive_clip: A `keras_gradtrack.privacy.AdaptiveClip`: the bound
+                starts at `l2_norm_clip` and moves each step toward a quantile of
+                the per-example norms (Andrew et al. 2021), with the noise
+                multiplier shared so that the total is still `noise_multiplier`'s.
 
         Raises:
             ValueError: On invalid arguments (a layer in two groups or in none, a
@@ -132,8 +144,18 @@ class GradientTrackingMixin(
         ```
         """
         self.__dict__["_privacy_settings"] = private_settings.validated_settings(
-            self, l2_norm_clip, noise_multiplier, expected_batch_size, groups
+            self,
+            l2_norm_clip,
+            noise_multiplier,
+            expected_batch_size,
+            groups,
+            secure_noise,
+            adaptive_clip,
         )
+        if adaptive_clip is not None:  # the bound C_t, updated by every step
+            self.__dict__["_adaptive_clip_bound"] = tf.Variable(
+                self.__dict__["_privacy_settings"].sensitivity, trainable=False, dtype=tf.float32
+            )
         self.__dict__["_private_steps"] = 0
         self.train_function = None  # traced anew: every step takes the private path
 
@@ -523,6 +545,8 @@ class GradientTrackingMixin(
         payload = context.result.payload
         if "dp_fraction_clipped" in payload:
             logs = {**logs, "dp_fraction_clipped": payload["dp_fraction_clipped"]}
+        if "dp_l2_norm_clip" in payload:  # adaptive clipping: the step's bound
+            logs = {**logs, "dp_l2_norm_clip": payload["dp_l2_norm_clip"]}
         return {**logs, PAYLOAD_KEY: payload}
 
     def make_train_function(self, force: bool = False) -> Any:

@@ -16,11 +16,13 @@ model.fit(kgt.privacy.poisson_batches(x, y, sampling_rate=q), epochs=60,
 ```
 """
 
+from keras_gradtrack.engine.adaptive_clip import AdaptiveClip
 from keras_gradtrack.privacy.accounting import compute_epsilon, compute_noise_multiplier
 from keras_gradtrack.privacy.callbacks import PrivacyAccountant
 from keras_gradtrack.privacy.sampling import poisson_batch_indices, poisson_batches
 
 __all__ = [
+    "AdaptiveClip",
     "PrivacyAccountant",
     "compute_epsilon",
     "compute_noise_multiplier",
