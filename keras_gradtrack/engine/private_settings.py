@@ -18,6 +18,7 @@ import keras
 
 from keras_gradtrack._keras_seam import flatten_layers
 from keras_gradtrack.engine.plan import Plan, build_plan
+from keras_gradtrack.privacy.budget import PrivacyBudget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,11 @@ class PrivacySettings:
     expected_batch_size: float | None
     seed: int
     groups: Mapping[str, tuple[Any, ...]] | None = None
+    sampling_rate: float | None = None
+    dataset_size: int | None = None
+    sampling: str = "unknown"
+    accumulation_steps: int = 1
+    budget: PrivacyBudget | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -254,11 +260,18 @@ def config_of(model: Any) -> dict[str, Any] | None:
             groups = {name: list(members) for name, members in zip(found.names, found.members)}
         else:
             groups = describe(settings.groups)
+    budget = settings.budget
     return {
         "l2_norm_clip": dict(bound) if isinstance(bound, Mapping) else bound,
         "noise_multiplier": settings.noise_multiplier,
         "expected_batch_size": settings.expected_batch_size,
         "groups": groups,
+        "sampling_rate": settings.sampling_rate,
+        "dataset_size": settings.dataset_size,
+        "accumulation_steps": settings.accumulation_steps,
+        "target_epsilon": None if budget is None else budget.target_epsilon,
+        "delta": None if budget is None else budget.delta,
+        "accountant": "rdp" if budget is None else budget.accountant,
     }
 
 
