@@ -112,3 +112,20 @@ def test_physical_batches_are_checked_against_the_logical_one() -> None:
 def test_the_optimizer_apply_count_is_where_the_seam_reads_it() -> None:
     optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
     assert int(_keras_seam.optimizer_apply_count(optimizer)) == 0
+
+
+def test_poisson_logical_batches_split_into_physical_ones() -> None:
+    x = np.random.default_rng(82).normal(size=(64, 5)).astype("float32")
+    y = np.arange(64) % 3
+    batches = kgt.privacy.poisson_batches(x, y, 0.5, steps=3, seed=2, accumulation_steps=2)
+    whole = kgt.privacy.poisson_batches(x, y, 0.5, steps=3, seed=2)
+    sizes = [len(b[1]) for b in batches]
+    assert len(sizes) == 6
+    assert [a + b for a, b in zip(sizes[::2], sizes[1::2])] == [len(b[1]) for b in whole]
+    model = mlp()
+    model.make_private(
+        l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5, dataset_size=64,
+        accumulation_steps=2,
+    )  # fmt: skip
+    model.fit(batches, verbose=0, shuffle=False)
+    assert model.privacy_history == (kgt.privacy.PrivacyPhase(1.0, 0.5, 3, "poisson"),)
