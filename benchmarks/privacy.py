@@ -205,7 +205,7 @@ def accumulation_table(names: list[str], batch_size: int, logical: int) -> None:
     variants = (
         (f"{k} x {batch_size} accumulated", batch_size, k),
         (f"1 x {logical}", logical, 1),
-        (f"1 x {batch_size} (not the same batch)", batch_size, 1),
+        (f"1 x {batch_size} (a logical batch of {batch_size})", batch_size, 1),
     )
     for name in names:
         for label, size, steps in variants:
