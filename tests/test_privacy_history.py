@@ -135,7 +135,7 @@ def test_the_log_and_its_checkpoints_hold_the_history(tmp_path: Any) -> None:
     assert len(found) == 2
     # Each checkpoint: the weights before its step, the history before that step.
     second = checkpoint_files.privacy_history_of(found[max(found)])
-    assert [p.steps for p in second] == [4, 1]
+    assert [p["steps"] for p in second] == [4, 1]
 
 
 def test_fit_refuses_a_batch_size_other_than_the_sampling_rate_says() -> None:

@@ -12,15 +12,13 @@ attribute `privacy_history`, JSON: the privacy spent by the weights it holds).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import h5py
-
-if TYPE_CHECKING:
-    from keras_gradtrack.privacy.history import PrivacyPhase
 
 CHECKPOINT_SUFFIX = ".checkpoints"
 PRIVACY_HISTORY_ATTR = "privacy_history"
@@ -72,13 +70,16 @@ def remove_checkpoints(log_path: str | os.PathLike[str]) -> None:
 
 
 def write_privacy_history(path: str | os.PathLike[str], history_json: str) -> None:
-    """Writes a private model's history (`privacy.history.history_json`) into a checkpoint."""
+    """Writes a private model's history (JSON, `privacy.history.history_json`) into a
+    checkpoint."""
     with h5py.File(path, "r+") as file:
         file.attrs[PRIVACY_HISTORY_ATTR] = history_json
 
 
-def privacy_history_of(path: str | os.PathLike[str]) -> tuple[PrivacyPhase, ...]:
-    """The privacy history a checkpoint's weights were trained with (empty: none).
+def privacy_history_of(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The privacy history a checkpoint's weights were trained with: one dict per
+    phase (`noise_multiplier`, `sampling_rate`, `steps`, `sampling`; empty: none).
+    `keras_gradtrack.privacy.PrivacyPhase(**phase)` makes a phase of each.
 
     Example:
 
@@ -87,8 +88,7 @@ def privacy_history_of(path: str | os.PathLike[str]) -> tuple[PrivacyPhase, ...]
         print(step, privacy_history_of(path))
     ```
     """
-    from keras_gradtrack.privacy.history import phases_from_json
-
     with h5py.File(path, "r") as file:
         text = file.attrs.get(PRIVACY_HISTORY_ATTR, "")
-    return phases_from_json(text.decode() if isinstance(text, bytes) else str(text))
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return list(json.loads(text)) if text else []
