@@ -107,6 +107,11 @@ def test_a_target_needs_its_plan() -> None:
     m = model()
     with pytest.raises(ValueError, match="needs the sampling rate"):
         m.make_private(l2_norm_clip=1.0, target_epsilon=3.0, delta=DELTA, epochs=2)
+    with pytest.raises(ValueError, match="needs the sampling rate"):
+        m.make_private(
+            l2_norm_clip=1.0, noise_multiplier=1.0, target_epsilon=3.0, delta=DELTA,
+            dataset_size=16,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="needs the planned training: pass `epochs="):
         m.make_private(l2_norm_clip=1.0, target_epsilon=3.0, delta=DELTA, sampling_rate=0.1)
     with pytest.raises(ValueError, match="Expected delta"):

@@ -79,13 +79,13 @@ def start_phase(
     the settings with that sigma. A current phase without steps is replaced."""
     spent = [phase for phase in history(model) if phase.steps]
     sigma = settings.noise_multiplier
+    if target_epsilon is not None and settings.sampling_rate is None:
+        raise ValueError(
+            "A target epsilon needs the sampling rate: pass `sampling_rate=q`, or "
+            "`dataset_size=n` with `expected_batch_size=`. Received neither."
+        )
     if target_epsilon is not None and math.isnan(sigma):
         assert settings.budget is not None
-        if settings.sampling_rate is None:
-            raise ValueError(
-                "A target epsilon needs the sampling rate: pass `sampling_rate=q`, or "
-                "`dataset_size=n` with `expected_batch_size=`. Received neither."
-            )
         if not isinstance(epochs, (int, float)) or isinstance(epochs, bool) or epochs <= 0:
             raise ValueError(
                 "A target epsilon needs the planned training: pass `epochs=` (> 0). "
@@ -231,15 +231,8 @@ def check_batches(
             f"make_private was given dataset_size={n}, but fit received {dataset_size} "
             "training examples. Pass the dataset size fit trains on."
         )
-    if (
-        n is not None
-        and batches is not None
-        and dataset_size is None
-        and (
-            settings.sampling == SHUFFLED
-            and not (batches - 1) * batch_size < n <= batches * batch_size
-        )
-    ):
+    holds_n = batches is None or (batches - 1) * batch_size < (n or 0) <= batches * batch_size
+    if settings.sampling == SHUFFLED and dataset_size is None and not holds_n:
         raise ValueError(
             f"make_private was given dataset_size={n}, but fit received {batches} "
             f"batches of {batch_size} examples ({(batches - 1) * batch_size + 1} to "
