@@ -63,10 +63,10 @@ def rate_and_sampling(
         return rate, dataset_size, expected_batch_size, POISSON
     if dataset_size is None:
         return None, None, expected_batch_size, UNKNOWN
-    rate = None
+    shuffled_rate = None
     if expected_batch_size is not None:
-        rate = min(1.0, float(expected_batch_size) / dataset_size)
-    return rate, dataset_size, expected_batch_size, SHUFFLED
+        shuffled_rate = min(1.0, float(expected_batch_size) / dataset_size)
+    return shuffled_rate, dataset_size, expected_batch_size, SHUFFLED
 
 
 def start_phase(
@@ -79,22 +79,23 @@ def start_phase(
     the settings with that sigma. A current phase without steps is replaced."""
     spent = [phase for phase in history(model) if phase.steps]
     sigma = settings.noise_multiplier
-    if target_epsilon is not None and settings.sampling_rate is None:
+    rate = settings.sampling_rate
+    if target_epsilon is not None and rate is None:
         raise ValueError(
             "A target epsilon needs the sampling rate: pass `sampling_rate=q`, or "
             "`dataset_size=n` with `expected_batch_size=`. Received neither."
         )
     if target_epsilon is not None and math.isnan(sigma):
-        assert settings.budget is not None
+        assert settings.budget is not None and rate is not None
         if not isinstance(epochs, (int, float)) or isinstance(epochs, bool) or epochs <= 0:
             raise ValueError(
                 "A target epsilon needs the planned training: pass `epochs=` (> 0). "
                 f"Received: epochs={epochs!r}"
             )
-        planned = math.ceil(epochs / settings.sampling_rate)
+        planned = math.ceil(epochs / rate)
         sigma = accounting.compute_noise_multiplier(
             settings.budget.target_epsilon,
-            settings.sampling_rate,
+            rate,
             planned,
             settings.budget.delta,
             settings.budget.accountant,
@@ -102,7 +103,7 @@ def start_phase(
         )
         print(
             f"make_private: noise_multiplier={sigma:.6g} keeps {planned} steps at "
-            f"sampling_rate={settings.sampling_rate:.6g} (after {len(spent)} earlier "
+            f"sampling_rate={rate:.6g} (after {len(spent)} earlier "
             f"phases) within epsilon={target_epsilon} at delta={settings.budget.delta}"
         )
         settings = dataclasses.replace(settings, noise_multiplier=sigma)
@@ -231,8 +232,12 @@ def check_batches(
             f"make_private was given dataset_size={n}, but fit received {dataset_size} "
             "training examples. Pass the dataset size fit trains on."
         )
-    holds_n = batches is None or (batches - 1) * batch_size < (n or 0) <= batches * batch_size
-    if settings.sampling == SHUFFLED and dataset_size is None and not holds_n:
+    if (
+        settings.sampling == SHUFFLED
+        and dataset_size is None
+        and batches is not None
+        and not (batches - 1) * batch_size < (n or 0) <= batches * batch_size
+    ):
         raise ValueError(
             f"make_private was given dataset_size={n}, but fit received {batches} "
             f"batches of {batch_size} examples ({(batches - 1) * batch_size + 1} to "

@@ -152,13 +152,16 @@ class EpsilonCurve:
 def history_event(phases: Sequence[PrivacyPhase]) -> Any:
     """The `dp_accounting` event of a history: one DP-SGD event per phase, composed."""
     dpa = dp_accounting()
-    return dpa.ComposedDpEvent(
-        [
-            dp_sgd_event(phase.noise_multiplier, phase.sampling_rate, phase.steps)
-            for phase in phases
-            if phase.steps
-        ]
-    )
+    events = []
+    for phase in phases:
+        if phase.sampling_rate is None:
+            raise ValueError(
+                "Expected every phase to have a sampling rate (pass `sampling_rate=` or "
+                f"`dataset_size=` to `make_private`). Received: {phase}"
+            )
+        if phase.steps:
+            events.append(dp_sgd_event(phase.noise_multiplier, phase.sampling_rate, phase.steps))
+    return dpa.ComposedDpEvent(events)
 
 
 def history_epsilon(phases: Sequence[PrivacyPhase], delta: float, accountant: str = "rdp") -> float:
@@ -180,12 +183,8 @@ def history_epsilon(phases: Sequence[PrivacyPhase], delta: float, accountant: st
     history_epsilon(phases, 1e-5)
     ```
     """
+    history_event(phases)  # refuses a phase without a sampling rate
     for phase in phases:
-        if phase.sampling_rate is None:
-            raise ValueError(
-                "Expected every phase to have a sampling rate (pass `sampling_rate=` or "
-                f"`dataset_size=` to `make_private`). Received: {phase}"
-            )
         check_arguments(phase.sampling_rate, phase.steps, delta, accountant, phase.noise_multiplier)
     spent = [phase for phase in phases if phase.steps]
     if not spent:
