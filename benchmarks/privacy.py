@@ -13,11 +13,18 @@ python benchmarks/privacy.py --memory                        # + peak RSS growth
 python benchmarks/privacy.py --memory --no-timing            # memory alone
 python benchmarks/privacy.py --noise-kernel                  # + noise by tf.random.stateless_normal
 python benchmarks/privacy.py --models mlp --secure-noise     # + secure_noise=True
+python benchmarks/privacy.py --accumulation --models cnn     # logical batches of 4096
 ```
 
 `--secure-noise` adds a private step with `make_private(..., secure_noise=True)` (the
 noise in float64 from `os.urandom`, a sum of 4 draws: `engine/secure_noise.py`), timed in
 the same interleaved rounds.
+
+`--accumulation` trains private logical batches of `--logical` examples (default 4096)
+three ways, each in a fresh process: `k` physical batches of `--batch-size` accumulated
+(`make_private(accumulation_steps=k)`), one physical batch of the logical size, and one
+physical batch of `--batch-size` alone (its memory is the target); it prints each one's
+peak-RSS growth over the process's baseline before `fit` and its seconds per logical batch.
 
 `--noise-kernel` adds a private step whose noise is drawn by TensorFlow's own
 `tf.random.stateless_normal` kernel instead of `clipping.standard_normal` (the same
@@ -63,13 +70,14 @@ SECURE_VARIANT = "secure"
 WARMUP_STEPS = 2  # dropped at the start of every timed `fit`
 
 
-def build(name: str, variant: str) -> Any:
+def build(name: str, variant: str, accumulation_steps: int = 1) -> Any:
     model = build_compiled(name, keras.Model if variant == "plain" else kgt.GradientTrackingModel)
     if variant != "plain":
         model.make_private(
             l2_norm_clip=1.0,
             noise_multiplier=0.0 if variant == "clip_only" else 1.0,
             secure_noise=variant == SECURE_VARIANT,
+            accumulation_steps=accumulation_steps,
         )
     return model
 
@@ -173,6 +181,61 @@ def memory_child(name: str, variant: str, batch_size: int) -> None:
     print(json.dumps({"growth_mib": status_mib("VmHWM") - before}))
 
 
+def accumulation_child(name: str, batch_size: int, accumulation_steps: int) -> None:
+    """Prints the peak-RSS growth and the seconds per logical batch of a private `fit`
+    of 2 logical batches (after the model and data exist; the first is traced)."""
+    keras.utils.set_random_seed(0)
+    model = build(name, "private", accumulation_steps)
+    data = synthetic_batches(name, batch_size, num_batches=1)
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat()
+    reset_peak_rss()
+    before = status_mib("VmRSS")
+    started = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=accumulation_steps, epochs=1, verbose=0, shuffle=False)
+    traced = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=accumulation_steps, epochs=1, verbose=0, shuffle=False)
+    seconds = time.perf_counter() - traced
+    assert model.private_steps == 2, model.privacy_history
+    growth = status_mib("VmHWM") - before
+    print(json.dumps({"growth_mib": growth, "seconds": seconds, "first": traced - started}))
+
+
+def accumulation_table(names: list[str], batch_size: int, logical: int) -> None:
+    """Peak growth and seconds per logical batch: accumulated, one big batch, one small."""
+    if logical % batch_size:
+        raise SystemExit(f"Expected --logical a multiple of --batch-size. Received: {logical}")
+    k = logical // batch_size
+    print(f"# logical batch {logical}: k={k} x {batch_size} accumulated vs one batch")
+    rows = [
+        "| model | variant | physical batch | peak growth (MiB) | s per logical batch |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    variants = (
+        (f"{k} x {batch_size} accumulated", batch_size, k),
+        (f"1 x {logical}", logical, 1),
+        (f"1 x {batch_size} (a logical batch of {batch_size})", batch_size, 1),
+    )
+    for name in names:
+        for label, size, steps in variants:
+            command = [
+                sys.executable,
+                __file__,
+                "--accumulation-child",
+                name,
+                str(size),
+                str(steps),
+            ]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            found = json.loads(output.strip().splitlines()[-1])
+            row = (
+                f"| {name} | {label} | {size} | {found['growth_mib']:.0f} | "
+                f"{found['seconds']:.2f} |"
+            )
+            rows.append(row)
+            print(row, flush=True)
+    print("\n".join(rows))
+
+
 def memory_growth(name: str, variant: str, batch_size: int) -> float:
     command = [sys.executable, __file__, "--child", name, variant, str(batch_size)]
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
@@ -194,8 +257,18 @@ def main() -> None:
     parser.add_argument(
         "--secure-noise", action="store_true", help="+ a private step with secure_noise=True"
     )
+    parser.add_argument("--accumulation", action="store_true", help="logical batches")
+    parser.add_argument("--logical", type=int, default=4096, help="with --accumulation")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--accumulation-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.accumulation_child:
+        name, size, steps = args.accumulation_child
+        accumulation_child(name, int(size), int(steps))
+        return
+    if args.accumulation:
+        accumulation_table(args.models.split(","), args.batch_size, args.logical)
+        return
     if args.child:
         name, variant, batch_size = args.child
         memory_child(name, variant, int(batch_size))

@@ -63,6 +63,12 @@ def own_trainable_variables(layer: Any) -> list[Any]:
     return list(layer._trainable_variables)
 
 
+def optimizer_apply_count(optimizer: Any) -> Any:
+    """The optimizer's count of `apply` calls (`iterations` counts updates: with
+    `gradient_accumulation_steps`, one per accumulated batch)."""
+    return optimizer._iterations
+
+
 def layer_losses(layer: Any) -> list[Any]:
     """The losses `layer` added in its last call (`add_loss`, activity regularizers)."""
     return list(layer._losses)
@@ -233,6 +239,7 @@ PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
     ),
     "Model._build_shapes_dict": _attributes(lambda: keras.Model(), "_build_shapes_dict"),
     "Variable._value": _attributes(lambda: keras.Variable(1.0), "_value"),
+    "Optimizer._iterations": _attributes(keras.optimizers.SGD, "_iterations"),
     "BatchNormalization._moments": _attributes(keras.layers.BatchNormalization, "_moments"),
     "Conv1D._compute_causal_padding": _attributes(
         lambda: keras.layers.Conv1D(1, 2, padding="causal"), "_compute_causal_padding"

@@ -23,7 +23,12 @@ from keras_gradtrack.callbacks.base import (
 )
 from keras_gradtrack.engine.device_rows import deferred
 from keras_gradtrack.engine.schedule import StepReport
-from keras_gradtrack.io.checkpoints import check_checkpoints, checkpoint_path, remove_checkpoints
+from keras_gradtrack.io.checkpoints import (
+    check_checkpoints,
+    checkpoint_path,
+    remove_checkpoints,
+    write_privacy_history,
+)
 from keras_gradtrack.io.checks import check_flush_seconds
 from keras_gradtrack.io.schema import (
     BATCH_SIZE,
@@ -241,6 +246,10 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         from keras_gradtrack.attribution.sketches import save_checkpoint
 
         save_checkpoint(self.model, path)
+        if getattr(self.model, "privacy_settings", None) is not None:
+            from keras_gradtrack.privacy.history import history_json
+
+            write_privacy_history(path, history_json(self.model.privacy_history))
 
     def _consume(self, report: StepReport) -> None:
         if report.values is not None and self._writes:

@@ -44,7 +44,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack._keras_seam import flatten_layers, layer_losses
+from keras_gradtrack._keras_seam import flatten_layers, layer_losses, optimizer_apply_count
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.adaptive_clip import next_bound
 from keras_gradtrack.engine.backward import Materialized
@@ -104,7 +104,10 @@ def private_step(state: StepState) -> PrivateStep | None:
         if settings.expected_batch_size is not None
         else global_batch
     )
-    gradients = noisy_gradients(state, settings, sums, unscale, divisor, bound)
+    if settings.accumulation_steps > 1:
+        gradients = accumulated_gradients(state, settings, sums, unscale, divisor, bound)
+    else:
+        gradients = noisy_gradients(state, settings, sums, unscale, divisor, bound)
     # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
     (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
     rows = {"dp_fraction_clipped": clipped_count / global_batch}
@@ -153,6 +156,34 @@ def update_bound(
             count_noise = standard_normal((), seed, clip.clipped_count_stddev)
     variable = state.context.model.__dict__["_adaptive_clip_bound"]
     variable.assign(next_bound(bound, unclipped_count, batch_size, count_noise, divisor, clip))
+
+
+def accumulated_gradients(
+    state: StepState,
+    settings: PrivacySettings,
+    sums: dict[int, tf.Tensor],
+    unscale: tf.Tensor,
+    divisor: tf.Tensor,
+    bound: tf.Tensor | float | None = None,
+) -> list[Any]:
+    """One physical batch's part of a logical batch of `k`: what the optimizer receives.
+
+    Keras' `gradient_accumulation_steps` adds the `k` gradients it receives and
+    applies their mean on the k-th; so each physical batch's clipped sum goes over
+    `B_logical / k` (`divisor`: `expected_batch_size / k`, or the physical batch),
+    and the noise is drawn on the k-th alone: one draw per logical batch, over the
+    logical batch's expected size."""
+    k = settings.accumulation_steps
+    if settings.expected_batch_size is not None:
+        divisor = divisor / k
+    applies = optimizer_apply_count(state.context.model.optimizer)
+    last = tf.equal((applies + 1) % k, 0)
+    clean = dataclasses.replace(settings, noise_multiplier=0.0)
+    return tf.cond(
+        last,
+        lambda: noisy_gradients(state, settings, sums, unscale, divisor, bound),
+        lambda: noisy_gradients(state, clean, sums, unscale, divisor, bound),
+    )
 
 
 def clip_weights(

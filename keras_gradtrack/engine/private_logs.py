@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.clipping import clip_weights
 from keras_gradtrack.engine.plan import build_plan
 from keras_gradtrack.engine.private_settings import config_of, settings_of
+from keras_gradtrack.privacy.history import history_json
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
 
@@ -80,7 +83,7 @@ def privacy_attrs(model: Any) -> dict[str, Any]:
     settings = settings_of(model)
     if settings is None:
         return {}
-    bound = settings.l2_norm_clip
+    bound, budget = settings.l2_norm_clip, settings.budget
     config = config_of(model)
     assert config is not None
     return {
@@ -95,13 +98,22 @@ def privacy_attrs(model: Any) -> dict[str, Any]:
         "dp_adaptive_clip": (
             json.dumps(dataclasses.asdict(settings.adaptive_clip)) if settings.adaptive_clip else ""
         ),
+        "dp_sampling": settings.sampling,
+        "dp_accumulation_steps": settings.accumulation_steps,
+        "dp_target_epsilon": math.nan if budget is None else budget.target_epsilon,
+        "dp_target_delta": math.nan if budget is None else budget.delta,
+        "dp_privacy_history": history_json(private_training.history(model)),
     }
 
 
 def privacy_spent_attrs(model: Any) -> dict[str, Any]:
-    """The privacy spent so far, as the log's root attributes, from the model's
-    `PrivacyAccountant` (the last one a `fit` of the model used; none: empty)."""
-    accountant = getattr(model, "__dict__", {}).get("_privacy_accountant")
-    if accountant is None or settings_of(model) is None:
+    """The privacy spent so far, as the log's root attributes: the model's privacy
+    history (`dp_privacy_history`, JSON), and the epsilon of its `PrivacyAccountant`
+    (the last one a `fit` of the model used), if any."""
+    if settings_of(model) is None:
         return {}
-    return accountant.spent_attrs()
+    spent = {"dp_privacy_history": history_json(private_training.history(model))}
+    accountant = getattr(model, "__dict__", {}).get("_privacy_accountant")
+    if accountant is not None:
+        spent.update(accountant.spent_attrs())
+    return spent

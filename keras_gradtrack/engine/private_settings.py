@@ -19,6 +19,7 @@ import keras
 from keras_gradtrack._keras_seam import flatten_layers
 from keras_gradtrack.engine.adaptive_clip import AdaptiveClip, gradient_noise_multiplier
 from keras_gradtrack.engine.plan import Plan, build_plan
+from keras_gradtrack.privacy.budget import PrivacyBudget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,11 @@ class PrivacySettings:
     groups: Mapping[str, tuple[Any, ...]] | None = None
     secure_noise: bool = False
     adaptive_clip: AdaptiveClip | None = None
+    sampling_rate: float | None = None
+    dataset_size: int | None = None
+    sampling: str = "unknown"
+    accumulation_steps: int = 1
+    budget: PrivacyBudget | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -308,6 +314,7 @@ def config_of(model: Any) -> dict[str, Any] | None:
     adaptive_bound = getattr(model, "__dict__", {}).get("_adaptive_clip_bound")
     if settings.adaptive_clip is not None and adaptive_bound is not None:
         bound = float(adaptive_bound.numpy())  # a loaded model goes on from the bound reached
+    budget = settings.budget
     return {
         "l2_norm_clip": dict(bound) if isinstance(bound, Mapping) else bound,
         "noise_multiplier": settings.noise_multiplier,
@@ -317,6 +324,12 @@ def config_of(model: Any) -> dict[str, Any] | None:
         "adaptive_clip": (
             None if settings.adaptive_clip is None else dataclasses.asdict(settings.adaptive_clip)
         ),
+        "sampling_rate": settings.sampling_rate,
+        "dataset_size": settings.dataset_size,
+        "accumulation_steps": settings.accumulation_steps,
+        "target_epsilon": None if budget is None else budget.target_epsilon,
+        "delta": None if budget is None else budget.delta,
+        "accountant": "rdp" if budget is None else budget.accountant,
     }
 
 

@@ -5,14 +5,23 @@ a directory beside it, the log's path with the suffix `.checkpoints`
 (`run.h5` -> `run.checkpoints/`), holding one Keras weights file per checkpoint:
 `step_<step>.weights.h5`, the weights the model had when that step of the log
 began (before its update), `<step>` numbered as in `/per_step/step`. An HDF5
-file in SWMR mode cannot gain new datasets, hence files of their own.
+file in SWMR mode cannot gain new datasets, hence files of their own. A private
+model's checkpoint also holds its privacy history at that moment (the root
+attribute `privacy_history`, JSON: the privacy spent by the weights it holds).
 """
 
+from __future__ import annotations
+
+import json
 import os
 import re
 from pathlib import Path
+from typing import Any
+
+import h5py
 
 CHECKPOINT_SUFFIX = ".checkpoints"
+PRIVACY_HISTORY_ATTR = "privacy_history"
 _NAME = re.compile(r"^step_(\d+)\.weights\.h5$")
 
 
@@ -58,3 +67,28 @@ def remove_checkpoints(log_path: str | os.PathLike[str]) -> None:
     """Removes a log's checkpoint files (not other files of the directory)."""
     for path in checkpoints(log_path).values():
         path.unlink()
+
+
+def write_privacy_history(path: str | os.PathLike[str], history_json: str) -> None:
+    """Writes a private model's history (JSON, `privacy.history.history_json`) into a
+    checkpoint."""
+    with h5py.File(path, "r+") as file:
+        file.attrs[PRIVACY_HISTORY_ATTR] = history_json
+
+
+def privacy_history_of(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The privacy history a checkpoint's weights were trained with: one dict per
+    phase (`noise_multiplier`, `sampling_rate`, `steps`, `sampling`; empty: none).
+    `keras_gradtrack.privacy.PrivacyPhase(**phase)` makes a phase of each.
+
+    Example:
+
+    ```python
+    for step, path in checkpoints("run.h5").items():
+        print(step, privacy_history_of(path))
+    ```
+    """
+    with h5py.File(path, "r") as file:
+        text = file.attrs.get(PRIVACY_HISTORY_ATTR, "")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return list(json.loads(text)) if text else []

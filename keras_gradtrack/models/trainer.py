@@ -14,7 +14,14 @@ from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight,
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack.engine import data as batch_data
-from keras_gradtrack.engine import distribute, executions, preflight, private_settings, tracking
+from keras_gradtrack.engine import (
+    distribute,
+    executions,
+    preflight,
+    private_settings,
+    private_training,
+    tracking,
+)
 from keras_gradtrack.engine.adaptive_clip import AdaptiveClip
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.example_independence import (
@@ -31,6 +38,7 @@ from keras_gradtrack.engine.plan import Plan, build_plan
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients, first_data_batch
 from keras_gradtrack.engine.step import tracked_gradient
 from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
+from keras_gradtrack.privacy.history import PrivacyPhase, phases_from
 from keras_gradtrack.statistics import Statistic
 
 # The compile config's entry holding the privacy settings (`get_compile_config`).
@@ -81,9 +89,17 @@ class GradientTrackingMixin(
     def make_private(
         self,
         l2_norm_clip: float | dict[str, float],
-        noise_multiplier: float,
+        noise_multiplier: float | None = None,
         expected_batch_size: float | None = None,
         groups: dict[str, Sequence[Any]] | None = None,
+        *,
+        sampling_rate: float | None = None,
+        dataset_size: int | None = None,
+        target_epsilon: float | None = None,
+        delta: float | None = None,
+        epochs: float | None = None,
+        accountant: str = "rdp",
+        accumulation_steps: int | None = None,
         secure_noise: bool = False,
         adaptive_clip: AdaptiveClip | None = None,
     ) -> None:
@@ -95,7 +111,8 @@ class GradientTrackingMixin(
         clipped sum comes from the step's one backward pass (see
         `docs/privacy.md`). Every step of `fit` is then private, with or without a
         gradient logger; the example-independence guard runs before the first one.
-        Account for the privacy spent with `keras_gradtrack.privacy`.
+        Each call starts a phase of `model.privacy_history` and keeps the phases
+        before it; `model.epsilon(delta)` composes them all.
 
         Args:
             l2_norm_clip: `C`, the bound on each example's gradient norm over all
@@ -104,15 +121,32 @@ class GradientTrackingMixin(
                 names of `tracked_layer_names`). The noise then has standard
                 deviation `sigma sqrt(sum_k C_k^2)`.
             noise_multiplier: `sigma`, the noise's standard deviation over the
-                bound (0: clipping without noise, which is not private).
-            expected_batch_size: `B_expected`, the divisor of the noisy sum; with
-                Poisson sampling (`keras_gradtrack.privacy.poisson_batches`) pass
-                `sampling_rate * dataset_size`. None: each step's own batch size.
+                bound (0: clipping without noise, which is not private). None:
+                the smallest that keeps `target_epsilon` (printed).
+            expected_batch_size: `B_expected`, the divisor of the noisy sum (of a
+                logical batch); default `sampling_rate * dataset_size` where both
+                are given, else each step's own batch size (times `k`).
             groups: `{group name: [layers or layer names]}`: each example's
                 gradient restricted to a group's layers is clipped to the group's
                 bound (a float `l2_norm_clip`: the same for every group). A
                 member is a tracked layer, or a layer holding tracked layers
                 (all of them); every tracked layer must be in exactly one group.
+            sampling_rate: `q`, each example's probability to be in a (logical)
+                batch, drawn by Poisson sampling (`privacy.poisson_batches`).
+            dataset_size: `N`, the training examples. Alone: shuffled batches of a
+                fixed size, `q = k * batch / N` taken from `fit`'s batches (accounted
+                as if Poisson-sampled: an approximation, not a guarantee).
+            target_epsilon: A budget: no step takes the model's epsilon at `delta`
+                (all phases composed) past it; `fit` stops with a warning before
+                such a step. Without `noise_multiplier`, sigma is computed to keep
+                `epochs` epochs (`ceil(epochs / q)` steps) within it.
+            delta: The budget's delta.
+            epochs: The planned epochs, for `target_epsilon` without `noise_multiplier`.
+            accountant: The budget's accountant, `"rdp"` or `"pld"`.
+            accumulation_steps: `k`: the clipped sums of `k` physical batches are
+                added and noised once, as one logical batch (one optimizer update,
+                one step of the accountant at the logical batch's rate); through
+                the optimizer's `gradient_accumulation_steps`.
             secure_noise: Draw the noise in float64 from the operating system's
                 cryptographically secure generator (Opacus' `secure_mode`: a sum
                 of 4 Box-Muller draws on 53-bit uniforms), not seeded, so that it
@@ -141,22 +175,34 @@ class GradientTrackingMixin(
             groups={"encoder": [model.get_layer("encoder")], "head": ["classifier"]},
             noise_multiplier=1.1,
         )
+
+        # Sigma for epsilon 3 over 10 epochs, logical batches of 4 x 256:
+        model.make_private(l2_norm_clip=1.0, target_epsilon=3.0, delta=1e-5, epochs=10,
+                           dataset_size=len(x), expected_batch_size=1024,
+                           accumulation_steps=4)
+        model.fit(x, y, batch_size=256, epochs=10)
         ```
         """
-        self.__dict__["_privacy_settings"] = private_settings.validated_settings(
+        private_training.make_private(
             self,
             l2_norm_clip,
             noise_multiplier,
             expected_batch_size,
             groups,
-            secure_noise,
-            adaptive_clip,
+            sampling_rate=sampling_rate,
+            dataset_size=dataset_size,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            epochs=epochs,
+            accountant=accountant,
+            accumulation_steps=accumulation_steps,
+            secure_noise=secure_noise,
+            adaptive_clip=adaptive_clip,
         )
         if adaptive_clip is not None:  # the bound C_t, updated by every step
             self.__dict__["_adaptive_clip_bound"] = tf.Variable(
                 self.__dict__["_privacy_settings"].sensitivity, trainable=False, dtype=tf.float32
             )
-        self.__dict__["_private_steps"] = 0
         self.train_function = None  # traced anew: every step takes the private path
 
     @property
@@ -166,16 +212,45 @@ class GradientTrackingMixin(
 
     @property
     def private_steps(self) -> int:
-        """Private steps this model has taken since `make_private` (for the accountant)."""
-        return int(self.__dict__.get("_private_steps", 0))
+        """Private steps (optimizer updates) of every phase of `privacy_history`."""
+        return sum(phase.steps for phase in self.privacy_history)
+
+    @property
+    def privacy_history(self) -> tuple[PrivacyPhase, ...]:
+        """Every phase of private training, `(sigma, q, steps, sampling)`, the current last.
+
+        Example:
+
+        ```python
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.1, sampling_rate=0.01)
+        model.fit(...)
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.01)
+        model.fit(...)
+        [phase.steps for phase in model.privacy_history]   # [steps of each fit]
+        ```
+        """
+        return private_training.history(self)
+
+    def epsilon(self, delta: float, accountant: str = "rdp") -> float:
+        """Epsilon at `delta` of every phase of `privacy_history`, composed.
+
+        Example:
+
+        ```python
+        model.epsilon(1e-5)                    # RDP
+        model.epsilon(1e-5, accountant="pld")  # tighter
+        ```
+        """
+        return private_training.epsilon(self, delta, accountant)
 
     def get_compile_config(self) -> Any:
-        """Keras' compile config, with the settings of `make_private` and the private
-        steps taken: a private model saved with `save("m.keras")` loads private."""
+        """Keras' compile config, with the settings of `make_private` and the privacy
+        history: a private model saved with `save("m.keras")` loads private."""
         config = super().get_compile_config()  # type: ignore[misc]
         privacy = private_settings.config_of(self)
         if config and privacy is not None:
-            config = {**config, PRIVACY_CONFIG_KEY: {**privacy, "steps": self.private_steps}}
+            history = [phase.as_dict() for phase in self.privacy_history]
+            config = {**config, PRIVACY_CONFIG_KEY: {**privacy, "history": history}}
         return config
 
     def compile_from_config(self, config: Any) -> None:
@@ -187,9 +262,13 @@ class GradientTrackingMixin(
         if privacy is None or getattr(self, "optimizer", None) is None:
             return  # not compiled: Keras warned of a custom `compile`
         privacy = dict(privacy)
-        steps = int(privacy.pop("steps", 0))
+        steps = int(privacy.pop("steps", 0))  # files saved before the history
+        history = privacy.pop("history", None)
         self.make_private(**privacy)
-        self.__dict__["_private_steps"] = steps
+        if history is None:
+            private_training.record_steps(self, steps)
+        else:
+            private_training.set_history(self, phases_from(history))
 
     def _build_tracking_plan(self) -> Plan:
         return build_plan(self)
@@ -383,6 +462,12 @@ class GradientTrackingMixin(
         # with "Invalid dtype": say what ids must be first.
         batch_data.check_example_ids(args[0] if args else kwargs.get("x"))
         callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
+        if self.privacy_settings is not None:
+            if private_training.budget_steps_left(self) == 0:
+                raise ValueError(private_training.budget_refusal(self))
+            self.__dict__["_private_fit_data"] = private_training.fit_data(
+                args[0] if args else kwargs.get("x"), kwargs
+            )
         guard = self.__dict__["_independence_guard"] = IndependenceGuard(
             self.check_example_independence
             and (subscribes_to_gradients(callbacks) or self.privacy_settings is not None)
@@ -410,6 +495,13 @@ class GradientTrackingMixin(
             # Keras resets `fit`'s iterator after this call, so a batch taken here is
             # seen again by the first step.
             guard.batch = data_batch if data_batch is not None else first_batch(iterator)
+        fit_data = self.__dict__.pop("_private_fit_data", None)
+        if fit_data is not None:
+            batch = guard.batch if guard is not None and guard.batch is not None else None
+            batch = batch if batch is not None else data_batch
+            self._check_private_batches(
+                fit_data, batch if batch is not None else first_batch(iterator)
+            )
         if self._distribute_strategy is None or iterator is None:  # type: ignore[attr-defined]
             return super()._maybe_symbolic_build(iterator, data_batch)  # type: ignore[misc]
         # Keras averages a distributed batch across replicas to learn its shapes,
@@ -422,6 +514,16 @@ class GradientTrackingMixin(
         data_batch = distribute.first_replica(batch, strategy)
         with strategy.scope():
             return self._symbolic_build(data_batch=data_batch)
+
+    def _check_private_batches(self, fit_data: Any, batch: Any) -> None:
+        """Checks `fit`'s data against the privacy settings (sampling rate, dataset
+        size, batch size) before any step: `private_training.check_batches`."""
+        if batch is None:
+            return
+        strategy = self.distribute_strategy  # type: ignore[attr-defined]
+        leaf = tf.nest.flatten(distribute.first_replica(batch, strategy))[0]
+        size = int(tf.shape(leaf)[0]) * int(strategy.num_replicas_in_sync)
+        private_training.check_batches(self, fit_data[0], size, fit_data[1])
 
     def _layers_built(self) -> bool:
         return all(layer.built for layer in self._flatten_layers())  # type: ignore[attr-defined]
@@ -576,12 +678,15 @@ class GradientTrackingMixin(
                 payload = outputs.pop(PAYLOAD_KEY)
                 state.report(int(payload["batch_size"]), None, due)
                 return outputs
+            if private and not private_training.step_allowed(self):
+                return self.get_metrics_result()  # type: ignore[attr-defined]
             self._check_independence_once()
+            updates = private_training.UpdateCount(self) if private else None
             outputs = distribute.unprotect(dict(tracked(due)(iterator)), strategy)
             payload = outputs.pop(PAYLOAD_KEY)
             state.report(int(payload["batch_size"]), payload if due else None, due)
-            if private:
-                self.__dict__["_private_steps"] = self.private_steps + 1
+            if updates is not None:
+                private_training.record_steps(self, updates.since())
             return outputs
 
         self.train_function = self._prepared_on_first_call(train_function)

@@ -8,24 +8,34 @@ Example:
 ```python
 import keras_gradtrack as kgt
 
-q, steps = 256 / len(x), 60 * len(x) // 256
-sigma = kgt.privacy.compute_noise_multiplier(3.0, q, steps, delta=1e-5)
-model.make_private(l2_norm_clip=1.0, noise_multiplier=sigma, expected_batch_size=q * len(x))
+q = 256 / len(x)
+model.make_private(l2_norm_clip=1.0, target_epsilon=3.0, delta=1e-5, epochs=60,
+                   sampling_rate=q, dataset_size=len(x))
 model.fit(kgt.privacy.poisson_batches(x, y, sampling_rate=q), epochs=60,
-          callbacks=[kgt.privacy.PrivacyAccountant(delta=1e-5, sampling_rate=q)])
+          callbacks=[kgt.privacy.PrivacyAccountant(delta=1e-5)])
+model.epsilon(1e-5)          # at most 3: every phase of model.privacy_history
 ```
 """
 
 from keras_gradtrack.engine.adaptive_clip import AdaptiveClip
-from keras_gradtrack.privacy.accounting import compute_epsilon, compute_noise_multiplier
+from keras_gradtrack.privacy.accounting import (
+    compute_epsilon,
+    compute_noise_multiplier,
+    history_epsilon,
+)
+from keras_gradtrack.privacy.budget import PrivacyBudget
 from keras_gradtrack.privacy.callbacks import PrivacyAccountant
+from keras_gradtrack.privacy.history import PrivacyPhase
 from keras_gradtrack.privacy.sampling import poisson_batch_indices, poisson_batches
 
 __all__ = [
     "AdaptiveClip",
     "PrivacyAccountant",
+    "PrivacyBudget",
+    "PrivacyPhase",
     "compute_epsilon",
     "compute_noise_multiplier",
+    "history_epsilon",
     "poisson_batch_indices",
     "poisson_batches",
 ]

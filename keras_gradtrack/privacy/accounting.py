@@ -12,7 +12,10 @@ an assumption, not a guarantee.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
+
+from keras_gradtrack.privacy.history import PrivacyPhase
 
 ACCOUNTANTS = ("rdp", "pld")
 
@@ -146,17 +149,70 @@ class EpsilonCurve:
         return found
 
 
+def history_event(phases: Sequence[PrivacyPhase]) -> Any:
+    """The `dp_accounting` event of a history: one DP-SGD event per phase, composed."""
+    dpa = dp_accounting()
+    events = []
+    for phase in phases:
+        if phase.sampling_rate is None:
+            raise ValueError(
+                "Expected every phase to have a sampling rate (pass `sampling_rate=` or "
+                f"`dataset_size=` to `make_private`). Received: {phase}"
+            )
+        if phase.steps:
+            events.append(dp_sgd_event(phase.noise_multiplier, phase.sampling_rate, phase.steps))
+    return dpa.ComposedDpEvent(events)
+
+
+def history_epsilon(phases: Sequence[PrivacyPhase], delta: float, accountant: str = "rdp") -> float:
+    """Epsilon at `delta` of every phase of a privacy history, composed.
+
+    Args:
+        phases: `(sigma, q, steps)` phases (`model.privacy_history`), each with a
+            known sampling rate.
+        delta: The target delta.
+        accountant: `"rdp"` or `"pld"`.
+
+    Returns:
+        Epsilon (infinity if a phase with steps has no noise; 0 without any step).
+
+    Example:
+
+    ```python
+    phases = [PrivacyPhase(1.1, 0.01, 500, "poisson"), PrivacyPhase(2.0, 0.01, 300, "poisson")]
+    history_epsilon(phases, 1e-5)
+    ```
+    """
+    history_event(phases)  # refuses a phase without a sampling rate
+    for phase in phases:
+        check_arguments(phase.sampling_rate, phase.steps, delta, accountant, phase.noise_multiplier)
+    spent = [phase for phase in phases if phase.steps]
+    if not spent:
+        return 0.0
+    if any(phase.noise_multiplier == 0 for phase in spent):
+        return float("inf")
+    found = fresh_accountant(accountant)
+    found.compose(history_event(spent))
+    return float(found.get_epsilon(delta))
+
+
 def compute_noise_multiplier(
     target_epsilon: float,
     sampling_rate: float,
     steps: int,
     delta: float,
     accountant: str = "rdp",
+    prior: Sequence[PrivacyPhase] = (),
 ) -> float:
     """The smallest noise multiplier whose `steps` steps spend at most `target_epsilon`.
 
+    With `prior` phases (privacy already spent, `model.privacy_history`), the
+    epsilon of those phases and the new steps together stays within the target.
     Found by `dp_accounting.calibrate_dp_mechanism` (a bracketed search, to within
     one part in a thousand, on the safe side).
+
+    Raises:
+        ValueError: Where the prior phases alone already spend the target.
 
     Example:
 
@@ -170,13 +226,26 @@ def compute_noise_multiplier(
         raise ValueError(
             f"Expected target_epsilon > 0. Received: target_epsilon={target_epsilon!r}"
         )
+    prior = [phase for phase in prior if phase.steps]
+    spent = history_epsilon(prior, delta, accountant)
+    if spent >= target_epsilon:
+        raise ValueError(
+            f"The privacy already spent, epsilon={spent:.4g} at delta={delta}, reaches "
+            f"target_epsilon={target_epsilon}: no noise keeps further steps within it. "
+            f"Received history: {prior}"
+        )
     if steps == 0:
         return 0.0
     dpa = dp_accounting()
+
+    def event(sigma: float) -> Any:
+        phases = [*prior, PrivacyPhase(sigma, sampling_rate, steps)]
+        return history_event(phases)
+
     return float(
         dpa.calibrate_dp_mechanism(
             lambda: fresh_accountant(accountant),
-            lambda sigma: dp_sgd_event(sigma, sampling_rate, steps),
+            event,
             target_epsilon,
             delta,
             dpa.LowerEndpointAndGuess(1e-3, 1.0),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import keras
 
-from keras_gradtrack.privacy.accounting import EpsilonCurve, check_arguments
+from keras_gradtrack.privacy.accounting import check_arguments
+from keras_gradtrack.privacy.budget import PrivacyBudget, epsilon_after
+from keras_gradtrack.privacy.history import PrivacyPhase, history_json, with_rate
 
 # Where the model holds its accountant, for the gradient logs of the same model
 # (`engine/private_logs.py` reads it).
@@ -27,10 +30,14 @@ class PrivacyAccountant(keras.callbacks.Callback):
     accountant through the model (the last one a `fit` of the model used), so
     the accountant need not be given the logger.
 
-    Reads the noise multiplier and the count of private steps from the model
-    (`make_private`). Without `sampling_rate`, `q` is taken as one over the steps of
+    Composes every phase of the model's `privacy_history` (each `make_private`
+    starts one: its noise multiplier, sampling rate and steps). A phase whose
+    sampling rate `make_private` was not told (neither `sampling_rate` nor
+    `dataset_size`) takes `sampling_rate` given here, or else one over the steps of
     an epoch (shuffled fixed-size batches, accounted as if Poisson-sampled: the
-    accountant assumes Poisson sampling; `poisson_batches` provides it).
+    accountant assumes Poisson sampling; `poisson_batches` provides it). A
+    `sampling_rate` given here that differs from a phase's own is refused before
+    any step.
 
     Args:
         delta: The target delta.
@@ -82,42 +89,68 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self.accountant = accountant
         self.batch_epsilon_every = batch_epsilon_every
         self.epsilon: float | None = None
-        self._curve: EpsilonCurve | None = None
+        self._curve: tuple[Any, Any] | None = None
 
-    def privacy_spent(self) -> float:
-        """Epsilon at `delta` after the model's private steps so far."""
-        settings = getattr(self.model, "privacy_settings", None)
-        if settings is None:
+    def phases(self) -> tuple[PrivacyPhase, ...]:
+        """The model's privacy history, each phase with its sampling rate.
+
+        Raises:
+            ValueError: For a model without privacy, or a `sampling_rate` given
+                here other than a phase's own.
+        """
+        if getattr(self.model, "privacy_settings", None) is None:
             raise ValueError(
                 "PrivacyAccountant needs a private model: call `model.make_private(...)` "
                 f"before fit. Received: model {self.model.name!r} without privacy settings"
             )
-        curve = self._curve
-        if (
-            curve is None
-            or curve.noise_multiplier != settings.noise_multiplier
-            or curve.sampling_rate != self.rate()
-        ):
-            curve = self._curve = EpsilonCurve(
-                settings.noise_multiplier, self.rate(), self.delta, self.accountant
+        phases = self.model.privacy_history
+        for phase in phases:
+            rate, given = phase.sampling_rate, self.sampling_rate
+            if rate is not None and given is not None and not math.isclose(rate, given):
+                raise ValueError(
+                    f"PrivacyAccountant was given sampling_rate={given}, but the model's "
+                    f"privacy history has a phase at sampling_rate={rate} ({phase}). "
+                    "Leave `sampling_rate` out: the history says it."
+                )
+        return with_rate(phases, self.rate())
+
+    def privacy_spent(self) -> float:
+        """Epsilon at `delta` after every phase of the model's private steps so far."""
+        *prior, phase = self.phases()
+        if not any(p.steps for p in (*prior, phase)):
+            return 0.0
+        if any(p.noise_multiplier == 0 for p in (*prior, phase) if p.steps):
+            return float("inf")
+        assert phase.sampling_rate is not None
+        key = (tuple(prior), phase.noise_multiplier, phase.sampling_rate)
+        if self._curve is None or self._curve[0] != key:
+            budget = PrivacyBudget(math.inf, self.delta, self.accountant)
+            self._curve = (
+                key,
+                epsilon_after(budget, prior, phase.noise_multiplier, phase.sampling_rate),
             )
-        return curve.epsilon(self.model.private_steps)
+        return float(self._curve[1](phase.steps))
 
     def spent_attrs(self) -> dict[str, Any]:
         """The privacy spent so far as a gradient log's root attributes."""
+        phases = self.phases()
         return {
             "dp_epsilon": self.privacy_spent(),
             "dp_delta": float(self.delta),
-            "dp_sampling_rate": self.rate(),
+            "dp_sampling_rate": float(phases[-1].sampling_rate or math.nan),
             "dp_steps": int(self.model.private_steps),
             "dp_accountant": self.accountant,
+            "dp_privacy_history": history_json(phases),
         }
 
     def rate(self) -> float:
-        """`q`: as given, or one over the steps of an epoch."""
+        """`q`: as given, or `k` over the steps of an epoch (`k` batches a step)."""
         if self.sampling_rate is not None:
             return float(self.sampling_rate)
-        return min(1.0, 1.0 / max(1, int(self.params.get("steps") or 1)))
+        settings = getattr(self.model, "privacy_settings", None)
+        batches = getattr(settings, "accumulation_steps", 1)
+        steps = int((self.params or {}).get("steps") or 1)
+        return min(1.0, batches / max(1, steps))
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.privacy_spent()  # refuses a model that is not private before any step

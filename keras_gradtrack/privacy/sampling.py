@@ -67,8 +67,14 @@ def poisson_batches(
     sampling_rate: float = 0.01,
     steps: int | None = None,
     seed: int | None = None,
+    accumulation_steps: int = 1,
 ) -> Any:
     """A `tf.data.Dataset` of Poisson-sampled batches of `(x, y)` (or `x`), for `fit`.
+
+    With `accumulation_steps=k`, each Poisson draw is a logical batch, yielded as `k`
+    physical batches of near-equal size (`make_private(..., accumulation_steps=k)`
+    adds them into one update); a draw of fewer than `k` examples is skipped, as an
+    empty one is.
 
     Args:
         x: The inputs: a numpy array (or a dict or tuple of arrays) of `N` examples.
@@ -77,6 +83,7 @@ def poisson_batches(
         steps: Batches per pass over the dataset object (default `round(1 / q)`);
             each pass (each epoch of `fit`) draws anew.
         seed: Seed of the draws (None: fresh entropy).
+        accumulation_steps: `k`, the physical batches of each drawn (logical) batch.
 
     Returns:
         A dataset of variable-size batches.
@@ -105,14 +112,20 @@ def poisson_batches(
     )
     if steps is None:
         steps = max(1, round(1 / sampling_rate))
+    k = accumulation_steps
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"Expected accumulation_steps to be a positive integer. Received: {k!r}")
     epochs = iter(range(2**62))
 
     def batches() -> Iterator[Any]:
         # A fresh stream each pass, reproducible from `seed`.
         pass_seed = None if seed is None else [seed, next(epochs)]
-        for indices in poisson_batch_indices(size, sampling_rate, steps, pass_seed):
-            yield tree.map_structure(lambda a, rows=indices: a[rows], arrays)
+        drawn = poisson_batch_indices(size, sampling_rate, 2**62, pass_seed)
+        logical = (indices for indices in drawn if indices.size >= k)
+        for _, indices in zip(range(steps), logical):
+            for rows in np.array_split(indices, k):
+                yield tree.map_structure(lambda a, rows=rows: a[rows], arrays)
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
     # `fit` then knows an epoch's steps (it would warn that the input ran out otherwise).
-    return dataset.apply(tf.data.experimental.assert_cardinality(steps))
+    return dataset.apply(tf.data.experimental.assert_cardinality(steps * k))
