@@ -143,6 +143,18 @@ def test_adaptive_clip_is_refused_with_bounds_per_layer() -> None:
         AdaptiveClip(target_quantile=1.5)
 
 
+def test_adaptive_clip_is_refused_with_logical_batches() -> None:
+    """The bound moves after every optimizer step: the physical batches of one logical
+    batch would be clipped to different bounds."""
+    with pytest.raises(ValueError, match="Adaptive clipping updates its bound"):
+        norms_model(
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            adaptive_clip=AdaptiveClip(),
+            accumulation_steps=2,
+        )
+
+
 def test_a_saved_model_goes_on_from_the_bound_reached(tmp_path: Any) -> None:
     norms = np.linspace(0.5, 4.0, 20)
     x, y = inputs_with_norms(norms), np.ones((20, 1), "float32")
