@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from keras_gradtrack.engine import clipping
 from keras_gradtrack.privacy import compute_epsilon
-from keras_gradtrack.privacy.audit import dirac_canary_audit
+from keras_gradtrack.privacy_audit import dirac_canary_audit
 
 
 def unclipped(settings: Any, model: Any, plan: Any, sq_norms: Any, bound: Any = None) -> Any:

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import keras_gradtrack as kgt
-from keras_gradtrack.engine.adaptive_clip import gradient_noise_multiplier, next_bound
 from keras_gradtrack.privacy import AdaptiveClip
-from keras_gradtrack.privacy.audit import linear_loss
+from keras_gradtrack.privacy.adaptive_clip import gradient_noise_multiplier, next_bound
+from keras_gradtrack.privacy_audit import linear_loss
 
 
 def norms_model(**private: Any) -> Any:

@@ -15,12 +15,8 @@ import tensorflow as tf
 
 from keras_gradtrack.engine import clipping
 from keras_gradtrack.privacy import compute_epsilon
-from keras_gradtrack.privacy.audit import (
-    audit_scores,
-    dirac_canary_audit,
-    epsilon_lower_bound,
-    p_value,
-)
+from keras_gradtrack.privacy.audit import audit_scores, epsilon_lower_bound, p_value
+from keras_gradtrack.privacy_audit import dirac_canary_audit
 
 # 1000 canaries, 4 full-batch steps at sigma 3: the accountant says epsilon 2.98 at
 # delta 1e-5; 100 guesses each side, all right, would refute up to 4.17.

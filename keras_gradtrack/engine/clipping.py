@@ -46,7 +46,6 @@ import tensorflow as tf
 
 from keras_gradtrack._keras_seam import flatten_layers, layer_losses, optimizer_apply_count
 from keras_gradtrack.engine import distribute
-from keras_gradtrack.engine.adaptive_clip import next_bound
 from keras_gradtrack.engine.backward import Materialized
 from keras_gradtrack.engine.fallback import per_example_output_products
 from keras_gradtrack.engine.per_layer import layers_primitives
@@ -63,6 +62,7 @@ from keras_gradtrack.engine.private_settings import (  # preflight's refusal tex
 from keras_gradtrack.engine.secure_noise import secure_standard_normal
 from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.privacy.adaptive_clip import next_bound
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers
-from keras_gradtrack.engine.adaptive_clip import AdaptiveClip, gradient_noise_multiplier
 from keras_gradtrack.engine.plan import Plan, build_plan
+from keras_gradtrack.privacy.adaptive_clip import AdaptiveClip, gradient_noise_multiplier
 from keras_gradtrack.privacy.budget import PrivacyBudget
 
 

@@ -17,12 +17,12 @@ model.epsilon(1e-5)          # at most 3: every phase of model.privacy_history
 ```
 """
 
-from keras_gradtrack.engine.adaptive_clip import AdaptiveClip
 from keras_gradtrack.privacy.accounting import (
     compute_epsilon,
     compute_noise_multiplier,
     history_epsilon,
 )
+from keras_gradtrack.privacy.adaptive_clip import AdaptiveClip
 from keras_gradtrack.privacy.budget import PrivacyBudget
 from keras_gradtrack.privacy.callbacks import PrivacyAccountant
 from keras_gradtrack.privacy.history import PrivacyPhase

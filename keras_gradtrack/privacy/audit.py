@@ -14,22 +14,16 @@ included). The empirical epsilon is the largest `eps` whose p-value for the obse
 is below `1 - confidence`: a run that is `(eps', delta)`-DP with `eps' < eps` would give
 so many correct guesses with probability under 5% (at confidence 0.95).
 
-`dirac_canary_audit` runs such an audit on the library's own private step: canary `j`
-is the input `c e_j` (a one-hot of norm `c`) of a Dense layer without bias and with
-a loss linear in its output, so its per-example gradient is `-c e_j`, a Dirac of norm
-`c` on kernel weight `j`; the score of canary `j` is the change of that weight.
+This module holds the auditor's statistics (numpy only); `keras_gradtrack.privacy_audit`
+runs such an audit on the library's own private step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
-import keras
 import numpy as np
-
-from keras_gradtrack.models.model import GradientTrackingSequential
 
 
 def p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
@@ -129,68 +123,3 @@ def audit_scores(
     guesses = 2 * guesses_per_side
     bound = epsilon_lower_bound(scores.size, guesses, correct, delta, confidence)
     return AuditResult(scores.size, guesses, correct, bound, scores, included)
-
-
-def dirac_canary_audit(
-    canaries: int,
-    noise_multiplier: float,
-    steps: int,
-    guesses_per_side: int,
-    l2_norm_clip: float = 1.0,
-    canary_norm: float = 1.0,
-    delta: float = 1e-5,
-    seed: int = 0,
-    **make_private: Any,
-) -> AuditResult:
-    """Trains a private Dense layer on Dirac canaries and audits it (module docstring).
-
-    Each canary is included with probability 1/2 (numpy, `seed`); every step is a full
-    batch of the included canaries (sampling rate 1, `expected_batch_size` half the
-    canaries), SGD at learning rate 1, for `steps` steps from zero weights, through
-    `make_private`'s private step. The accountant's epsilon of the same run is
-    `compute_epsilon(noise_multiplier, 1.0, steps, delta)`.
-
-    Args:
-        canaries: `m`, the number of canaries (the layer's input size).
-        noise_multiplier: `sigma` of `make_private`.
-        steps: Training steps.
-        guesses_per_side: Canaries guessed "in" (and as many "out").
-        l2_norm_clip: `C` of `make_private`.
-        canary_norm: Each canary's gradient norm (above `C`: clipped to `C`).
-        delta: The delta of the bound.
-        seed: Seeds the inclusions and Keras (the default noise).
-        **make_private: More arguments of `make_private` (`secure_noise=True`).
-
-    Example:
-
-    ```python
-    result = dirac_canary_audit(1000, noise_multiplier=3.0, steps=4, guesses_per_side=100)
-    result.epsilon_lower_bound   # below compute_epsilon(3.0, 1.0, 4, 1e-5) = 2.98
-    ```
-    """
-    included = np.random.default_rng(seed).random(canaries) < 0.5
-    x = canary_norm * np.eye(canaries, dtype=np.float32)[included]
-    y = np.ones((len(x), 1), np.float32)
-    keras.utils.set_random_seed(seed)
-    model = GradientTrackingSequential(
-        [
-            keras.Input((canaries,)),
-            keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros"),
-        ]
-    )
-    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=linear_loss)
-    model.make_private(
-        l2_norm_clip=l2_norm_clip,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=canaries / 2,
-        **make_private,
-    )
-    model.fit(x, y, batch_size=max(len(x), 1), epochs=steps, shuffle=False, verbose=0)
-    # Each canary's loss gradient is -c e_j: SGD moves weight j up when it is in.
-    scores = model.trainable_variables[0].numpy()[:, 0]
-    return audit_scores(scores, included, guesses_per_side, delta)
-
-
-def linear_loss(y_true: Any, y_pred: Any) -> Any:
-    """`-<y_true, y_pred>` per example: its gradient at the output is `-y_true`."""
-    return -keras.ops.sum(y_true * y_pred, axis=-1)

@@ -29,7 +29,7 @@ import dataclasses
 import math
 from typing import Any
 
-import tensorflow as tf
+import keras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def next_bound(
     """`C_{t+1} = C_t exp(-eta_C (b_t - gamma))`, with
     `b_t = (unclipped - batch_size / 2 + noise) / divisor + 1/2` (the module's docstring).
 
-    Works on Python numbers and on tensors.
+    Works on Python numbers and on tensors (`keras.ops`: every backend).
 
     Example:
 
@@ -128,4 +128,4 @@ def next_bound(
     step = -clip.learning_rate * (fraction - clip.target_quantile)
     if isinstance(step, (int, float)):
         return bound * math.exp(step)
-    return bound * tf.exp(step)
+    return bound * keras.ops.exp(step)
