@@ -3,6 +3,7 @@
 ```
 keras-gradtrack summary LOG                  steps, examples, layers, range of every statistic
 keras-gradtrack top LOG -k 20                most influential example ids (TracIn self-influence)
+keras-gradtrack top LOG --by loss            highest mean loss first (any per-example statistic)
 keras-gradtrack influence LOG --target 7     proponents and opponents of a logged target
 keras-gradtrack plot LOG --out DIR           PNGs of the log (needs matplotlib)
 keras-gradtrack export LOG --format csv      the tables as CSV or Parquet files
@@ -17,6 +18,7 @@ print one line to stderr and exit with status 1; usage errors exit with 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -119,10 +121,22 @@ def _summary(args: argparse.Namespace) -> None:
 
 def _top(args: argparse.Namespace) -> None:
     with GradientLog(args.log) as log:
-        if args.by == "self-influence":
-            scores = log.most_influential(args.k, learning_rate=args.learning_rate)
+        if args.by in RANKINGS:
+            if args.by == "self-influence":
+                scores = log.self_influence(learning_rate=args.learning_rate)
+            else:
+                scores = log.negative_cosine_frequency()
+            scores = scores.bottom(args.k) if args.reverse else scores.top(args.k)
+        elif args.by in log.rankable_statistics:
+            scores = log.rank_by(args.by, args.k, reverse=args.reverse)
         else:
-            scores = log.most_opposing(args.k)
+            available = [*RANKINGS, *log.rankable_statistics]
+            close = difflib.get_close_matches(args.by, available, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"Cannot rank by {args.by!r}: it is neither a ranking nor a per-example "
+                f"statistic of '{args.log}'.{hint} Available: {', '.join(available)}"
+            )
     rows = [
         (rank, example_id, f"{score:.6g}", count)
         for rank, (example_id, score, count) in enumerate(
@@ -208,11 +222,14 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("-k", type=_positive_int, default=20, help="how many (default 20)")
     top.add_argument(
         "--by",
-        choices=RANKINGS,
         default="self-influence",
+        metavar="RANKING",
         help="self-influence: sum over steps of lr x squared gradient norm (default); "
-        "negative-cosine: fraction of steps against the batch gradient",
+        "negative-cosine: fraction of steps against the batch gradient; or a per-example "
+        "statistic of the log (loss, grad_norm, cosine, ...): its mean over the run, "
+        "high first (low first for cosines)",
     )
+    top.add_argument("--reverse", action="store_true", help="the other end of the ranking first")
     top.add_argument(
         "--learning-rate",
         type=_positive_number,
