@@ -12,16 +12,21 @@ keras-gradtrack tensorboard LOG --logdir tb/ TensorBoard event files of the log 
 ```
 
 Errors (a missing file, a file that is not a log, a missing optional dependency)
-print one line to stderr and exit with status 1; usage errors exit with 2.
+print one line to stderr and exit with status 1; usage errors exit with 2. Output cut
+short by its reader (`keras-gradtrack top LOG | head`) ends quietly with status 141,
+as a process that SIGPIPE ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import importlib
+import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,6 +38,8 @@ from keras_gradtrack.version import __version__
 PROG = "keras-gradtrack"
 RANKINGS = ("self-influence", "negative-cosine")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
+# The status of a process that SIGPIPE ends (128 + 13), as `yes | head` gives `yes`.
+BROKEN_PIPE_STATUS = 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,6 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         args.run(args)
+        # Written now, while a closed pipe is still an error this function handles.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): nothing is wrong. Python's recipe: the
+        # rest of the output goes to devnull, so that the flush at exit cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE_STATUS
     except KeyboardInterrupt:
         return 0
     except (OSError, ValueError, KeyError, ImportError) as error:
@@ -188,8 +204,34 @@ def _export(args: argparse.Namespace) -> None:
             print(writer(path, kind=kind))
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Standard error goes to devnull meanwhile (at the file descriptor: C++ writes it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _import_tensorflow_quietly() -> None:
+    """Imports TensorFlow without its start-up lines on stderr (its C++ logging before
+    absl's is set up, the CPU features, no CUDA driver): not this command's output.
+    `TF_CPP_MIN_LOG_LEVEL` (unless set) also quiets the lines of its first operations."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if "tensorflow" not in sys.modules:
+        with _quiet_stderr():
+            importlib.import_module("tensorflow")
+
+
 def _tensorboard(args: argparse.Namespace) -> None:
     # Imports TensorFlow (tf.summary); the other commands never do.
+    _import_tensorflow_quietly()
     from keras_gradtrack.callbacks.tensorboard_events import write_tensorboard
 
     logdir = args.logdir or Path(args.log).with_suffix("").as_posix() + "_tensorboard"
