@@ -74,7 +74,10 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
     passed since the last block, each on a thread of its own while training
     goes on (a block that cannot be written ends `fit` at the next step with
     its `OSError`). The file is opened in SWMR mode, so `GradientLog` can read
-    it while training runs.
+    it while training runs. A `fit` that fails before its first tracked step
+    reaches the file (a refused loss reduction, `add_loss`, an option the backend
+    lacks) removes the file it made (never one that existed before), so the
+    corrected `fit` writes the same path.
 
     Args:
         path: The `.h5` file to write.
