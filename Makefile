@@ -30,7 +30,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-demo: $(STAMP)
+# The demo installs only what it runs: the package, scikit-learn's digits, the plots and
+# TensorBoard's event files (not the development set of `install`).
+DEMO_STAMP := $(VENV)/.installed-demo
+
+$(DEMO_STAMP): pyproject.toml .ci/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e ".[demo,plots,tensorboard]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m keras_gradtrack.demo --out demo_output
 
 docs: $(STAMP)

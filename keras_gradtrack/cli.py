@@ -3,6 +3,7 @@
 ```
 keras-gradtrack summary LOG                  steps, examples, layers, range of every statistic
 keras-gradtrack top LOG -k 20                most influential example ids (TracIn self-influence)
+keras-gradtrack top LOG --by loss            highest mean loss first (any per-example statistic)
 keras-gradtrack influence LOG --target 7     proponents and opponents of a logged target
 keras-gradtrack plot LOG --out DIR           PNGs of the log (needs matplotlib)
 keras-gradtrack export LOG --format csv      the tables as CSV or Parquet files
@@ -11,15 +12,21 @@ keras-gradtrack tensorboard LOG --logdir tb/ TensorBoard event files of the log 
 ```
 
 Errors (a missing file, a file that is not a log, a missing optional dependency)
-print one line to stderr and exit with status 1; usage errors exit with 2.
+print one line to stderr and exit with status 1; usage errors exit with 2. Output cut
+short by its reader (`keras-gradtrack top LOG | head`) ends quietly with status 141,
+as a process that SIGPIPE ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import importlib
+import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,6 +38,8 @@ from keras_gradtrack.version import __version__
 PROG = "keras-gradtrack"
 RANKINGS = ("self-influence", "negative-cosine")
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
+# The status of a process that SIGPIPE ends (128 + 13), as `yes | head` gives `yes`.
+BROKEN_PIPE_STATUS = 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,6 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         args.run(args)
+        # Written now, while a closed pipe is still an error this function handles.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): nothing is wrong. Python's recipe: the
+        # rest of the output goes to devnull, so that the flush at exit cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE_STATUS
     except KeyboardInterrupt:
         return 0
     except (OSError, ValueError, KeyError, ImportError) as error:
@@ -119,10 +137,22 @@ def _summary(args: argparse.Namespace) -> None:
 
 def _top(args: argparse.Namespace) -> None:
     with GradientLog(args.log) as log:
-        if args.by == "self-influence":
-            scores = log.most_influential(args.k, learning_rate=args.learning_rate)
+        if args.by in RANKINGS:
+            if args.by == "self-influence":
+                scores = log.self_influence(learning_rate=args.learning_rate)
+            else:
+                scores = log.negative_cosine_frequency()
+            scores = scores.bottom(args.k) if args.reverse else scores.top(args.k)
+        elif args.by in log.rankable_statistics:
+            scores = log.rank_by(args.by, args.k, reverse=args.reverse)
         else:
-            scores = log.most_opposing(args.k)
+            available = [*RANKINGS, *log.rankable_statistics]
+            close = difflib.get_close_matches(args.by, available, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"Cannot rank by {args.by!r}: it is neither a ranking nor a per-example "
+                f"statistic of '{args.log}'.{hint} Available: {', '.join(available)}"
+            )
     rows = [
         (rank, example_id, f"{score:.6g}", count)
         for rank, (example_id, score, count) in enumerate(
@@ -174,8 +204,34 @@ def _export(args: argparse.Namespace) -> None:
             print(writer(path, kind=kind))
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Standard error goes to devnull meanwhile (at the file descriptor: C++ writes it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _import_tensorflow_quietly() -> None:
+    """Imports TensorFlow without its start-up lines on stderr (its C++ logging before
+    absl's is set up, the CPU features, no CUDA driver): not this command's output.
+    `TF_CPP_MIN_LOG_LEVEL` (unless set) also quiets the lines of its first operations."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if "tensorflow" not in sys.modules:
+        with _quiet_stderr():
+            importlib.import_module("tensorflow")
+
+
 def _tensorboard(args: argparse.Namespace) -> None:
     # Imports TensorFlow (tf.summary); the other commands never do.
+    _import_tensorflow_quietly()
     from keras_gradtrack.callbacks.tensorboard_events import write_tensorboard
 
     logdir = args.logdir or Path(args.log).with_suffix("").as_posix() + "_tensorboard"
@@ -208,11 +264,14 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("-k", type=_positive_int, default=20, help="how many (default 20)")
     top.add_argument(
         "--by",
-        choices=RANKINGS,
         default="self-influence",
+        metavar="RANKING",
         help="self-influence: sum over steps of lr x squared gradient norm (default); "
-        "negative-cosine: fraction of steps against the batch gradient",
+        "negative-cosine: fraction of steps against the batch gradient; or a per-example "
+        "statistic of the log (loss, grad_norm, cosine, ...): its mean over the run, "
+        "high first (low first for cosines)",
     )
+    top.add_argument("--reverse", action="store_true", help="the other end of the ranking first")
     top.add_argument(
         "--learning-rate",
         type=_positive_number,

@@ -13,6 +13,7 @@ import keras_gradtrack as kgt
 
 log = kgt.GradientLog("run.h5")
 suspicious = log.most_influential(20)  # highest TracIn self-influence first
+log.rank_by("loss", 20)  # highest mean loss first (any per-example statistic)
 log.influence().opponents(target_id=3)  # with targets: who pushed against target 3
 print(suspicious.example_id, suspicious.score)
 print(log.summary())
@@ -22,7 +23,13 @@ log.to_csv("run.per_example.csv")
 
 from keras_gradtrack.analysis.influence import Influence, influence_from_sketches
 from keras_gradtrack.analysis.log import GradientLog
-from keras_gradtrack.analysis.scores import DetectionMetrics, ExampleScores, detection_metrics
+from keras_gradtrack.analysis.scores import (
+    DetectionMetrics,
+    ExampleScores,
+    detection_metrics,
+    mean_by_example,
+    rank_by,
+)
 from keras_gradtrack.analysis.tables import (
     LayerSummary,
     per_example_learning_rate,
@@ -39,7 +46,9 @@ __all__ = [
     "LayerSummary",
     "detection_metrics",
     "influence_from_sketches",
+    "mean_by_example",
     "per_example_learning_rate",
+    "rank_by",
     "step_quantiles",
     "table_columns",
     "text_table",

@@ -10,9 +10,12 @@ import numpy as np
 from keras_gradtrack.analysis.influence import Influence, influence
 from keras_gradtrack.analysis.scores import (
     ExampleScores,
+    mean_by_example,
     most_influential,
     most_opposing,
     negative_cosine_frequency,
+    rank_by,
+    rankable_statistics,
     self_influence,
 )
 from keras_gradtrack.analysis.tables import (
@@ -153,6 +156,40 @@ class GradientLog(LogReader):
         ```
         """
         return most_opposing(self, k)
+
+    def mean_by_example(self, statistic: str) -> ExampleScores:
+        """Per example, the mean of a per-example statistic over its logged rows
+        (`analysis.mean_by_example`), ordered by id.
+
+        Example:
+
+        ```python
+        log.mean_by_example("loss").top(10)  # highest mean loss first
+        ```
+        """
+        return mean_by_example(self, statistic)
+
+    def rank_by(self, statistic: str, k: int = 10, reverse: bool = False) -> ExampleScores:
+        """The `k` examples ranked first by their mean `statistic` (`analysis.rank_by`):
+        high first for `loss`, `grad_norm` and others, low first for `cosine`;
+        `reverse=True` turns the order around.
+
+        Raises:
+            ValueError: for a statistic the log does not hold per example and row,
+                listing those it holds.
+
+        Example:
+
+        ```python
+        log.rank_by("loss", 20).example_id  # mean loss detects mislabels best
+        ```
+        """
+        return rank_by(self, statistic, k, reverse)
+
+    @property
+    def rankable_statistics(self) -> list[str]:
+        """The per-example statistics `rank_by` accepts (one value per row)."""
+        return rankable_statistics(self)
 
     def layer_summary(
         self, statistic: str = "layer_grad_norm", by: str = "step", reduce: str = "median"

@@ -1,4 +1,5 @@
-"""Per-example scores from a log: TracIn self-influence, opposition to the batch, detection."""
+"""Per-example scores from a log: TracIn self-influence, opposition to the batch, the mean of
+any logged per-example statistic, detection."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from keras_gradtrack.analysis.tables import (
     per_example_column,
     per_example_learning_rate,
 )
+from keras_gradtrack.io.schema import PER_EXAMPLE_GROUP
 
 if TYPE_CHECKING:
     import pandas
@@ -56,9 +58,23 @@ class ExampleScores:
         log.self_influence().top(5).example_id
         ```
         """
+        return self._first(k, -self.score)
+
+    def bottom(self, k: int) -> ExampleScores:
+        """The `k` lowest scores, lowest first (ties: smaller id first; NaN last).
+
+        Example:
+
+        ```python
+        log.mean_by_example("cosine").bottom(5).example_id  # most against the batch
+        ```
+        """
+        return self._first(k, self.score)
+
+    def _first(self, k: int, key: np.ndarray) -> ExampleScores:
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
             raise ValueError(f"Expected k to be a positive integer. Received: k={k!r}")
-        order = np.lexsort((self.example_id, np.isnan(self.score), -self.score))[:k]
+        order = np.lexsort((self.example_id, np.isnan(self.score), key))[:k]
         return ExampleScores(self.name, self.example_id[order], self.score[order], self.rows[order])
 
     def to_pandas(self) -> pandas.DataFrame:
@@ -181,6 +197,73 @@ def most_opposing(log: LogReader, k: int = 10) -> ExampleScores:
     ```
     """
     return negative_cosine_frequency(log).top(k)
+
+
+def rankable_statistics(log: LogReader) -> list[str]:
+    """The per-example statistics of `log` with one value per row (not per layer)."""
+    return [name for name, width in log.layout.widths(PER_EXAMPLE_GROUP).items() if width is None]
+
+
+def lowest_first(statistic: str) -> bool:
+    """Whether a ranking by `statistic` puts low values first: cosines (an example
+    against the batch gradient is the suspicious one); every other statistic (loss,
+    grad_norm, ...) puts high values first."""
+    return statistic.endswith("cosine")
+
+
+def mean_by_example(log: LogReader, statistic: str) -> ExampleScores:
+    """Per id, the mean of a per-example statistic over its logged rows (NaN rows left out).
+
+    Args:
+        log: the log.
+        statistic: a per-example statistic with one value per row: `"loss"`,
+            `"grad_norm"`, `"cosine"`, ... (`rankable_statistics(log)` lists them).
+
+    Returns:
+        `ExampleScores` named `"mean_<statistic>"`, one per id, ordered by id; `rows`
+        counts the rows averaged (an id whose every value is NaN scores NaN, 0 rows).
+
+    Raises:
+        ValueError: for a statistic the log does not hold per example and row; the
+            message lists those it holds.
+
+    Example:
+
+    ```python
+    log.mean_by_example("loss").top(10)  # highest mean loss: often mislabeled
+    ```
+    """
+    available = rankable_statistics(log)
+    if statistic not in available:
+        raise ValueError(
+            f"Cannot rank by {statistic!r}: '{log.path}' holds no per-example statistic of "
+            f"that name with one value per row. Available: {available}"
+        )
+    values = log.per_example(statistic).astype(np.float64)
+    kept = ~np.isnan(values)
+    ids, inverse = np.unique(log.per_example("example_id"), return_inverse=True)
+    total = np.bincount(inverse[kept], weights=values[kept], minlength=len(ids))
+    rows = np.bincount(inverse[kept], minlength=len(ids)).astype(np.int64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(rows > 0, total / np.maximum(rows, 1), np.nan)
+    return ExampleScores(f"mean_{statistic}", ids.astype(np.int64), mean, rows)
+
+
+def rank_by(log: LogReader, statistic: str, k: int = 10, reverse: bool = False) -> ExampleScores:
+    """The `k` examples ranked first by their mean `statistic` over the run.
+
+    High mean first for `loss`, `grad_norm` and every statistic but cosines; low (most
+    negative) mean first for `cosine`; `reverse=True` turns the order around.
+
+    Example:
+
+    ```python
+    log.rank_by("loss", 20).example_id  # the 20 examples of highest mean loss
+    log.rank_by("cosine", 20)  # lowest mean cosine first
+    ```
+    """
+    scores = mean_by_example(log, statistic)
+    return scores.bottom(k) if lowest_first(statistic) != reverse else scores.top(k)
 
 
 def detection_metrics(

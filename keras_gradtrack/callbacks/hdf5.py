@@ -79,7 +79,10 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
     passed since the last block, each on a thread of its own while training
     goes on (a block that cannot be written ends `fit` at the next step with
     its `OSError`). The file is opened in SWMR mode, so `GradientLog` can read
-    it while training runs.
+    it while training runs. A `fit` that fails before its first tracked step
+    reaches the file (a refused loss reduction, `add_loss`, an option the backend
+    lacks) removes the file it made (never one that existed before), so the
+    corrected `fit` writes the same path.
 
     Args:
         path: The `.h5` file to write.
@@ -184,6 +187,10 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         self._epoch = 0
         self._epoch_position = 0
         self._writes = True
+        # What this fit made, so that a fit refused before its first step leaves no file.
+        self._created_file = False
+        self._steps_written = 0
+        self._saved_checkpoints: list[Any] = []
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -220,7 +227,9 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         names = {statistic.name for statistic in private}
         self.statistics = [s for s in self.statistics if s.name not in names] + private
         self._first_step = self.model.gradient_tracking.step
-        self.subscribe(self._consume, finish=self.close, requests=requests)
+        self._created_file, self._steps_written, self._saved_checkpoints = False, 0, []
+        # Called only when the fit raises (`on_train_end` ends the subscription first).
+        self.subscribe(self._consume, finish=self._close_after_error, requests=requests)
         # A subclassed model's layers may only be built by the first step; the
         # layer names (and the file's datasets) wait for it then.
         if self._writes and all(layer.built for layer in flatten_layers(self.model)):
@@ -246,6 +255,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         from keras_gradtrack.attribution.sketches import save_checkpoint
 
         save_checkpoint(self.model, path)
+        self._saved_checkpoints.append(path)
         if getattr(self.model, "privacy_settings", None) is not None:
             from keras_gradtrack.privacy.history import history_json
 
@@ -257,6 +267,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
                 self._open_writer()
             try:
                 self._write(report.step, report.values)
+                self._steps_written += 1
             except OSError:
                 # Keras calls no on_train_end after an error: close the file here.
                 # It keeps every block written before; the error says what failed.
@@ -272,6 +283,27 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         super().close()
         if was_open:
             write_privacy_spent(self.model, self.path)
+
+    def _close_after_error(self) -> None:
+        """Closes the file after a fit that raised. A file this fit created that holds
+        no step (the fit was refused before its first step: a loss reduction, `add_loss`,
+        an unsupported option) is removed with the checkpoints this fit saved, so the
+        corrected fit can write the same path; a file that existed before is kept."""
+        append, overwrite = self.append, self.overwrite
+        empty = self.writer is not None and self._created_file and not self._steps_written
+        self.close()
+        if not empty:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+        for path in self._saved_checkpoints:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if self._saved_checkpoints:
+            with contextlib.suppress(OSError):  # only when empty
+                self._saved_checkpoints[0].parent.rmdir()
+        # The next fit with this logger makes the file anew, with the flags given.
+        self.append, self.overwrite = append, overwrite
 
     # -- writing --------------------------------------------------------------
 
@@ -299,6 +331,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
             per_example[GRADIENT_SKETCH] = sum(widths)
         if self._checkpoints and self.overwrite:
             remove_checkpoints(self.path)
+        self._created_file = self.overwrite or not os.path.exists(self.path)
 
         self.writer = LogWriter(
             self.path,

@@ -459,8 +459,8 @@ class GradientTrackingMixin(
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         # Keras converts numpy inputs before any step, and fails on string ids
-        # with "Invalid dtype": say what ids must be first.
-        batch_data.check_example_ids(args[0] if args else kwargs.get("x"))
+        # with "Invalid dtype": say what ids must be first (and refuse a misspelt key).
+        batch_data.check_example_ids(args[0] if args else kwargs.get("x"), self)
         callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
         if self.privacy_settings is not None:
             if private_training.budget_steps_left(self) == 0:

@@ -12,7 +12,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from keras_gradtrack.privacy.accounting import dp_accounting, fresh_accountant, history_event
+from keras_gradtrack.privacy.accounting import (
+    dp_accounting,
+    fresh_accountant,
+    history_event,
+    orders_left_out_quietly,
+)
 from keras_gradtrack.privacy.history import PrivacyPhase
 
 # No training reaches this many steps; the search for the steps left stops there.
@@ -53,14 +58,16 @@ def epsilon_after(
 
         def rdp_epsilon(n: int) -> float:
             curve = prior.rdp + n * one.rdp if n else prior.rdp  # 0 * inf is nan
-            return float(dpa.rdp.compute_epsilon(one.orders, curve, budget.delta)[0])
+            with orders_left_out_quietly():
+                return float(dpa.rdp.compute_epsilon(one.orders, curve, budget.delta)[0])
 
         return rdp_epsilon
 
     def pld_epsilon(n: int) -> float:
         found = fresh_accountant("pld")
         found.compose(history_event([*spent, PrivacyPhase(sigma, q, n)]))
-        return float(found.get_epsilon(budget.delta))
+        with orders_left_out_quietly():
+            return float(found.get_epsilon(budget.delta))
 
     return pld_epsilon
 
