@@ -11,6 +11,7 @@ one JSON line per seed; this script only starts them and prints the table (accur
 
 ```
 python benchmarks/private_utility.py --seeds 0,1,2,3,4
+python benchmarks/private_utility.py --noise-multiplier 3 --seeds 0,1,2
 python benchmarks/private_utility.py --tools keras_gradtrack,opacus --torch-python /venv/bin/python
 ```
 
@@ -112,6 +113,8 @@ def run_tool(tool: str, args: argparse.Namespace) -> list[dict]:
         return []
     command = [python, str(DRIVERS / TOOLS[tool][0]), "--seeds", args.seeds]
     command += ["--epochs", str(args.epochs)] if args.epochs else []
+    command += ["--noise-multiplier", str(args.noise_multiplier)] if args.noise_multiplier else []
+    command += ["--learning-rate", str(args.learning_rate)] if args.learning_rate else []
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     if tool == "keras_gradtrack":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -132,6 +135,8 @@ def main() -> None:
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"of {', '.join(TOOLS)}")
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--epochs", type=int, default=0, help="0: the task's 30")
+    parser.add_argument("--noise-multiplier", type=float, default=0, help="0: the task's 1.1")
+    parser.add_argument("--learning-rate", type=float, default=0, help="0: the task's 0.5")
     parser.add_argument("--kgt-python", default=sys.executable)
     parser.add_argument("--torch-python", default=None, help="Opacus' interpreter")
     parser.add_argument("--tfp-python", default=None, help="TensorFlow Privacy's interpreter")
