@@ -15,6 +15,7 @@ Run (from the project root; one JSON line per seed):
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -47,7 +48,7 @@ def epsilons(noise_multiplier: float, steps: int) -> tuple[float, float]:
     return float(pld), float(rdp)
 
 
-def run(seed: int, args) -> None:
+def run(seed: int, args: argparse.Namespace) -> None:
     x, y, x_test, y_test = common.digits()
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(

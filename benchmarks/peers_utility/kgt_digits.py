@@ -10,6 +10,7 @@ Run (from the project root, in the project's virtualenv; one JSON line per seed)
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ import utility_task as common
 import keras_gradtrack as kgt
 
 
-def run(seed: int, args) -> None:
+def run(seed: int, args: argparse.Namespace) -> None:
     x, y, x_test, y_test = common.digits()
     keras.utils.set_random_seed(seed)
     model = kgt.GradientTrackingSequential(

@@ -15,6 +15,7 @@ Run (from the project root; one JSON line per seed):
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -33,7 +34,7 @@ from torch import nn  # noqa: E402
 torch.set_num_threads(2)
 
 
-def run(seed: int, args) -> None:
+def run(seed: int, args: argparse.Namespace) -> None:
     x, y, x_test, y_test = common.digits()
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, common.HIDDEN), nn.ReLU(), nn.Linear(common.HIDDEN, 10))

@@ -17,6 +17,7 @@ Run (from the project root; one JSON line per seed):
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -59,7 +60,7 @@ def statement_epsilons(epochs: float, noise_multiplier: float) -> tuple[float, f
     return float(poisson.group(1)), float(once.group(1))
 
 
-def run(seed: int, args) -> None:
+def run(seed: int, args: argparse.Namespace) -> None:
     x, y, x_test, y_test = common.digits()
     tf.keras.utils.set_random_seed(seed)
     model = tf.keras.Sequential(
