@@ -19,7 +19,7 @@ from keras_gradtrack.backends.jax.own_step import (
 )
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.step import (
-    Layout,
+    Layouts,
     batch_size_of,
     packed,
     split_example_ids,
@@ -209,17 +209,17 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
             plan = build_plan(self)
-            layouts: list[Layout] = []
+            layouts = Layouts()
 
             def compute(state: Any, data: Any) -> Any:
                 logs, _ = tracked_train_step(self, plan, resolved, state, data)
                 vector, layout = packed(logs[PAYLOAD_KEY])
-                layouts.append(layout)
+                layouts.record(data, layout)
                 return vector
 
             functions[key] = (jax.jit(compute), layouts)
         compute, layouts = functions[key]
-        payload = unpacked(compute(state, data), layouts[-1])
+        payload = unpacked(compute(state, data), layouts.of(data))
         payload.pop(LEARNING_RATE)
         payload[BATCH_SIZE] = np.asarray(
             batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0]), np.int32
@@ -335,7 +335,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                     self._restore_variables(state)
                     raise
 
-                layouts: list[Layout] = []
+                layouts = Layouts()
 
                 # A train_step of the model's own runs, calling tracked_value_and_grad.
                 tracked_step = own_tracked_step if self._has_own_step() else tracked_train_step
@@ -344,7 +344,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                     logs, state = tracked_step(self, plan, statistics, state, data)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
-                    layouts.append(layout)  # when traced
+                    layouts.record(data, layout)  # when traced
                     return {**logs, PAYLOAD_KEY: vector}, state
 
                 tracked_by_statistics[key] = (self._compiled(step), layouts)
@@ -352,13 +352,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             try:
                 logs, state = compiled_step(state, data)
             except Exception:
-                if not layouts:
+                if data not in layouts:
                     # Refused while tracing (a loss the engine cannot split into
                     # examples, say): nothing ran, the model keeps its weights.
                     self._restore_variables(state)
                 raise
             logs = dict(logs)
-            vector, layout = logs.pop(PAYLOAD_KEY), layouts[-1]
+            vector, layout = logs.pop(PAYLOAD_KEY), layouts.of(data)
             host = {BATCH_SIZE: np.asarray(batch_size, np.int32)}
             if ids is not None:
                 host[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)

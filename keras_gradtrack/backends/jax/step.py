@@ -309,6 +309,46 @@ def packed(payload: dict[str, Any]) -> tuple[Any, Layout]:
     return vector, layout
 
 
+class Layouts:
+    """The payload layout of each trace of a compiled step, by the shapes of its data.
+
+    A step is traced once per shape of its batch (a short last batch is a second
+    trace), and each trace packs its payload with its own layout: each step's
+    vector is unpacked with the layout of the trace that ran it.
+
+    Example:
+
+    ```python
+    layouts = Layouts()
+
+    def step(state, data):
+        ...
+        vector, layout = packed(payload)
+        layouts.record(data, layout)    # when traced
+        return vector
+
+    unpacked(jax.jit(step)(state, data), layouts.of(data))
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._by_shapes: dict[Any, Layout] = {}
+
+    def __contains__(self, data: Any) -> bool:
+        return self.key(data) in self._by_shapes
+
+    @staticmethod
+    def key(data: Any) -> Any:
+        leaves, structure = jax.tree_util.tree_flatten(data)
+        return structure, tuple(tuple(np.shape(leaf)) for leaf in leaves)
+
+    def record(self, data: Any, layout: Layout) -> None:
+        self._by_shapes[self.key(data)] = layout
+
+    def of(self, data: Any) -> Layout:
+        return self._by_shapes[self.key(data)]
+
+
 def unpacked(vector: Any, layout: Layout) -> dict[str, np.ndarray]:
     """The payload's arrays (views of `vector`), on the host."""
     values, offset = {}, 0
