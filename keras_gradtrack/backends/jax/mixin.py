@@ -14,6 +14,7 @@ from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.jax.own_step import (
     keras_step,
+    keras_tracked_step,
     own_tracked_step,
     tracked_value_and_grad,
 )
@@ -23,7 +24,6 @@ from keras_gradtrack.backends.jax.step import (
     batch_size_of,
     packed,
     split_example_ids,
-    tracked_train_step,
     unpacked,
 )
 from keras_gradtrack.engine.device_rows import DeviceRows
@@ -212,7 +212,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             layouts = Layouts()
 
             def compute(state: Any, data: Any) -> Any:
-                logs, _ = tracked_train_step(self, plan, resolved, state, data)
+                logs, _ = keras_tracked_step(self)(self, plan, resolved, state, data)
                 vector, layout = packed(logs[PAYLOAD_KEY])
                 layouts.record(data, layout)
                 return vector
@@ -338,7 +338,9 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                 layouts = Layouts()
 
                 # A train_step of the model's own runs, calling tracked_value_and_grad.
-                tracked_step = own_tracked_step if self._has_own_step() else tracked_train_step
+                tracked_step = (
+                    own_tracked_step if self._has_own_step() else keras_tracked_step(self)
+                )
 
                 def step(state: Any, data: Any) -> Any:
                     logs, state = tracked_step(self, plan, statistics, state, data)

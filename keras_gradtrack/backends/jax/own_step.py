@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_gradtrack._keras_seam import update_metrics_variables
 from keras_gradtrack.backends.jax.losses import (
     LossRecord,
     LossRecorder,
@@ -127,7 +128,8 @@ def keras_step(
             "`super().train_step` ran after `tracked_value_and_grad` (or twice) in one "
             "tracked step; the step's statistics come from one differentiation of the loss."
         )
-    logs, state = tracked_train_step(model, tracking.plan, tracking.statistics, state, data)
+    step = keras_tracked_step(model)
+    logs, state = step(model, tracking.plan, tracking.statistics, state, data)
     logs = dict(logs)
     tracking.payload = logs.pop(PAYLOAD_KEY)
     return logs, state
@@ -231,3 +233,42 @@ def tracked_call(
     payload[LEARNING_RATE] = learning_rate(model, tracking.state[2])
     result = ((value, aux) if has_aux else value), grads
     return result, payload
+
+
+def recorded_losses_step(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    state: Any,
+    data: Any,
+) -> tuple[dict[str, Any], Any]:
+    """Keras' JAX `train_step` with `tracked_value_and_grad` in place of
+    `jax.value_and_grad`: the per-example losses are those of the Keras losses the
+    model's `compute_loss` reduces (recorded), for a model whose `compute_loss` is
+    its own (keras-io's knowledge distillation, say)."""
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x))
+    arguments = (trainable, non_trainable, metrics_variables, x, y, sample_weight)
+    options = {"training": True, "optimizer_variables": optimizer_variables}
+    ((_, aux), grads), payload = tracked_call(
+        model, tracking, model.compute_loss_and_updates, True, arguments, options
+    )
+    unscaled_loss, y_pred, non_trainable, metrics_variables = aux
+    trainable, optimizer_variables = model.optimizer.stateless_apply(
+        optimizer_variables, grads, trainable
+    )
+    logs, metrics_variables = update_metrics_variables(
+        model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
+    )
+    state = (trainable, non_trainable, optimizer_variables, metrics_variables)
+    return {**logs, PAYLOAD_KEY: payload}, state
+
+
+def keras_tracked_step(model: keras.Model) -> Callable[..., Any]:
+    """The tracked version of Keras' own `train_step` for the model: with Keras'
+    `compute_loss`, `tracked_train_step` (the compiled loss split into examples);
+    with a `compute_loss` of the model's own, `recorded_losses_step`."""
+    if type(model).compute_loss is keras.Model.compute_loss:
+        return tracked_train_step
+    return recorded_losses_step
