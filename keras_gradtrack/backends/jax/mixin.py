@@ -302,16 +302,12 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     def make_train_function(self, force: bool = False) -> None:
         if self.train_function is not None and not force:  # type: ignore[has-type]
             return
-        if self.steps_per_execution > 1:  # type: ignore[attr-defined]
-            # Loggers refuse such a model; it trains as plain Keras.
-            super().make_train_function(force)  # type: ignore[misc]
-            return
         tracking = self.gradient_tracking
         untracked = self._compiled(self.train_step)  # type: ignore[attr-defined]
         tracked_by_statistics: dict[tuple[str, ...], Any] = {}
 
-        def train_function(state: Any, iterator: Any) -> Any:
-            data, ids = split_example_ids(next(iterator))
+        def one_step(state: Any, batch: Any) -> Any:
+            data, ids = split_example_ids(batch)
             batch_size = batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0])
             due = tracking.due()
             if not due:
@@ -368,6 +364,19 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             # step, so not before (a logger reads it with its block).
             payload = DeviceRows(lambda: unpacked(vector, layout), [n for n, _ in layout], host)
             tracking.report(batch_size, payload, due)
+            return logs, state
+
+        steps = int(self.steps_per_execution)  # type: ignore[attr-defined]
+
+        def train_function(state: Any, iterator: Any) -> Any:
+            # As Keras' JAX trainer runs `steps_per_execution` steps: one jitted step
+            # after another, each tracked or not as the loggers ask for it.
+            logs, state = one_step(state, next(iterator))
+            try:
+                for _ in range(steps - 1):
+                    logs, state = one_step(state, next(iterator))
+            except StopIteration:
+                pass
             return logs, state
 
         self.train_function = train_function
