@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.jax.own_step import (
     keras_step,
@@ -19,6 +20,7 @@ from keras_gradtrack.backends.jax.own_step import (
     tracked_value_and_grad,
 )
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
+from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
     Layouts,
     batch_size_of,
@@ -209,6 +211,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
             plan = build_plan(self)
+            self._refuse_batchless_rows_mixing(plan, state, data)
             layouts = Layouts()
 
             def compute(state: Any, data: Any) -> Any:
@@ -289,6 +292,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
 
+    def _refuse_batchless_rows_mixing(
+        self, plan: Sequence[TrackedLayer], state: Any, data: Any
+    ) -> None:
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        probes = Probes([tracked.layer for tracked in plan])
+        refuse_batchless_outputs_mixing_rows(self, probes, state, x, batch_size_of(x))
+
     def _restore_variables(self, state: Any) -> None:
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         self._jax_state = {
@@ -325,6 +335,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                 try:
                     self._refuse_untrackable(statistics, requests)
                     plan = build_plan(self)
+                    self._refuse_batchless_rows_mixing(plan, state, data)
                 except Exception:
                     # Keras moved the variables' values into `state` for the fit:
                     # the model keeps the weights it had before the refused step.

@@ -30,6 +30,7 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import (
@@ -177,8 +178,12 @@ def tracked_train_step(
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     probes = Probes([tracked.layer for tracked in plan])
 
-    def forward(trainable: Any, probe_values: Any) -> Any:
-        with probes.installed(probe_values):
+    batch = batch_size_of(x)
+    batchless: frozenset[int] = frozenset()
+
+    def forward(trainable: Any, probe_values: Any, data: Any = data) -> Any:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with probes.installed(probe_values, batchless, batch):
             loss, aux = model.compute_loss_and_updates(
                 trainable,
                 non_trainable,
@@ -192,6 +197,8 @@ def tracked_train_step(
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
         return loss, (aux, inputs, list(probes.probed))
 
+    # Calls on values that do not depend on the batch are made on them broadcast to it.
+    batchless = batchless_calls(lambda data: forward(trainable, None, data)[1][1], data)
     # A first trace records the probed shapes, and whether the forward pass adds
     # losses of its own (weight penalties, `add_loss`) to the examples' losses.
     added_losses: list[int] = []
@@ -223,7 +230,7 @@ def tracked_train_step(
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
     exact_factor = factor if added_losses == [0] else None
     payload = statistics_payload(
-        model, plan, statistics, probed, losses, factor, exact_factor, batch_size_of(x)
+        model, plan, statistics, probed, losses, factor, exact_factor, batch
     )
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
