@@ -100,3 +100,25 @@ def test_outputs_reduced_over_the_broadcast_axis_are_refused() -> None:
         tracked_statistics(model, x, y)
     for old, new in zip(before, model.get_weights()):
         np.testing.assert_array_equal(old, new)
+
+
+class OwnLoss(kgt.GradientTrackingModel):
+    """Its own `compute_loss` (Keras' documented signature before `training`): the
+    tracked step records the Keras losses it reduces."""
+
+    def compute_loss(self, x, y, y_pred, sample_weight):
+        return super().compute_loss(x, y, y_pred, sample_weight)
+
+
+def test_a_position_table_is_exact_under_a_compute_loss_of_ones_own() -> None:
+    maxlen = BATCH
+    inputs = keras.Input((maxlen,), dtype="int32")
+    hidden = layers.Flatten()(TokenAndPositionEmbedding(maxlen, 7, 4)(inputs))
+    model = OwnLoss(inputs, layers.Dense(3)(hidden))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x = rng.integers(0, 7, (BATCH, maxlen)).astype("int32")
+    y = rng.integers(0, 3, BATCH)
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
