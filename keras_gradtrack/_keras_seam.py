@@ -119,6 +119,31 @@ def update_metrics_variables(
     )
 
 
+def compute_loss(
+    model: Any,
+    x: Any = None,
+    y: Any = None,
+    y_pred: Any = None,
+    sample_weight: Any = None,
+    training: bool = True,
+) -> Any:
+    """`model.compute_loss` called as Keras' trainer calls it (`Trainer._compute_loss`).
+
+    Keras passes `training` only to a `compute_loss` whose signature takes it (the
+    argument came in Keras 3.3: keras-io's examples override `compute_loss(self,
+    x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False)`), and
+    the arguments by position; a model that overrides `_compute_loss` itself
+    (`keras.distillation.Distiller`) has it called, as Keras' steps do.
+
+    Example:
+
+    ```python
+    loss = compute_loss(model, x, y, model(x, training=False), training=False)
+    ```
+    """
+    return model._compute_loss(x, y, y_pred, sample_weight=sample_weight, training=training)
+
+
 # A `keras.Model` subclass -> its variant with `Functional` mixed in.
 _FUNCTIONAL_VARIANTS: dict[type, type] = {}
 

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from keras_gradtrack._keras_seam import flatten_layers
+from keras_gradtrack._keras_seam import compute_loss, flatten_layers
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
     Mixing,
@@ -88,7 +88,7 @@ def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndar
     with recording_losses() as recorder:
         y_pred = model(x, training=False)
         if y is not None and getattr(model, "compiled_loss", None) is not None:
-            model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            compute_loss(model, x, y, y_pred, sample_weight, training=False)
     found: dict[str, np.ndarray] = {}
     for index, output in enumerate(tree.flatten(y_pred)):
         if tf.is_tensor(output) and output.shape.rank and output.dtype.is_floating:

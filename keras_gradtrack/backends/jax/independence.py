@@ -30,6 +30,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from keras_gradtrack._keras_seam import compute_loss
 from keras_gradtrack.backends.jax.losses import per_example_values, recording_losses
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
@@ -131,8 +132,8 @@ def forward(
     the per-example sums of the weighted loss values Keras reduces."""
     with keras.StatelessScope(state_mapping=mapping), recording_losses() as recorder:
         y_pred = model(x, training=False)
-        if y is not None and model.loss is not None:
-            model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+        if y is not None:
+            compute_loss(model, x, y, y_pred, sample_weight, training=False)
     found: dict[str, np.ndarray] = {}
     for index, output in enumerate(tree.flatten(y_pred)):
         if getattr(output, "ndim", 0) and jnp.issubdtype(output.dtype, jnp.floating):

@@ -11,19 +11,21 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.jax.own_step import (
     keras_step,
+    keras_tracked_step,
     own_tracked_step,
     tracked_value_and_grad,
 )
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
+from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
-    Layout,
+    Layouts,
     batch_size_of,
     packed,
     split_example_ids,
-    tracked_train_step,
     unpacked,
 )
 from keras_gradtrack.engine.device_rows import DeviceRows
@@ -209,17 +211,18 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
             plan = build_plan(self)
-            layouts: list[Layout] = []
+            self._refuse_batchless_rows_mixing(plan, state, data)
+            layouts = Layouts()
 
             def compute(state: Any, data: Any) -> Any:
-                logs, _ = tracked_train_step(self, plan, resolved, state, data)
+                logs, _ = keras_tracked_step(self)(self, plan, resolved, state, data)
                 vector, layout = packed(logs[PAYLOAD_KEY])
-                layouts.append(layout)
+                layouts.record(data, layout)
                 return vector
 
             functions[key] = (jax.jit(compute), layouts)
         compute, layouts = functions[key]
-        payload = unpacked(compute(state, data), layouts[-1])
+        payload = unpacked(compute(state, data), layouts.of(data))
         payload.pop(LEARNING_RATE)
         payload[BATCH_SIZE] = np.asarray(
             batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0]), np.int32
@@ -289,6 +292,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
 
+    def _refuse_batchless_rows_mixing(
+        self, plan: Sequence[TrackedLayer], state: Any, data: Any
+    ) -> None:
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        probes = Probes([tracked.layer for tracked in plan])
+        refuse_batchless_outputs_mixing_rows(self, probes, state, x, batch_size_of(x))
+
     def _restore_variables(self, state: Any) -> None:
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         self._jax_state = {
@@ -302,16 +312,12 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     def make_train_function(self, force: bool = False) -> None:
         if self.train_function is not None and not force:  # type: ignore[has-type]
             return
-        if self.steps_per_execution > 1:  # type: ignore[attr-defined]
-            # Loggers refuse such a model; it trains as plain Keras.
-            super().make_train_function(force)  # type: ignore[misc]
-            return
         tracking = self.gradient_tracking
         untracked = self._compiled(self.train_step)  # type: ignore[attr-defined]
         tracked_by_statistics: dict[tuple[str, ...], Any] = {}
 
-        def train_function(state: Any, iterator: Any) -> Any:
-            data, ids = split_example_ids(next(iterator))
+        def one_step(state: Any, batch: Any) -> Any:
+            data, ids = split_example_ids(batch)
             batch_size = batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0])
             due = tracking.due()
             if not due:
@@ -329,22 +335,25 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                 try:
                     self._refuse_untrackable(statistics, requests)
                     plan = build_plan(self)
+                    self._refuse_batchless_rows_mixing(plan, state, data)
                 except Exception:
                     # Keras moved the variables' values into `state` for the fit:
                     # the model keeps the weights it had before the refused step.
                     self._restore_variables(state)
                     raise
 
-                layouts: list[Layout] = []
+                layouts = Layouts()
 
                 # A train_step of the model's own runs, calling tracked_value_and_grad.
-                tracked_step = own_tracked_step if self._has_own_step() else tracked_train_step
+                tracked_step = (
+                    own_tracked_step if self._has_own_step() else keras_tracked_step(self)
+                )
 
                 def step(state: Any, data: Any) -> Any:
                     logs, state = tracked_step(self, plan, statistics, state, data)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
-                    layouts.append(layout)  # when traced
+                    layouts.record(data, layout)  # when traced
                     return {**logs, PAYLOAD_KEY: vector}, state
 
                 tracked_by_statistics[key] = (self._compiled(step), layouts)
@@ -352,13 +361,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             try:
                 logs, state = compiled_step(state, data)
             except Exception:
-                if not layouts:
+                if data not in layouts:
                     # Refused while tracing (a loss the engine cannot split into
                     # examples, say): nothing ran, the model keeps its weights.
                     self._restore_variables(state)
                 raise
             logs = dict(logs)
-            vector, layout = logs.pop(PAYLOAD_KEY), layouts[-1]
+            vector, layout = logs.pop(PAYLOAD_KEY), layouts.of(data)
             host = {BATCH_SIZE: np.asarray(batch_size, np.int32)}
             if ids is not None:
                 host[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
@@ -366,6 +375,19 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             # step, so not before (a logger reads it with its block).
             payload = DeviceRows(lambda: unpacked(vector, layout), [n for n, _ in layout], host)
             tracking.report(batch_size, payload, due)
+            return logs, state
+
+        steps = int(self.steps_per_execution)  # type: ignore[attr-defined]
+
+        def train_function(state: Any, iterator: Any) -> Any:
+            # As Keras' JAX trainer runs `steps_per_execution` steps: one jitted step
+            # after another, each tracked or not as the loggers ask for it.
+            logs, state = one_step(state, next(iterator))
+            try:
+                for _ in range(steps - 1):
+                    logs, state = one_step(state, next(iterator))
+            except StopIteration:
+                pass
             return logs, state
 
         self.train_function = train_function

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_gradtrack._keras_seam import update_metrics_variables
+from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.losses import (
     LossRecord,
     LossRecorder,
@@ -127,7 +129,8 @@ def keras_step(
             "`super().train_step` ran after `tracked_value_and_grad` (or twice) in one "
             "tracked step; the step's statistics come from one differentiation of the loss."
         )
-    logs, state = tracked_train_step(model, tracking.plan, tracking.statistics, state, data)
+    step = keras_tracked_step(model)
+    logs, state = step(model, tracking.plan, tracking.statistics, state, data)
     logs = dict(logs)
     tracking.payload = logs.pop(PAYLOAD_KEY)
     return logs, state
@@ -168,9 +171,15 @@ def tracked_call(
     has_aux: bool,
     args: Sequence[Any],
     kwargs: dict[str, Any],
+    data: Any = None,
+    arguments_of: Callable[[Any], Sequence[Any]] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """`(value_and_grad's result, payload)`: `fun` differentiated with respect to its
-    first argument, the probes and the loss probes, in one `jax.value_and_grad`."""
+    first argument, the probes and the loss probes, in one `jax.value_and_grad`.
+
+    With the step's `data` and `arguments_of` (data -> `args` without the first),
+    layer calls on values that do not depend on the batch are made on them broadcast
+    to it (`batchless.py`)."""
     trainable, rest = args[0], args[1:]
     expected = [tuple(v.shape) for v in model.trainable_variables]
     if not isinstance(trainable, (list, tuple)) or [tuple(t.shape) for t in trainable] != expected:
@@ -183,8 +192,15 @@ def tracked_call(
     probes = Probes([tracked.layer for tracked in tracking.plan])
     recorders: list[LossRecorder] = []
 
-    def forward(trainable: Any, probe_values: Any, loss_probes: Any) -> Any:
-        with probes.installed(probe_values), recording_losses(loss_probes) as recorder:
+    batchless: frozenset[int] = frozenset()
+
+    def forward(
+        trainable: Any, probe_values: Any, loss_probes: Any, rest: Sequence[Any] = rest
+    ) -> Any:
+        with (
+            probes.installed(probe_values, batchless, tracking.batch),
+            recording_losses(loss_probes) as recorder,
+        ):
             outputs = fun(trainable, *rest, **kwargs)
         recorders.append(recorder)
         value, aux = outputs if has_aux else (outputs, None)
@@ -192,6 +208,10 @@ def tracked_call(
         recorded = [(r.values, r.weight_sum) for r in recorder.records]
         return value, (aux, inputs, list(probes.probed), recorded)
 
+    if arguments_of is not None:
+        batchless = batchless_calls(
+            lambda data: forward(trainable, None, None, arguments_of(data))[1][1], data
+        )
     # A first trace records the shapes of the probed outputs and of the loss values.
     _, (_, _, probed_shapes, recorded_shapes) = jax.eval_shape(
         lambda t: forward(t, None, None), trainable
@@ -231,3 +251,53 @@ def tracked_call(
     payload[LEARNING_RATE] = learning_rate(model, tracking.state[2])
     result = ((value, aux) if has_aux else value), grads
     return result, payload
+
+
+def recorded_losses_step(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    state: Any,
+    data: Any,
+) -> tuple[dict[str, Any], Any]:
+    """Keras' JAX `train_step` with `tracked_value_and_grad` in place of
+    `jax.value_and_grad`: the per-example losses are those of the Keras losses the
+    model's `compute_loss` reduces (recorded), for a model whose `compute_loss` is
+    its own (keras-io's knowledge distillation, say)."""
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x))
+
+    def arguments_of(data: Any) -> tuple[Any, ...]:
+        return (non_trainable, metrics_variables, *keras.utils.unpack_x_y_sample_weight(data))
+
+    arguments = (trainable, *arguments_of(data))
+    options = {"training": True, "optimizer_variables": optimizer_variables}
+    ((_, aux), grads), payload = tracked_call(
+        model,
+        tracking,
+        model.compute_loss_and_updates,
+        True,
+        arguments,
+        options,
+        data,
+        arguments_of,
+    )
+    unscaled_loss, y_pred, non_trainable, metrics_variables = aux
+    trainable, optimizer_variables = model.optimizer.stateless_apply(
+        optimizer_variables, grads, trainable
+    )
+    logs, metrics_variables = update_metrics_variables(
+        model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
+    )
+    state = (trainable, non_trainable, optimizer_variables, metrics_variables)
+    return {**logs, PAYLOAD_KEY: payload}, state
+
+
+def keras_tracked_step(model: keras.Model) -> Callable[..., Any]:
+    """The tracked version of Keras' own `train_step` for the model: with Keras'
+    `compute_loss`, `tracked_train_step` (the compiled loss split into examples);
+    with a `compute_loss` of the model's own, `recorded_losses_step`."""
+    if type(model).compute_loss is keras.Model.compute_loss:
+        return tracked_train_step
+    return recorded_losses_step

@@ -26,6 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.jax.batchless import broadcast_to_batch
 from keras_gradtrack.backends.jax.rules import splits_activation
 
 
@@ -41,12 +42,22 @@ class Probes:
         self.calls: list[tuple[int, Any, dict[str, Any]]] = []
         self.probed: list[Any] = []
         self._probes: Sequence[Any] | None = None
+        self._batchless: frozenset[int] = frozenset()
+        self._batch_size: int | None = None
 
     @contextlib.contextmanager
-    def installed(self, probes: Sequence[Any] | None) -> Iterator[Probes]:
+    def installed(
+        self,
+        probes: Sequence[Any] | None,
+        batchless: frozenset[int] = frozenset(),
+        batch_size: int | None = None,
+    ) -> Iterator[Probes]:
         """The probes on their layers for the block. With `probes=None` nothing is added
-        (a first trace that records the probed shapes)."""
+        (a first trace that records the probed shapes). The calls at the positions in
+        `batchless` (in call order) are made on their input broadcast to `batch_size`
+        examples (`batchless.py`)."""
         self.calls, self.probed, self._probes = [], [], probes
+        self._batchless, self._batch_size = batchless, batch_size
         with contextlib.ExitStack() as stack:
             for index, layer in enumerate(self.layers):
                 stack.enter_context(patched(layer, "call", self._probing_call(index, layer)))
@@ -68,6 +79,9 @@ class Probes:
                     f"Layer {layer.name!r} ({type(layer).__name__}) was called without a "
                     "positional input: the JAX engine tracks a layer's first argument."
                 )
+            if len(self.calls) in self._batchless:
+                assert self._batch_size is not None
+                args = (broadcast_to_batch(args[0], self._batch_size), *args[1:])
             self.calls.append((index, args[0], dict(kwargs)))
             if splits_activation(layer):
                 activation = layer.activation

@@ -30,6 +30,7 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import (
@@ -177,8 +178,12 @@ def tracked_train_step(
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     probes = Probes([tracked.layer for tracked in plan])
 
-    def forward(trainable: Any, probe_values: Any) -> Any:
-        with probes.installed(probe_values):
+    batch = batch_size_of(x)
+    batchless: frozenset[int] = frozenset()
+
+    def forward(trainable: Any, probe_values: Any, data: Any = data) -> Any:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with probes.installed(probe_values, batchless, batch):
             loss, aux = model.compute_loss_and_updates(
                 trainable,
                 non_trainable,
@@ -192,6 +197,8 @@ def tracked_train_step(
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
         return loss, (aux, inputs, list(probes.probed))
 
+    # Calls on values that do not depend on the batch are made on them broadcast to it.
+    batchless = batchless_calls(lambda data: forward(trainable, None, data)[1][1], data)
     # A first trace records the probed shapes, and whether the forward pass adds
     # losses of its own (weight penalties, `add_loss`) to the examples' losses.
     added_losses: list[int] = []
@@ -223,7 +230,7 @@ def tracked_train_step(
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
     exact_factor = factor if added_losses == [0] else None
     payload = statistics_payload(
-        model, plan, statistics, probed, losses, factor, exact_factor, batch_size_of(x)
+        model, plan, statistics, probed, losses, factor, exact_factor, batch
     )
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
@@ -307,6 +314,46 @@ def packed(payload: dict[str, Any]) -> tuple[Any, Layout]:
     layout = tuple((name, tuple(value.shape)) for name, value in payload.items())
     vector = jnp.concatenate([f32(value).reshape(-1) for value in payload.values()])
     return vector, layout
+
+
+class Layouts:
+    """The payload layout of each trace of a compiled step, by the shapes of its data.
+
+    A step is traced once per shape of its batch (a short last batch is a second
+    trace), and each trace packs its payload with its own layout: each step's
+    vector is unpacked with the layout of the trace that ran it.
+
+    Example:
+
+    ```python
+    layouts = Layouts()
+
+    def step(state, data):
+        ...
+        vector, layout = packed(payload)
+        layouts.record(data, layout)    # when traced
+        return vector
+
+    unpacked(jax.jit(step)(state, data), layouts.of(data))
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._by_shapes: dict[Any, Layout] = {}
+
+    def __contains__(self, data: Any) -> bool:
+        return self.key(data) in self._by_shapes
+
+    @staticmethod
+    def key(data: Any) -> Any:
+        leaves, structure = jax.tree_util.tree_flatten(data)
+        return structure, tuple(tuple(np.shape(leaf)) for leaf in leaves)
+
+    def record(self, data: Any, layout: Layout) -> None:
+        self._by_shapes[self.key(data)] = layout
+
+    def of(self, data: Any) -> Layout:
+        return self._by_shapes[self.key(data)]
 
 
 def unpacked(vector: Any, layout: Layout) -> dict[str, np.ndarray]:
