@@ -114,9 +114,8 @@ def adapted(rule: Any, layer: Any) -> JaxRule:
     def per_example(
         layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any]
     ) -> list[Any]:
-        from keras_gradtrack.rules.contract import LayerCall
-
-        contract_call = LayerCall(
+        # The public registry is loaded (the rule came from it): its contract's call.
+        contract_call = sys.modules[PUBLIC_REGISTRY].LayerCall(
             args=(call.inputs,), kwargs=call.kwargs, output_grads=(call.output_grad,)
         )
         mapping = [
