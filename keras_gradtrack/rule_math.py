@@ -507,6 +507,26 @@ class LoraStage:
     output_grad: Any
 
 
+# The trainable variables a layer with LoRA may have for the rules to cover it.
+LORA_VARIABLES = frozenset(
+    {"lora_kernel_a", "lora_kernel_b", "lora_embeddings_a", "lora_embeddings_b", "bias"}
+)
+
+
+def lora_covered(layer: Any) -> bool:
+    """Whether the LoRA rules cover the layer: LoRA enabled, not quantized, the kernel
+    (or table) frozen as `enable_lora` leaves it; an EinsumDense's equation with a
+    batch letter first (`einsum_roles`)."""
+    if not getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return False
+    if any(v.name not in LORA_VARIABLES for v in layer.trainable_variables):
+        return False
+    if hasattr(layer, "equation"):
+        input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
+        return einsum_roles(layer.equation, input_rank) is not None
+    return True
+
+
 def lora_scale(layer: Any) -> float:
     """`s = lora_alpha / lora_rank`, as the layer scales `a b`."""
     return layer.lora_alpha / layer.lora_rank

@@ -35,23 +35,11 @@ from keras_gradtrack.rules.ops import (
     zero_primitives,
 )
 
-# The trainable variables a LoRA layer may have for these rules to cover it.
-LORA_VARIABLES = frozenset(
-    {"lora_kernel_a", "lora_kernel_b", "lora_embeddings_a", "lora_embeddings_b", "bias"}
-)
-
 
 def lora_applies(layer: Any) -> bool:
     """The rules cover a layer with LoRA, not quantized, whose kernel (or table) is
-    frozen as `enable_lora` leaves it; an EinsumDense also needs a batch letter first."""
-    if not getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-        return False
-    if any(v.name not in LORA_VARIABLES for v in layer.trainable_variables):
-        return False
-    if hasattr(layer, "equation"):
-        input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
-        return rule_math.einsum_roles(layer.equation, input_rank) is not None
-    return True
+    frozen as `enable_lora` leaves it (`rule_math.lora_covered`)."""
+    return rule_math.lora_covered(layer)
 
 
 def factors(layer: Any) -> tuple[Any, Any]:
