@@ -21,17 +21,18 @@ import tensorflow as tf
 from keras_gradtrack import rule_math
 from keras_gradtrack.rule_math import LoraStage
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
-from keras_gradtrack.rules.einsum import roles_of_call
-from keras_gradtrack.rules.embedding import GRAM_MAX_TOKENS, as_token_sequences, segment_sq_norm
 from keras_gradtrack.rules.ops import (
+    as_token_sequences,
     materialized,
     positions_per_example,
     references_of,
+    roles_of_call,
     sequence_kernel_sq_norm,
     stacked_along_time,
     sum_of_squares,
     summed,
     summed_bias_gradient,
+    token_sq_norms,
     zero_primitives,
 )
 
@@ -151,11 +152,7 @@ def embedding_terms(
     xla = calls[0].xla
     terms = []
     if a.trainable:
-        steps = ids.shape[1]
-        if steps is not None and steps <= GRAM_MAX_TOKENS:
-            sq_norm = rule_math.token_gram_sq_norms(ids, projected_grad)
-        else:
-            sq_norm = segment_sq_norm(ids, projected_grad, xla)
+        sq_norm = token_sq_norms(ids, projected_grad, xla)
         dot = None
         if reference is not None:
             dot = rule_math.token_dots(ids, projected_grad, reference(a))
