@@ -115,3 +115,35 @@ def test_quantized_layers_stay_on_the_fallback() -> None:
     model = kgt.GradientTrackingModel(inputs, L.Dense(3)(features))
     assert registry.lookup(dense) is None
     assert model.gradient_tracking_plan()[0].path == FALLBACK_PATH
+
+
+def test_gpt2_causal_lm_with_lora_is_on_rules_and_exact() -> None:
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=100,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=32,
+        dropout=0.0,
+    )
+    backbone.enable_lora(4)
+    rng = np.random.default_rng(0)
+    for variable in backbone.trainable_variables:
+        if variable.name == "lora_kernel_b":  # no factor's gradient vanishes
+            variable.assign(rng.normal(size=variable.shape) * 0.1)
+    model_class = type(
+        "TrackedGPT2CausalLM", (kgt.GradientTrackingMixin, keras_hub.models.GPT2CausalLM), {}
+    )
+    model = model_class(backbone, preprocessor=None)
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    ids = rng.integers(1, 100, (4, 8))
+    x, y = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, np.roll(ids, -1, axis=1)
+    model(x)
+    paths = [t.path for t in model.gradient_tracking_plan()]
+    assert paths == ["rule:lora_einsum_dense"] * 4
+    expected = oracle_statistics(model, x, y)  # before the tracked step changes the weights
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
