@@ -33,13 +33,14 @@ def lora_model(
     rank: int,
     alpha: float | None = None,
     ids: int | None = None,
+    twice: bool = False,
 ) -> Any:
-    """`layer` between an input of `shape` and a classifier head, LoRA enabled on it
-    with a random `b` (so that no factor's gradient vanishes)."""
+    """`layer` between an input of `shape` and a classifier head (called twice: a shared
+    layer), LoRA enabled on it with a random `b` (so that no factor's gradient vanishes)."""
     keras.utils.set_random_seed(5)
     inputs = keras.Input(shape, dtype="int32" if ids else "float32")
     lora = layer()
-    features = lora(inputs)
+    features = lora(lora(inputs)) if twice else lora(inputs)
     lora.enable_lora(rank, lora_alpha=alpha, b_initializer="random_normal")
     outputs = L.Dense(3, name="head")(L.Flatten()(features))
     model = model_class(inputs, outputs)
@@ -53,6 +54,9 @@ def lora_model(
 SETTINGS: dict[str, dict[str, Any]] = {
     "dense_2d": dict(shape=(5,), layer=lambda: L.Dense(4, activation="tanh"), rank=2, alpha=3.0),
     "dense_3d": dict(shape=(7, 5), layer=lambda: L.Dense(4), rank=3),
+    "dense_shared": dict(
+        shape=(4,), layer=lambda: L.Dense(4, activation="tanh"), rank=2, twice=True
+    ),
     "einsum_heads": dict(
         shape=(6, 5),
         layer=lambda: L.EinsumDense("btd,dnh->btnh", (6, 2, 3), bias_axes="nh"),
