@@ -37,12 +37,6 @@ from keras_gradtrack.rules.ops import (
 )
 
 
-def lora_applies(layer: Any) -> bool:
-    """The rules cover a layer with LoRA, not quantized, whose kernel (or table) is
-    frozen as `enable_lora` leaves it (`rule_math.lora_covered`)."""
-    return rule_math.lora_covered(layer)
-
-
 def factors(layer: Any) -> tuple[Any, Any]:
     """The layer's LoRA factors `(a, b)`."""
     if hasattr(layer, "lora_embeddings_a"):
@@ -236,7 +230,7 @@ def lora_rule(name: str) -> Rule:
     return Rule(
         name,
         lora_primitives,
-        lora_applies,
+        rule_math.lora_covered,
         split_activation=False if name == "lora_embedding" else None,
         per_example=lora_per_example,
         materializes=lora_materializes,
