@@ -21,6 +21,7 @@ grads = kernel_gradients(windows, d, groups=1)              # (B, K, C, F)
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import string
 from collections.abc import Sequence
@@ -201,6 +202,33 @@ def einsum_roles(equation: str, input_rank: int | None) -> EinsumRoles | None:
         steps="".join(c for c in inputs[1:] if c in output and c not in kernel),
         contracted="".join(c for c in kernel if c in inputs and c not in output),
         produced="".join(c for c in kernel if c in output and c not in inputs),
+    )
+
+
+def einsum_canonical(
+    roles: EinsumRoles, kernel_shape: Sequence[int], x: Any, d: Any
+) -> tuple[Any, Any]:
+    """An EinsumDense's input as `(B, S, T, K)` and output gradient as `(B, S, T, O)`
+    (float32, the letters of each role flattened), for `kernel_shape` of `roles.kernel`:
+    example i's kernel gradient is then `X_is^T D_is` for each s, a Dense one."""
+    sizes = dict(zip(roles.kernel, kernel_shape))
+    b, s, t = roles.batch, roles.shared, roles.steps
+    x = ops.einsum(f"{roles.input}->{b}{s}{t}{roles.contracted}", f32(x))
+    d = ops.einsum(f"{roles.output}->{b}{s}{t}{roles.produced}", f32(d))
+    shared = math.prod(sizes[c] for c in s)
+    contracted = math.prod(sizes[c] for c in roles.contracted)
+    produced = math.prod(sizes[c] for c in roles.produced)
+    positions = [x.shape[1 + len(s) + j] for j in range(len(t))]
+    if None in positions:
+        batch = ops.shape(x)[0]
+        return (
+            ops.reshape(x, (batch, shared, -1, contracted)),
+            ops.reshape(d, (batch, shared, -1, produced)),
+        )
+    steps = math.prod(positions)
+    return (
+        ops.reshape(x, (-1, shared, steps, contracted)),
+        ops.reshape(d, (-1, shared, steps, produced)),
     )
 
 
@@ -450,3 +478,125 @@ def scale_from_moments(
     gradient = inverse * sum_dx
     # (Squeezing no axes would squeeze every axis of size one.)
     return ops.squeeze(gradient, axis=summed) if summed else gradient
+
+
+# -- LoRA -----------------------------------------------------------------------
+#
+# With LoRA (`layer.enable_lora(rank, lora_alpha)`) Dense, EinsumDense and Embedding
+# use the kernel `W + s a b`, `s = lora_alpha / rank`, `a` the kernel's shape with its
+# last axis replaced by the rank, `b` `(rank, last axis)`; `W` is frozen. The layer is
+# two EinsumDense stages in a row, and each factor's per-example gradient is an
+# EinsumDense kernel gradient of its stage: never one of the full kernel's size.
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraStage:
+    """One LoRA factor's per-example gradient, `einsum_kernel_gradients(roles, inputs,
+    output_grad)`: its stage's input and output gradient (float32, the scale `s` in them).
+
+    Attributes:
+        factor: `"a"` or `"b"`.
+        roles: The stage's equation, by role, its kernel the factor.
+        inputs: The stage's input, laid out as `roles.input` says.
+        output_grad: The gradient at the stage's output, as `roles.output` says.
+    """
+
+    factor: str
+    roles: EinsumRoles
+    inputs: Any
+    output_grad: Any
+
+
+# The trainable variables a layer with LoRA may have for the rules to cover it.
+LORA_VARIABLES = frozenset(
+    {"lora_kernel_a", "lora_kernel_b", "lora_embeddings_a", "lora_embeddings_b", "bias"}
+)
+
+
+def lora_covered(layer: Any) -> bool:
+    """Whether the LoRA rules cover the layer: LoRA enabled, not quantized, the kernel
+    (or table) frozen as `enable_lora` leaves it; an EinsumDense's equation with a
+    batch letter first (`einsum_roles`)."""
+    if not getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return False
+    if any(v.name not in LORA_VARIABLES for v in layer.trainable_variables):
+        return False
+    if hasattr(layer, "equation"):
+        input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
+        return einsum_roles(layer.equation, input_rank) is not None
+    return True
+
+
+def lora_scale(layer: Any) -> float:
+    """`s = lora_alpha / lora_rank`, as the layer scales `a b`."""
+    return layer.lora_alpha / layer.lora_rank
+
+
+def lora_einsum_stages(
+    roles: EinsumRoles, x: Any, d: Any, lora_a: Any, lora_b: Any, scale: float
+) -> tuple[LoraStage, LoraStage]:
+    """The two stages of an EinsumDense with LoRA, for its input `x` and output gradient
+    `d` (as `roles` lays them out) and the factors' values.
+
+    With `L` the kernel's last letter and `r` the rank's: where `L` is in the output,
+    `u = x a` (the output with `r` for `L`, or beside a shared `L`) and `z = s u b`:
+    `g(a) = einsum(x, s d b^T)`, `g(b) = einsum(s u, d)`. Where `L` is contracted,
+    `v = einsum(x, b)` (the input with `r` for `L`) and `z = s v a`:
+    `g(b) = einsum(x, s d a^T)`, `g(a) = einsum(s v, d)`.
+
+    Example:
+
+    ```python
+    # "btd,dnh->btnh": u = "btd,dnr->btnr", z = "btnr,rh->btnh"
+    stage_a, stage_b = lora_einsum_stages(roles, x, d, a, b, 0.5)
+    grads_a = einsum_kernel_gradients(stage_a.roles, stage_a.inputs, stage_a.output_grad)
+    ```
+    """
+    x, d, lora_a, lora_b = f32(x), f32(d), f32(lora_a), f32(lora_b)
+    equation = f"{roles.input},{roles.kernel}->{roles.output}"
+    rank = next(c for c in string.ascii_letters if c not in equation)
+    last = roles.kernel[-1]
+    a_spec, b_spec = roles.kernel[:-1] + rank, rank + last
+    if last in roles.output:  # x a first
+        if last in roles.input:
+            middle = roles.output + rank
+        else:
+            middle = roles.output.replace(last, rank)
+        first, second, first_spec, second_spec = "a", "b", a_spec, b_spec
+        first_value, second_value = lora_a, lora_b
+    else:  # x b first
+        middle = "".join(c for c in roles.input.replace(last, rank) if c in roles.output + a_spec)
+        first, second, first_spec, second_spec = "b", "a", b_spec, a_spec
+        first_value, second_value = lora_b, lora_a
+    first_roles = einsum_roles(f"{roles.input},{first_spec}->{middle}", None)
+    second_roles = einsum_roles(f"{middle},{second_spec}->{roles.output}", None)
+    assert first_roles is not None and second_roles is not None
+    middle_value = ops.einsum(f"{roles.input},{first_spec}->{middle}", x, first_value) * scale
+    middle_grad = ops.einsum(f"{roles.output},{second_spec}->{middle}", d, second_value) * scale
+    return (
+        LoraStage(first, first_roles, x, middle_grad),
+        LoraStage(second, second_roles, middle_value, d),
+    )
+
+
+def lora_dense_stages(
+    x: Any, d: Any, lora_a: Any, lora_b: Any, scale: float
+) -> tuple[LoraStage, LoraStage]:
+    """The stages of a Dense layer with LoRA (`lora_einsum_stages` of `...i,io->...o`):
+    `g_i(a) = A_i^T (s D_i b^T)`, `g_i(b) = (s A_i a)^T D_i`, for `x` (B, ..., in)."""
+    roles = einsum_roles("...i,io->...o", len(x.shape))
+    assert roles is not None
+    return lora_einsum_stages(roles, x, d, lora_a, lora_b, scale)
+
+
+def lora_embedding_operands(
+    ids: Any, d: Any, lora_a: Any, lora_b: Any, scale: float
+) -> tuple[Any, Any]:
+    """An Embedding with LoRA, for its (wrapped) ids `(B, T)` and output gradient
+    `(B, T, dim)`: `(s D b^T, s a[ids])`. `g_i(a)` is an Embedding gradient (rows
+    `s d_t b^T` added at the ids: `token_gram_sq_norms`, `token_dots`); `g_i(b) =
+    (s a[ids_i])^T D_i` a Dense one (`dense_kernel_gradients`)."""
+    d = f32(d)
+    projected_grad = ops.matmul(d, ops.transpose(f32(lora_b))) * scale
+    looked_up = ops.take(f32(lora_a), ids, axis=0) * scale
+    return projected_grad, looked_up

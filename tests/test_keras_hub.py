@@ -1,5 +1,8 @@
 """keras_hub models and layers at tiny random configurations (nothing downloaded).
 
+A GPT-2 causal LM with LoRA (`backbone.enable_lora`) trains on the LoRA rules, exactly
+and privately (the clipped mean against the oracle's).
+
 GPT-2 (its token embedding tied to the output projection), BERT, ViT (a position
 index and a class token made outside the step) and the encoder/decoder layers
 with padding masks: exact against the oracle, and a tracked step equal to a
@@ -16,6 +19,7 @@ import pytest
 from invariant import assert_tracked_step_equals_plain
 from keras import layers
 from oracle import assert_matches_oracle, oracle_statistics
+from test_privacy import expected_update, private_update
 
 import keras_gradtrack as kgt
 
@@ -155,3 +159,47 @@ def test_the_translator_with_encoder_and_decoder_masks_trains_as_plain_keras() -
         np.mean(stats["grad_norm"] * stats["cosine"]), stats["batch_grad_norm"], rtol=1e-4
     )
     assert_tracked_step_equals_plain(model, x, y)
+
+
+def lora_gpt2(model_class: type) -> Any:
+    """A small GPT-2 causal LM with `backbone.enable_lora(4)`, its `b` factors drawn at
+    random (no factor's gradient vanishes)."""
+    keras.utils.set_random_seed(7)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=100,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=32,
+        dropout=0.0,
+    )
+    backbone.enable_lora(4)
+    for variable in backbone.trainable_variables:
+        if variable.name == "lora_kernel_b":
+            variable.assign(rng.normal(size=variable.shape) * 0.1)
+    model = model_class(backbone, preprocessor=None)
+    model.compile(
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[],
+    )
+    return model
+
+
+def test_gpt2_causal_lm_with_lora_is_on_rules_exact_and_private() -> None:
+    model = lora_gpt2(tracked(keras_hub.models.GPT2CausalLM))
+    ids = rng.integers(1, 100, (BATCH, LENGTH))
+    x, y = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}, np.roll(ids, -1, axis=1)
+    model(x)
+    summary = model.gradient_tracking_summary(print_fn=lambda _: None)
+    assert "4 tracked layers, 0 on the fallback path, 0 refused" in summary
+    assert summary.count("rule:lora_einsum_dense") == 4
+    exact_and_as_plain(model, x, y)
+
+    _, norms = expected_update(model, x, y, 1.0)
+    clip = float(np.median(norms))  # some examples clipped, some not
+    expected, _ = expected_update(model, x, y, clip)
+    model.make_private(l2_norm_clip=clip, noise_multiplier=0.0)
+    update = private_update(model, x, y)
+    np.testing.assert_allclose(update, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

@@ -18,7 +18,7 @@ from oracle import assert_matches_oracle, oracle_statistics
 import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
 from keras_gradtrack.rules.einsum import einsum_roles
-from keras_gradtrack.rules.embedding import GRAM_MAX_TOKENS
+from keras_gradtrack.rules.ops import GRAM_MAX_TOKENS
 
 rng = np.random.default_rng(11)
 BATCH = 6

@@ -72,6 +72,32 @@ SETTINGS: dict[type, Setting] = {
     L.GRU: Setting(lambda: L.GRU(3), (4, 2)),
 }
 
+
+def with_lora(
+    layer: Callable[[], Any], shape: tuple[int, ...], rank: int, alpha: Any = None
+) -> Any:
+    """A layer built for inputs of `shape`, with LoRA (a random `b`: no gradient vanishes)."""
+
+    def make() -> Any:
+        built = layer()
+        built.build((None, *shape))
+        built.enable_lora(rank, lora_alpha=alpha, b_initializer="random_normal")
+        return built
+
+    return make
+
+
+# The rules for configurations a class's own rule leaves out (`rules._CONFIGURATIONS`).
+CONFIGURATION_SETTINGS: dict[str, Setting] = {
+    "lora_dense": Setting(with_lora(lambda: L.Dense(4, activation="tanh"), (5,), 2, 3.0), (5,)),
+    "lora_dense_sequence": Setting(with_lora(lambda: L.Dense(4), (3, 5), 3), (3, 5)),
+    "lora_einsum_dense": Setting(
+        with_lora(lambda: L.EinsumDense("btd,dnh->btnh", (3, 2, 2), bias_axes="nh"), (3, 5), 2, 4),
+        (3, 5),
+    ),
+    "lora_embedding": Setting(with_lora(lambda: L.Embedding(7, 3), (5,), 2), (5,), token_ids=7),
+}
+
 # (relative tolerance for norms and losses, absolute tolerance for cosines) under
 # mixed_float16, whose float16 keeps 11 significant bits (as in test_mixed_precision).
 MIXED_FLOAT16 = (5e-3, 1e-2)
@@ -132,7 +158,24 @@ def fitted_statistics(model: Any, x: np.ndarray, y: np.ndarray, path: Path) -> d
 def test_registered_rule_matches_the_oracle(
     layer_class: type, mode: str, tmp_path: Path, policy_restored: None
 ) -> None:
-    setting = SETTINGS[layer_class]
+    assert_setting_matches_the_oracle(SETTINGS[layer_class], mode, tmp_path)
+
+
+def test_every_configuration_rule_has_a_setting() -> None:
+    names = {rule.name for rules_ in rules._CONFIGURATIONS.values() for rule in rules_}
+    assert names <= {name.removesuffix("_sequence") for name in CONFIGURATION_SETTINGS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(CONFIGURATION_SETTINGS))
+def test_configuration_rule_matches_the_oracle(
+    name: str, mode: str, tmp_path: Path, policy_restored: None
+) -> None:
+    assert_setting_matches_the_oracle(CONFIGURATION_SETTINGS[name], mode, tmp_path)
+
+
+def assert_setting_matches_the_oracle(setting: Setting, mode: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(11)
     x, y = setting.inputs(rng), rng.integers(0, 3, BATCH)
     reference = build(setting, jit_compile=mode == "jit_compile")

@@ -63,6 +63,7 @@ from keras_gradtrack.rules.dense import DENSE
 from keras_gradtrack.rules.einsum import EINSUM_DENSE
 from keras_gradtrack.rules.embedding import EMBEDDING
 from keras_gradtrack.rules.layer_scale import LAYER_SCALE
+from keras_gradtrack.rules.lora import LORA_DENSE, LORA_EINSUM_DENSE, LORA_EMBEDDING
 from keras_gradtrack.rules.normalization import (
     GROUP_NORMALIZATION,
     LAYER_NORMALIZATION,
@@ -97,6 +98,13 @@ _REGISTRY: dict[type, Rule] = {
     keras.layers.SimpleRNN: RECURRENT,
     keras.layers.LSTM: RECURRENT,
     keras.layers.GRU: RECURRENT,
+}
+
+# Rules for configurations the class's own rule leaves out: LoRA (`enable_lora`).
+_CONFIGURATIONS: dict[type, tuple[Rule, ...]] = {
+    keras.layers.Dense: (LORA_DENSE,),
+    keras.layers.EinsumDense: (LORA_EINSUM_DENSE,),
+    keras.layers.Embedding: (LORA_EMBEDDING,),
 }
 
 
@@ -174,7 +182,12 @@ def lookup(layer: Any) -> Lookup:
                 covers,
             )
         if not rule.applies(layer):
-            return Lookup(None, f"rule {rule.name!r} does not cover this configuration", covers)
+            for configuration in _CONFIGURATIONS.get(cls, ()):
+                if configuration.applies(layer):
+                    return Lookup(configuration, covers_sublayers=covers)
+            mode = getattr(layer, "quantization_mode", None)
+            what = f"quantized weights ({mode})" if mode else "this configuration"
+            return Lookup(None, f"rule {rule.name!r} does not cover {what}", covers)
         return Lookup(rule, covers_sublayers=covers)
     return Lookup(None, f"no rule registered for {type(layer).__name__}")
 
@@ -190,6 +203,9 @@ __all__ = [
     "GROUP_NORMALIZATION",
     "LAYER_NORMALIZATION",
     "LAYER_SCALE",
+    "LORA_DENSE",
+    "LORA_EINSUM_DENSE",
+    "LORA_EMBEDDING",
     "PRELU",
     "RECURRENT",
     "RMS_NORMALIZATION",

@@ -35,6 +35,7 @@ from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
 from keras_gradtrack.rules.ops import (
     has_plain_weights,
     reshape_per_example,
+    roles_of_call,
     stacked_along_time,
     sum_of_squares,
     summed_bias_gradient,
@@ -47,19 +48,6 @@ def einsum_dense_applies(layer: Any) -> bool:
         return False
     input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
     return einsum_roles(layer.equation, input_rank) is not None
-
-
-def roles_of_call(layer: Any, x: tf.Tensor) -> EinsumRoles:
-    """The roles of the equation's letters for one call's input `x`; raises where the
-    equation has no batch letter first."""
-    roles = einsum_roles(layer.equation, x.shape.rank)
-    if roles is None:
-        raise ValueError(
-            f"EinsumDense layer {layer.name!r}: the equation has no batch letter first "
-            f"in its input and output. Received: equation={layer.equation!r}, input "
-            f"shape={x.shape}"
-        )
-    return roles
 
 
 def canonical_operands(

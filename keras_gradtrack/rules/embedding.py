@@ -17,70 +17,12 @@ import tensorflow as tf
 
 from keras_gradtrack import rule_math
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
-from keras_gradtrack.rules.ops import (
-    along_time,
-    has_plain_weights,
-    reshape_per_example,
-    sum_of_squares,
-)
-
-# Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
-# matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
-# it the Gram form, quadratic in T, loses quickly (docs/performance.md).
-GRAM_MAX_TOKENS = 32
+from keras_gradtrack.rules.ops import as_token_sequences, has_plain_weights, token_sq_norms
 
 
 def embedding_applies(layer: Any) -> bool:
     """The rule covers a plain float Embedding (no LoRA, no quantization)."""
     return has_plain_weights(layer)
-
-
-def token_ids(layer: Any, call: LayerCall) -> tf.Tensor:
-    """The row indices the layer looked up in this call, as `Embedding.call` computes them."""
-    ids = call.inputs
-    if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
-        raise ValueError(
-            f"Embedding layer {layer.name!r} received a {type(ids).__name__}; per-example "
-            "gradient statistics support dense integer inputs only (pad the sequences). "
-            f"Received: inputs={ids}"
-        )
-    ids = tf.convert_to_tensor(ids)
-    if ids.dtype not in (tf.int32, tf.int64):
-        ids = tf.cast(ids, tf.int32)
-    # `ops.take` wraps negative indices around, as numpy does.
-    return rule_math.wrapped_ids(ids, layer.input_dim)
-
-
-def as_token_sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
-    """Stacks every call's ids and output gradients as `(B, T)` int64 and `(B, T, dim)`."""
-
-    def sequences(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
-        ids = tf.cast(token_ids(layer, call), tf.int64)
-        d = tf.cast(call.output_grad, tf.float32)
-        return reshape_per_example(ids, [-1]), reshape_per_example(d, [-1, d.shape[-1]])
-
-    ids, d = along_time(calls, sequences)
-    return ids, d
-
-
-def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tensor:
-    """`sum_v ||sum_{t: id_t = v} d_t||^2` per example, by sorting ids and segment sums.
-
-    Static-shaped (no `tf.unique`), so it also compiles with XLA (`xla`: the step is).
-    """
-    batch, steps, dim = tf.shape(d)[0], tf.shape(d)[1], tf.shape(d)[2]
-    order = tf.argsort(ids, axis=1, stable=True)
-    sorted_ids = tf.gather(ids, order, batch_dims=1)
-    sorted_d = tf.gather(d, order, batch_dims=1)
-    starts_group = tf.not_equal(sorted_ids[:, 1:], sorted_ids[:, :-1])
-    starts_group = tf.concat([tf.ones([batch, 1], tf.bool), starts_group], axis=1)
-    # Groups of example i are numbered from i * T, so no two examples share one.
-    local_group = tf.cumsum(tf.cast(starts_group, tf.int32), axis=1) - 1
-    group = local_group + tf.range(batch)[:, None] * steps
-    sums = tf.math.unsorted_segment_sum(
-        tf.reshape(sorted_d, [-1, dim]), tf.reshape(group, [-1]), batch * steps
-    )
-    return sum_of_squares(tf.reshape(sums, [batch, -1]), axis=1, xla=xla)
 
 
 def embedding_primitives(
@@ -96,11 +38,7 @@ def embedding_primitives(
     ```
     """
     ids, d = as_token_sequences(layer, calls)
-    steps = ids.shape[1]
-    if steps is not None and steps <= GRAM_MAX_TOKENS:
-        sq_norm = rule_math.token_gram_sq_norms(ids, d)
-    else:
-        sq_norm = segment_sq_norm(ids, d, calls[0].xla)
+    sq_norm = token_sq_norms(ids, d, calls[0].xla)
     if reference is None:
         return LayerPrimitives(sq_norm=sq_norm, dot=None)
     return LayerPrimitives(

@@ -9,6 +9,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack import rule_math
+from keras_gradtrack.rule_math import EinsumRoles
 from keras_gradtrack.rules.contract import (
     LayerCall,
     LayerPrimitives,
@@ -25,6 +26,12 @@ def has_plain_weights(layer: Any) -> bool:
     return not getattr(layer, "lora_enabled", False) and not getattr(
         layer, "quantization_mode", None
     )
+
+
+# Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
+# matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
+# it the Gram form, quadratic in T, loses quickly (docs/performance.md).
+GRAM_MAX_TOKENS = 32
 
 
 def sum_of_squares(tensor: tf.Tensor, axis: Any = None, xla: bool = False) -> tf.Tensor:
@@ -274,3 +281,76 @@ def scale_of_moments(statistics_of: Callable[[Any], StatisticsFn]) -> ScaleGradi
         return rule_math.scale_from_moments(x, d, mean, inverse, kept)
 
     return scale_gradient
+
+
+# -- EinsumDense and Embedding calls ------------------------------------------
+
+
+def roles_of_call(layer: Any, x: tf.Tensor) -> EinsumRoles:
+    """The roles of the equation's letters for one call's input `x`; raises where the
+    equation has no batch letter first."""
+    roles = rule_math.einsum_roles(layer.equation, x.shape.rank)
+    if roles is None:
+        raise ValueError(
+            f"EinsumDense layer {layer.name!r}: the equation has no batch letter first "
+            f"in its input and output. Received: equation={layer.equation!r}, input "
+            f"shape={x.shape}"
+        )
+    return roles
+
+
+def token_ids(layer: Any, call: LayerCall) -> tf.Tensor:
+    """The row indices the layer looked up in this call, as `Embedding.call` computes them."""
+    ids = call.inputs
+    if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+        raise ValueError(
+            f"Embedding layer {layer.name!r} received a {type(ids).__name__}; per-example "
+            "gradient statistics support dense integer inputs only (pad the sequences). "
+            f"Received: inputs={ids}"
+        )
+    ids = tf.convert_to_tensor(ids)
+    if ids.dtype not in (tf.int32, tf.int64):
+        ids = tf.cast(ids, tf.int32)
+    # `ops.take` wraps negative indices around, as numpy does.
+    return rule_math.wrapped_ids(ids, layer.input_dim)
+
+
+def as_token_sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
+    """Stacks every call's ids and output gradients as `(B, T)` int64 and `(B, T, dim)`."""
+
+    def sequences(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+        ids = tf.cast(token_ids(layer, call), tf.int64)
+        d = tf.cast(call.output_grad, tf.float32)
+        return reshape_per_example(ids, [-1]), reshape_per_example(d, [-1, d.shape[-1]])
+
+    ids, d = along_time(calls, sequences)
+    return ids, d
+
+
+def segment_sq_norm(ids: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tensor:
+    """`sum_v ||sum_{t: id_t = v} d_t||^2` per example, by sorting ids and segment sums.
+
+    Static-shaped (no `tf.unique`), so it also compiles with XLA (`xla`: the step is).
+    """
+    batch, steps, dim = tf.shape(d)[0], tf.shape(d)[1], tf.shape(d)[2]
+    order = tf.argsort(ids, axis=1, stable=True)
+    sorted_ids = tf.gather(ids, order, batch_dims=1)
+    sorted_d = tf.gather(d, order, batch_dims=1)
+    starts_group = tf.not_equal(sorted_ids[:, 1:], sorted_ids[:, :-1])
+    starts_group = tf.concat([tf.ones([batch, 1], tf.bool), starts_group], axis=1)
+    # Groups of example i are numbered from i * T, so no two examples share one.
+    local_group = tf.cumsum(tf.cast(starts_group, tf.int32), axis=1) - 1
+    group = local_group + tf.range(batch)[:, None] * steps
+    sums = tf.math.unsorted_segment_sum(
+        tf.reshape(sorted_d, [-1, dim]), tf.reshape(group, [-1]), batch * steps
+    )
+    return sum_of_squares(tf.reshape(sums, [batch, -1]), axis=1, xla=xla)
+
+
+def token_sq_norms(ids: tf.Tensor, d: tf.Tensor, xla: bool = False) -> tf.Tensor:
+    """`(B,)` `||g_i||^2` of an Embedding-like gradient (rows `d_t` added at `ids_t`):
+    the masked Gram form up to `GRAM_MAX_TOKENS` tokens, sorting and segment sums beyond."""
+    steps = ids.shape[1]
+    if steps is not None and steps <= GRAM_MAX_TOKENS:
+        return rule_math.token_gram_sq_norms(ids, d)
+    return segment_sq_norm(ids, d, xla)

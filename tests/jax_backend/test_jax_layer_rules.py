@@ -272,10 +272,10 @@ def test_layers_the_rules_do_not_cover_are_on_the_fallback_and_say_so() -> None:
     hidden = L.PReLU()(hidden)
     lora = L.Dense(3)
     hidden = lora(L.Flatten()(hidden))
-    lora.enable_lora(2)  # its variables are the low-rank factors, not the kernel
+    lora.enable_lora(2)  # its variables are the low-rank factors: a rule of their own
     model = kgt.GradientTrackingModel(inputs, L.Dense(2)(hidden))
     paths = [tracked.path for tracked in model.gradient_tracking_plan()]
-    assert paths == [FALLBACK_PATH, FALLBACK_PATH, FALLBACK_PATH, "rule:dense"]
+    assert paths == [FALLBACK_PATH, FALLBACK_PATH, "rule:lora_dense", "rule:dense"]
 
 
 def flat_per_example(grads: list[Any]) -> Any:

@@ -39,6 +39,9 @@ from keras_gradtrack.backends.jax.rules import (
     DENSE,
     EINSUM_DENSE,
     EMBEDDING,
+    LORA_DENSE,
+    LORA_EINSUM_DENSE,
+    LORA_EMBEDDING,
     JaxRule,
     ProbedCall,
     f32,
@@ -60,8 +63,18 @@ REGISTRY: dict[type, JaxRule] = {
     keras.layers.GroupNormalization: GROUP_NORMALIZATION,
 }
 
+# Rules for configurations the class's own rule leaves out: LoRA (`enable_lora`).
+CONFIGURATIONS: dict[type, tuple[JaxRule, ...]] = {
+    keras.layers.Dense: (LORA_DENSE,),
+    keras.layers.EinsumDense: (LORA_EINSUM_DENSE,),
+    keras.layers.Embedding: (LORA_EMBEDDING,),
+}
 
-BY_NAME = {rule.name: rule for rule in REGISTRY.values()}
+
+BY_NAME = {
+    rule.name: rule
+    for rule in (*REGISTRY.values(), *(r for rules in CONFIGURATIONS.values() for r in rules))
+}
 PUBLIC_REGISTRY = "keras_gradtrack.rules"
 
 
@@ -145,11 +158,15 @@ def adapted(rule: Any, layer: Any) -> JaxRule:
 
 def own_lookup(layer: Any) -> JaxRule | None:
     """The JAX engine's own rule of the layer's class, or of the nearest base class
-    whose `call` it keeps, if the rule applies to the layer."""
+    whose `call` it keeps, if the rule applies to the layer (or one of
+    `CONFIGURATIONS` for the class does)."""
     for cls in type(layer).__mro__:
         rule = REGISTRY.get(cls)
         if rule is not None:
-            keeps_call = getattr(type(layer), "call", None) is getattr(cls, "call", None)
-            applies = rule.applies is None or rule.applies(layer)
-            return rule if keeps_call and applies else None
+            if getattr(type(layer), "call", None) is not getattr(cls, "call", None):
+                return None
+            for candidate in (rule, *CONFIGURATIONS.get(cls, ())):
+                if candidate.applies is None or candidate.applies(layer):
+                    return candidate
+            return None
     return None

@@ -202,7 +202,8 @@ def dense_per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-# A layer with LoRA or quantized weights runs on the fallback, and its path says so.
+# A layer with LoRA runs on `LORA_DENSE` (below), a quantized one on the fallback, and
+# its path says so.
 DENSE = JaxRule("dense", dense_per_example, dense_primitives, applies=plain_weights)
 
 
@@ -274,3 +275,57 @@ def embedding_per_example(
 
 
 EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives, applies=plain_weights)
+
+
+# -- LoRA -------------------------------------------------------------------
+
+
+def lora_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """A Dense, EinsumDense or Embedding with LoRA (kernel `W + s a b`, `W` frozen): each
+    factor's gradient is an EinsumDense stage's (`rule_math.lora_einsum_stages`), an
+    Embedding's `g_i(a)` the rows `s d_t b^T` added at the ids; the bias as without LoRA."""
+    value_of = {v.name: value for v, value in zip(layer.non_trainable_variables, others)}
+    value_of.update({v.name: value for v, value in zip(layer.trainable_variables, values)})
+    scale = rule_math.lora_scale(layer)
+    grads = {}
+    if hasattr(layer, "lora_embeddings_a"):
+        lora_a, lora_b = value_of["lora_embeddings_a"], value_of["lora_embeddings_b"]
+        batch = call.inputs.shape[0]
+        ids = jnp.asarray(call.inputs).astype(jnp.int32).reshape(batch, -1)
+        ids = rule_math.wrapped_ids(ids, lora_a.shape[0])
+        d = f32(call.output_grad).reshape(batch, ids.shape[1], -1)
+        projected_grad, looked_up = rule_math.lora_embedding_operands(ids, d, lora_a, lora_b, scale)
+        positions = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
+        tables = jnp.zeros((batch, *lora_a.shape), jnp.float32)
+        grads["lora_embeddings_a"] = tables.at[positions, ids].add(projected_grad)
+        grads["lora_embeddings_b"] = rule_math.dense_kernel_gradients(looked_up, d)
+    else:
+        lora_a, lora_b = value_of["lora_kernel_a"], value_of["lora_kernel_b"]
+        if hasattr(layer, "equation"):
+            roles = rule_math.einsum_roles(layer.equation, len(call.inputs.shape))
+            assert roles is not None  # `lora_covered` read the equation
+            stages = rule_math.lora_einsum_stages(
+                roles, call.inputs, call.output_grad, lora_a, lora_b, scale
+            )
+        else:
+            stages = rule_math.lora_dense_stages(
+                call.inputs, call.output_grad, lora_a, lora_b, scale
+            )
+        for stage in stages:
+            grads[f"lora_kernel_{stage.factor}"] = rule_math.einsum_kernel_gradients(
+                stage.roles, stage.inputs, stage.output_grad
+            )
+    for variable in layer.trainable_variables:
+        if variable.name == "bias":
+            bias_grad = rule_math.bias_gradients(call.output_grad, variable.shape)
+            grads["bias"] = bias_grad.reshape(bias_grad.shape[0], *variable.shape)
+    return [grads[v.name] for v in layer.trainable_variables]
+
+
+# Quantized layers, and layers whose kernel was made trainable again, stay on the
+# fallback (`rule_math.lora_covered`), and their path says so.
+LORA_DENSE = JaxRule("lora_dense", lora_per_example, applies=rule_math.lora_covered)
+LORA_EINSUM_DENSE = JaxRule("lora_einsum_dense", lora_per_example, applies=rule_math.lora_covered)
+LORA_EMBEDDING = JaxRule("lora_embedding", lora_per_example, applies=rule_math.lora_covered)
