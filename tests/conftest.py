@@ -5,8 +5,11 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
+import patience
 import pytest
 import tensorflow as tf
+
+patience.imports_done()
 
 # The JAX engine's tests need Keras on JAX, chosen when Keras is imported: they run
 # in a process of their own (`KERAS_BACKEND=jax pytest tests/jax_backend`).
