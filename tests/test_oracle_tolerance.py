@@ -33,6 +33,7 @@ def test_float32_rounding_of_every_entry_passes() -> None:
         ((1, 1), 1e-5),  # a masked position that is not zero
         ((1, 0), 0.9 * (1 - 2e-4)),
     ],
+    ids=["relative_1e-3", "another_examples_value", "masked_not_zero", "relative_2e-4"],
 )
 def test_a_wrong_value_fails(entry: tuple[int, int], value: float) -> None:
     found = EXPECTED.copy()
