@@ -183,15 +183,19 @@ class Worker:
 
     def finish(self) -> int:
         """Waits for the process to end and takes in all its output; its exit code."""
-        self.process.wait(timeout=patience.seconds(WORKER_IMPORTS))
-        for reader in self._readers:
-            reader.join(timeout=patience.seconds())
-        while (event := self.events.get_nowait()) is not None:
-            self.seen.append(event)
-        self.events.put(None)
-        for pipe in (self.process.stdout, self.process.stderr):
-            assert pipe is not None
-            pipe.close()
+        try:
+            self.process.wait(timeout=patience.seconds(WORKER_IMPORTS))
+            for reader in self._readers:
+                reader.join(timeout=patience.seconds())
+            while (event := self.events.get_nowait()) is not None:
+                self.seen.append(event)
+            self.events.put(None)
+        finally:
+            # Closed even when the worker misbehaved: an open pipe found by the garbage
+            # collector fails whichever test runs then (ResourceWarning).
+            for pipe in (self.process.stdout, self.process.stderr):
+                assert pipe is not None
+                pipe.close()
         return self.process.returncode
 
     @property
