@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo docs lint typecheck bench bench-mislabeled gpu-wheels clean
+.PHONY: install test test-all demo docs lint typecheck bench bench-mislabeled gpu-wheels clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,14 +14,17 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 
 install: $(STAMP)
 
-# The convolution rules pick their kernels by whether oneDNN is on: their tests run
-# again with oneDNN off, in a process of their own (read when TensorFlow loads).
-ONEDNN_OFF_TESTS := tests/test_rules_conv.py tests/test_materialized.py
+# Every phase (the main run; the convolution rules with oneDNN on, then off; the JAX
+# backend) runs to its end and a table reports each; .ci/phases says more. `make test`
+# leaves out the cases marked `extended`, `make test-all` runs them too.
+# PYTEST_ARGS go to every phase: PYTEST_ARGS=--shuffle runs each in a random order.
+PYTEST_ARGS ?=
 
 test: $(STAMP)
-	$(PY) -m pytest
-	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest -q $(ONEDNN_OFF_TESTS)
-	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax_backend
+	.ci/phases $(PY) -m "not extended" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	.ci/phases $(PY) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check keras_gradtrack tests benchmarks

@@ -27,6 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is impor
 import keras
 import tensorflow as tf
 from recurrent import fit_step_seconds
+from report import cpu_features_line
 from zoo import build_compiled, synthetic_batches
 
 import keras_gradtrack as kgt
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per fit")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}")
+    print(cpu_features_line())
     print("| model | variant | ms/step | / plain |")
     print("| --- | --- | --- | --- |")
     for name in args.models.split(","):

@@ -39,6 +39,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is impor
 
 import numpy as np
 import tensorflow as tf
+from report import cpu_features_line
 
 from keras_gradtrack.rules import filter_gradients, windows
 
@@ -152,6 +153,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     names = list(forms(1, 1, 1, "valid"))
+    print(cpu_features_line())
     print(f"B={args.batch_size}, 3x3 kernels, stride 1; ms per call (per-example / batch)")
     print("| input HxWxC -> F, padding | " + " | ".join(names) + " |")
     print("| --- " * (len(names) + 1) + "|")

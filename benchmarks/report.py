@@ -78,6 +78,44 @@ def device_description() -> str:
     return f"GPUs: {', '.join(names) or 'none'}; CPU oneDNN: {onednn}"
 
 
+# The vector extensions TensorFlow's CPU kernels and oneDNN pick their code by, as
+# /proc/cpuinfo names them and as a table shows them.
+CPU_FEATURES = {
+    "avx2": "AVX2",
+    "fma": "FMA",
+    "avx512f": "AVX-512F",
+    "avx512_vnni": "AVX-512 VNNI",
+    "avx512_bf16": "AVX-512 BF16",
+    "amx_tile": "AMX",
+}
+
+
+def cpu_features_line() -> str:
+    """The table header's line of the CPU's vector extensions and whether TensorFlow
+    runs oneDNN: the convolution rules' kernels (and TensorFlow's own) depend on both.
+
+    Example:
+        `- CPU features: AVX2, FMA, AVX-512F (no AVX-512 VNNI, ...); oneDNN on
+        (IsMklEnabled(), TF_ENABLE_ONEDNN_OPTS unset)`
+    """
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next(
+            (line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []
+        )
+    present = [name for flag, name in CPU_FEATURES.items() if flag in flags]
+    absent = [name for flag, name in CPU_FEATURES.items() if flag not in flags]
+    from tensorflow.python.util import _pywrap_util_port
+
+    onednn = "on" if _pywrap_util_port.IsMklEnabled() else "off"
+    setting = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    flag_text = "unset" if setting is None else f"={setting}"
+    missing = f" (no {', '.join(absent)})" if absent else ""
+    return (
+        f"- CPU features: {', '.join(present) or 'none of ' + ', '.join(absent)}{missing}; "
+        f"oneDNN {onednn} (IsMklEnabled(), TF_ENABLE_ONEDNN_OPTS {flag_text})"
+    )
+
+
 def machine_lines(devices: str) -> list[str]:
     with open("/proc/cpuinfo") as cpuinfo:
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), "?")
@@ -91,6 +129,7 @@ def machine_lines(devices: str) -> list[str]:
     return [
         f"- CPU: {cpu}, {len(os.sched_getaffinity(0))} cores usable "
         f"({os.cpu_count()} logical), {memory_gib:.0f} GiB RAM; {devices}",
+        cpu_features_line(),
         f"- Python {platform.python_version()}, {versions}",
         f"- commit {commit}, {datetime.date.today().isoformat()}",
     ]

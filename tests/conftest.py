@@ -1,12 +1,17 @@
-"""Suite-wide setup: quiet TensorFlow, seeded Keras, one import per session."""
+"""Suite-wide setup: quiet TensorFlow, seeded Keras, one import per session, and
+`--shuffle` (`--shuffle-seed=N` to repeat an order) to run the tests in a random order."""
 
 import os
+import random
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
+import patience
 import pytest
 import tensorflow as tf
+
+patience.imports_done()
 
 # The JAX engine's tests need Keras on JAX, chosen when Keras is imported: they run
 # in a process of their own (`KERAS_BACKEND=jax pytest tests/jax_backend`).
@@ -36,3 +41,47 @@ def two_cpu_strategy() -> tf.distribute.MirroredStrategy:
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     assert strategy.num_replicas_in_sync == 2
     return strategy
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shuffle")
+    group.addoption(
+        "--shuffle",
+        action="store_true",
+        help="run the tests in a random order (its seed is printed at the top)",
+    )
+    group.addoption(
+        "--shuffle-seed",
+        type=int,
+        default=None,
+        help="run the tests in the random order of this seed (implies --shuffle)",
+    )
+
+
+def shuffle_seed(config: pytest.Config) -> int | None:
+    """The seed of this run's test order; None: the order of the files."""
+    seed = config.getoption("--shuffle-seed")
+    if seed is None and config.getoption("--shuffle"):
+        seed = random.SystemRandom().randrange(2**31)
+        config.option.shuffle_seed = seed
+    return seed
+
+
+def report_order(config: pytest.Config) -> None:
+    seed = shuffle_seed(config)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if seed is not None and reporter is not None:
+        reporter.write_line(f"test order shuffled: --shuffle-seed={seed} repeats it")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seed = shuffle_seed(config)
+    if seed is not None:
+        # Every test seeds Keras, numpy and Python itself (`seeded`): only the order
+        # changes.
+        random.Random(seed).shuffle(items)
+        report_order(config)
+
+
+def pytest_terminal_summary(config: pytest.Config) -> None:
+    report_order(config)

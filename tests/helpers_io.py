@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import patience
 
 from keras_gradtrack.io import LogWriter
 
@@ -22,7 +23,6 @@ ATTRS = {
     "tensorflow_version": "2.16.0",
     "model_name": "mlp",
 }
-TIMEOUT_SECONDS = 30
 
 TESTS_DIR = Path(__file__).resolve().parent
 # Child processes import keras_gradtrack.io without running keras_gradtrack/__init__.py,
@@ -125,12 +125,15 @@ def child_process(code: str) -> Iterator[subprocess.Popen]:
             child.kill()
 
 
-def read_line(child: subprocess.Popen, timeout: float = TIMEOUT_SECONDS) -> str:
-    """The child's next stdout line; fails with its stderr if none comes in time."""
+def read_line(child: subprocess.Popen, timeout: float | None = None) -> str:
+    """The child's next stdout line; fails with its stderr if none comes in time
+    (`timeout`, default: `patience.seconds()`)."""
     assert child.stdout is not None and child.stderr is not None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
         try:
-            line = executor.submit(child.stdout.readline).result(timeout=timeout)
+            line = executor.submit(child.stdout.readline).result(
+                timeout=patience.seconds() if timeout is None else timeout
+            )
         except concurrent.futures.TimeoutError:
             child.kill()
             line = ""
@@ -143,5 +146,5 @@ def read_line(child: subprocess.Popen, timeout: float = TIMEOUT_SECONDS) -> str:
 def run_child(code: str) -> tuple[int, str, str]:
     """Runs a Python child to completion; returns its exit code, stdout and stderr."""
     with child_process(code) as child:
-        stdout, stderr = child.communicate(timeout=TIMEOUT_SECONDS)
+        stdout, stderr = child.communicate(timeout=patience.seconds())
     return child.returncode, stdout, stderr

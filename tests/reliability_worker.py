@@ -28,6 +28,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -40,8 +41,16 @@ FIRST_RUN_BATCHES = ([3, 1], [2])  # an explicit flush after each group; close f
 SECOND_RUN_BATCHES = ([4, 3], [1])
 
 
+_EMITTING = threading.Lock()
+
+
 def emit(**event: Any) -> None:
-    print(json.dumps(event), flush=True)
+    # One write per line, one thread at a time: the logger's writer thread reports
+    # blocks while the main thread reports epochs, and print's separate write of the
+    # newline let two events share a line.
+    with _EMITTING:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
 
 
 # -- train --------------------------------------------------------------------------

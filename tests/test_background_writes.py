@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import patience
 import pytest
 from helpers_io import expected_tables, fake_step, make_writer, next_file_step, write_steps
 
@@ -50,7 +51,7 @@ class Gate:
         if self.error is not None:
             error, self.error = self.error, None
             raise error
-        self.opened.wait(timeout=30)
+        self.opened.wait(timeout=patience.seconds())
         self.append_block(*args)
 
 
@@ -73,7 +74,7 @@ def test_a_due_block_is_written_while_the_caller_goes_on_and_close_waits_for_it(
     writer = make_writer(path, flush_every=2, flush_seconds=None, background=True)
     writer.open()
     steps = write_steps(writer, [2, 3, 4])  # the block of steps 0 and 1 is due, not written
-    assert gate.entered.wait(timeout=30)
+    assert gate.entered.wait(timeout=patience.seconds())
     assert gate.threads == ["keras_gradtrack writer of " + str(path)]
     assert writer.last_written_step is None and writer.last_step == 2
     gate.opened.set()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import patience
 import pytest
 from helpers_io import child_process, read_line
 from test_analysis import SUSPICIOUS, write_log
@@ -110,7 +111,7 @@ def test_watch_shows_rows_written_while_it_runs(tmp_path):
 
         shown = io.StringIO()
         cli.watch(path, interval=0.5, count=3, stream=shown, sleep=write_one_step)
-        writer.communicate(input="stop\n", timeout=30)
+        writer.communicate(input="stop\n", timeout=patience.seconds())
     summaries = shown.getvalue().split("refreshed every 0.5 s")
     assert len(summaries) == 4  # three summaries and what follows the last
     for summary, (steps, rows) in zip(summaries, [(2, 8), (3, 11), (4, 14)]):
@@ -188,7 +189,10 @@ def test_the_installed_command_exits_non_zero_for_a_missing_file(tmp_path):
     command = [str(script)] if script.exists() else [sys.executable, "-m", "keras_gradtrack.cli"]
     missing = tmp_path / "missing.h5"
     result = subprocess.run(
-        [*command, "summary", str(missing)], capture_output=True, text=True, timeout=120
+        [*command, "summary", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=patience.seconds(2),
     )
     assert result.returncode == 1 and result.stdout == ""
     # The last line: importing TensorFlow may print its own lines to stderr first.

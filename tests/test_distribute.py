@@ -12,6 +12,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import patience
 import pytest
 import tensorflow as tf
 
@@ -111,7 +112,7 @@ def test_multi_worker_mirrored_strategy_with_two_processes(tmp_path: Path) -> No
                 text=True,
             )
         )
-    outputs = [process.communicate(timeout=240)[0] for process in processes]
+    outputs = [process.communicate(timeout=patience.seconds(4))[0] for process in processes]
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-3000:]
     assert not (tmp_path / "worker1" / "run.h5").exists()

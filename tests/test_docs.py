@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import patience
 import pytest
 
 pytest.importorskip("mkdocs")
@@ -72,7 +73,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience.seconds(5),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     api = (site / "api" / "index.html").read_text()

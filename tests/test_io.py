@@ -7,6 +7,7 @@ import time
 
 import h5py
 import numpy as np
+import patience
 import pytest
 from helpers_io import (
     ATTRS,
@@ -442,7 +443,7 @@ def test_a_reader_in_another_process_follows_the_writer(tmp_path):
         reader.stdin.write("refresh\n")
         reader.stdin.flush()
         assert json.loads(read_line(reader)) == [9, 3, [0, 1, 2]]
-        reader.communicate(input="\n", timeout=30)
+        reader.communicate(input="\n", timeout=patience.seconds())
         assert reader.returncode == 0
 
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import keras
 import numpy as np
+import patience
 import pytest
 
 import keras_gradtrack as kgt
 
 X = np.random.default_rng(9).normal(size=(64, 6)).astype("float32")
 Y = np.random.default_rng(10).integers(0, 3, 64)
-TIMEOUT_SECONDS = 180
 
 
 def small_model() -> Any:
@@ -126,7 +126,7 @@ def test_rows_reach_the_file_when_fit_ends_by_an_exception_and_the_script_exits(
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_SECONDS
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=patience.seconds(3)
     )
     assert result.returncode == 1 and "RuntimeError: stopped" in result.stderr, result.stderr
     assert_steps(tmp_path / "interrupted.h5", 21)

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import patience
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
@@ -46,7 +47,6 @@ EXPECTED_OUTPUT = {
     "autodiff_4_grad_like_torch.ipynb": "agree: True",
     "private_training.ipynb": "text: DP-SGD at epsilon",
 }
-CELL_TIMEOUT_SECONDS = 180
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_notebook_runs(name: str, tmp_path: Path, this_python_kernel: str) -> No
     client = nbclient.NotebookClient(
         notebook,
         kernel_name=this_python_kernel,
-        timeout=CELL_TIMEOUT_SECONDS,
+        timeout=int(patience.seconds(3)),
         resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()

@@ -102,7 +102,13 @@ def assert_exact(model: Any, x: Any, y: Any, sample_weight: Any = None, **kwargs
 
 
 @pytest.mark.parametrize(
-    "length", [1, pytest.param(7, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow)]
+    "length",
+    # 64 steps take the paths of 7, longer (make test-all).
+    [
+        1,
+        pytest.param(7, marks=pytest.mark.slow),
+        pytest.param(64, marks=[pytest.mark.slow, pytest.mark.extended]),
+    ],
 )
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_every_cell_direction_masking_and_output_matches_the_oracle(cell: str, length: int) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import h5py
 import keras
 import numpy as np
+import patience
 import pytest
 from helpers_io import expected_tables, fake_step, make_writer, write_steps
 
@@ -35,7 +36,8 @@ import keras_gradtrack as kgt
 from keras_gradtrack.io import LogReader, LogWriter, schema
 
 WORKER = Path(__file__).resolve().parent / "reliability_worker.py"
-TIMEOUT_SECONDS = 120
+# Five workers start together: each imports TensorFlow on cores the others share.
+WORKER_IMPORTS = 6
 
 # Preloaded into the sweep's processes: fails one chosen write system call of HDF5.
 # Between system calls nothing reaches the file, so failing each one in turn covers
@@ -151,9 +153,9 @@ class Worker:
         assert self.process.stderr is not None
         self._stderr.extend(self.process.stderr)
 
-    def next_event(self, timeout: float = TIMEOUT_SECONDS) -> dict[str, Any]:
+    def next_event(self) -> dict[str, Any]:
         try:
-            event = self.events.get(timeout=timeout)
+            event = self.events.get(timeout=patience.seconds(WORKER_IMPORTS))
         except queue.Empty:
             self.process.kill()
             raise AssertionError(f"The worker went silent. Its stderr:\n{self.stderr}") from None
@@ -181,15 +183,19 @@ class Worker:
 
     def finish(self) -> int:
         """Waits for the process to end and takes in all its output; its exit code."""
-        self.process.wait(timeout=TIMEOUT_SECONDS)
-        for reader in self._readers:
-            reader.join(timeout=TIMEOUT_SECONDS)
-        while (event := self.events.get_nowait()) is not None:
-            self.seen.append(event)
-        self.events.put(None)
-        for pipe in (self.process.stdout, self.process.stderr):
-            assert pipe is not None
-            pipe.close()
+        try:
+            self.process.wait(timeout=patience.seconds(WORKER_IMPORTS))
+            for reader in self._readers:
+                reader.join(timeout=patience.seconds())
+            while (event := self.events.get_nowait()) is not None:
+                self.seen.append(event)
+            self.events.put(None)
+        finally:
+            # Closed even when the worker misbehaved: an open pipe found by the garbage
+            # collector fails whichever test runs then (ResourceWarning).
+            for pipe in (self.process.stdout, self.process.stderr):
+                assert pipe is not None
+                pipe.close()
         return self.process.returncode
 
     @property

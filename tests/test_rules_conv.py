@@ -9,6 +9,7 @@ built-in statistic plus `pairwise_cosine`, which checks the rules' Gram matrices
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,9 @@ from oracle import assert_matches_oracle, oracle_statistics
 import keras_gradtrack as kgt
 from keras_gradtrack.engine.plan import FALLBACK_PATH
 from keras_gradtrack.rule_math import gram_has_fewer_products
-from keras_gradtrack.rules import LayerCall, chunks, lookup
+from keras_gradtrack.rules import LayerCall, chunks, filter_gradients, lookup
 from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs
-from keras_gradtrack.rules.windows import FEW_CHANNELS
+from keras_gradtrack.rules.windows import FEW_CHANNELS, Window
 from keras_gradtrack.statistics import DEFAULT_STATISTICS
 
 rng = np.random.default_rng(5)
@@ -298,6 +299,30 @@ def channels_first_twin(layer: keras.layers.Layer) -> keras.layers.Layer:
     return type(layer).from_config({**layer.get_config(), "data_format": "channels_first"})
 
 
+# The two kernels of an ungrouped convolution's per-example filter gradients. The
+# grouped Conv2DBackpropFilter runs only where TensorFlow runs oneDNN (`make test`
+# runs this file with TF_ENABLE_ONEDNN_OPTS=1 and =0, whatever the CPU's default);
+# the windows' products run everywhere, and are chosen here by the rule's switch.
+KERNELS = ["onednn_grouped_filter", "window_products"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernel the convolution rules use in this test."""
+    if request.param == "onednn_grouped_filter" and not tensorflow_runs_onednn():
+        pytest.skip("oneDNN is off in this process (TF_ENABLE_ONEDNN_OPTS=1 turns it on)")
+    if request.param == "window_products":
+        monkeypatch.setattr(filter_gradients, "onednn_cpu_only", lambda: False)
+    return request.param
+
+
+def tensorflow_runs_onednn() -> bool:
+    """What TensorFlow itself reports, with no GPU to place the step on."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled()) and not tf.config.list_logical_devices("GPU")
+
+
 MANY_CHANNEL_LAYERS = [
     (lambda: L.Conv1D(5, 3, strides=2, padding="causal", dilation_rate=1), (16, 6)),
     (lambda: L.Conv1D(4, 3, padding="same", dilation_rate=2, use_bias=False), (15, 8)),
@@ -311,11 +336,11 @@ MANY_CHANNEL_LAYERS = [
 
 @pytest.mark.parametrize(("make", "input_shape"), MANY_CHANNEL_LAYERS)
 def test_many_channel_kernels_take_the_filter_gradient_onednn_runs(
-    make: Callable[[], Any], input_shape: Any, tmp_path: Path
+    make: Callable[[], Any], input_shape: Any, kernel: str, tmp_path: Path
 ) -> None:
     """More than FEW_CHANNELS channels under the kernel's windows: the grouped
     Conv2DBackpropFilter where oneDNN runs it, the windows' products where it does
-    not (`make test` runs this file with TF_ENABLE_ONEDNN_OPTS on and off); both exact."""
+    not or the switch says so; both exact."""
     inputs = keras.Input(input_shape)
     layer = make()
     model = classifier(inputs, layer(inputs))
@@ -326,7 +351,7 @@ def test_many_channel_kernels_take_the_filter_gradient_onednn_runs(
     assert row.form == "materialized", row
     expected = (
         "Conv2DBackpropFilter (oneDNN), examples as groups"
-        if grouped_filter_gradient_runs()
+        if kernel == "onednn_grouped_filter"
         and windowed > FEW_CHANNELS
         and layer.kernel_size != (1, 1)
         else "window products"  # also up to FEW_CHANNELS channels or 1x1, oneDNN or not
@@ -363,7 +388,7 @@ CHUNKED_LAYERS = [
 
 @pytest.mark.parametrize(("make", "input_shape"), CHUNKED_LAYERS)
 def test_filter_gradients_in_chunks_of_examples_match_the_oracle(
-    make: Callable[[], Any], input_shape: Any, monkeypatch: pytest.MonkeyPatch
+    make: Callable[[], Any], input_shape: Any, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches larger than a chunk take the loop over chunks of examples, the last
     one short: the per-example gradients are the same, in the examples' order."""
@@ -378,10 +403,23 @@ def test_filter_gradients_in_chunks_of_examples_match_the_oracle(
     )
 
 
-def test_onednn_is_detected_from_the_environment() -> None:
-    enabled = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") not in ("0", "false", "False")
-    assert grouped_filter_gradient_runs() == (enabled and not tf.config.list_logical_devices("GPU"))
+def test_the_grouped_filter_gradient_runs_where_tensorflow_runs_onednn() -> None:
+    """The rules read oneDNN from TensorFlow: an unset TF_ENABLE_ONEDNN_OPTS means on
+    or off by the CPU (off without AVX-512 in TensorFlow 2.21); a set one decides."""
+    assert grouped_filter_gradient_runs() == tensorflow_runs_onednn()
     assert not grouped_filter_gradient_runs(xla=True)
+    flag = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower()
+    if flag in ("0", "false"):
+        assert not grouped_filter_gradient_runs()
+    # x86-64 TensorFlow wheels hold oneDNN: `make test` relies on the flag turning it on.
+    if flag in ("1", "true") and platform.machine().lower() in ("x86_64", "amd64"):
+        assert grouped_filter_gradient_runs() == (not tf.config.list_logical_devices("GPU"))
+
+
+def test_the_switch_chooses_the_window_products(kernel: str) -> None:
+    windows = Window((3, 3), (1, 1), (1, 1), "valid")
+    form = filter_gradients.filter_gradient_form(1, FEW_CHANNELS + 1, windows)
+    assert (form == filter_gradients.GROUPED) == (kernel == "onednn_grouped_filter")
 
 
 @pytest.mark.parametrize(

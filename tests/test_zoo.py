@@ -70,8 +70,12 @@ def test_a_tracked_step_trains_as_plain_keras(name: str) -> None:
         ("transformer_classifier", 10),
         ("ticket_classifier", 10),
         ("custom_train_step", 10),
-        # XLA compiles once per batch shape, at 20 to 60 s here: one shape only.
-        pytest.param("separable_residual_classifier", 8, marks=pytest.mark.slow),
+        # XLA compiles once per batch shape, at 20 to 60 s here: one shape only, and
+        # only in make test-all (a compiled fit is checked against the oracle in
+        # test_rules_conv.py and test_fit.py by default).
+        pytest.param(
+            "separable_residual_classifier", 8, marks=[pytest.mark.slow, pytest.mark.extended]
+        ),
     ],
 )
 def test_fit_logs_every_step_as_the_oracle_computes_it(

@@ -11,6 +11,7 @@ from typing import Any
 import h5py
 import keras
 import numpy as np
+import patience
 import pytest
 from jax_models import compiled, mlp
 
@@ -66,7 +67,11 @@ def test_a_tracked_fit_imports_no_tensorflow() -> None:
     )
     env = {"KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patience.seconds(2),
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -103,7 +108,7 @@ def test_the_logger_and_the_log_need_no_tensorflow(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience.seconds(2),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with h5py.File(tmp_path / "run.h5", "r") as f:

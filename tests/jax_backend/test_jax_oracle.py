@@ -61,11 +61,15 @@ def shared_dense() -> tuple[Any, np.ndarray]:
 
 
 def lora_dense() -> tuple[Any, np.ndarray]:
-    # LoRA: the kernel is frozen (non-trainable), two low-rank factors train.
+    # LoRA: the kernel is frozen (non-trainable), two low-rank factors train, scaled by
+    # lora_alpha / rank = 1.5. Not a tanh after a second factor of ones: that saturated
+    # (1 - h^2 down to 3e-6), and float32 left the layer's gradients, the oracle's
+    # too, up to 1.6e-4 from their float64 values. Here both agree with float64 to
+    # within 2% of the tolerance (40 seeds).
     inputs = keras.Input((4,))
-    dense = keras.layers.Dense(5, activation="tanh")
+    dense = keras.layers.Dense(5)
     features = dense(inputs)
-    dense.enable_lora(2, b_initializer="ones")
+    dense.enable_lora(2, lora_alpha=3, b_initializer=keras.initializers.RandomNormal(stddev=0.2))
     return classifier(inputs, features), floats(BATCH, 4)
 
 
