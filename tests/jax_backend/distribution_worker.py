@@ -1,18 +1,20 @@
-"""One tracked fit, under `keras.distribution.DataParallel` or on one device.
+"""Tracked fits under a `keras.distribution` (`DataParallel`, `ModelParallel`) or on one device.
 
 Run by `test_jax_distribution.py` in a process of its own (JAX reads
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` when it starts):
 
-    python distribution_worker.py DEVICES OUT
+    python distribution_worker.py MODE OUT
 
-DEVICES is 1 (no distribution) or the number of devices `DataParallel` shards each
-batch across. For each model (`MODELS`: an MLP and a sequence model) the fit writes
-its log to `OUT/<model>/log.h5`, and `OUT/<model>/arrays.npz` holds the final
-weights and the statistics of `gradient_statistics` on one batch. The last line
-printed is a JSON object, by model: how many times the example-independence guard
-ran, over how many devices the weights lie, and (under `DataParallel`, for the MLP)
-the errors of a plain Keras fit and of a tracked fit whose last batch the devices
-do not divide.
+MODE is `one_device` (no distribution), `data_parallel` (each batch sharded across
+the 4 devices) or `model_parallel` (a 2 x 2 mesh: each batch sharded across 2, the
+layers' weights along their units across the other 2). For each model (`MODELS`: an
+MLP and a sequence model) the fit writes its log to `OUT/<model>/log.h5`, and
+`OUT/<model>/arrays.npz` holds the final weights and the statistics of
+`gradient_statistics` on one batch. The last line printed is a JSON object, by
+model: how many times the example-independence guard ran, over how many devices the
+first kernel lies and whether it is sharded, and (under `DataParallel`, for the MLP)
+the errors of a plain Keras fit and of a tracked fit whose last batch the devices do
+not divide.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def ragged_fit_error(name: str, model_class: type, out: Path) -> str:
     return ""
 
 
-def run(name: str, devices: int, out: Path) -> dict[str, Any]:
+def run(name: str, mode: str, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     model = build(name)
     x, y = data(name)
@@ -100,26 +102,40 @@ def run(name: str, devices: int, out: Path) -> dict[str, Any]:
         verbose=0,
         callbacks=[kgt.HDF5GradientLogger(out / "log.h5", overwrite=True)],
     )
-    report = {
+    sharding = model.trainable_variables[0].value.sharding
+    report: dict[str, Any] = {
         "guard_runs": GUARD_RUNS.count(model.name),
-        "weight_devices": len(model.trainable_variables[0].value.sharding.device_set),
+        "weight_devices": len(sharding.device_set),
+        "weight_sharded": not sharding.is_fully_replicated,
     }
     stats = model.gradient_statistics(x[:BATCH], y[:BATCH])
     weights = {f"weight_{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(out / "arrays.npz", **weights, **{f"stat_{k}": v for k, v in stats.items()})
-    if devices > 1 and name == "mlp":
+    if mode == "data_parallel" and name == "mlp":
         report["plain_ragged"] = ragged_fit_error(name, keras.Model, out)
         report["tracked_ragged"] = ragged_fit_error(name, kgt.GradientTrackingModel, out)
     return report
 
 
-def main(devices: int, out: Path) -> None:
-    if devices > 1:
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=jax.devices()[:devices])
-        )
-    print(json.dumps({name: run(name, devices, out / name) for name in MODELS}))
+def distribution(mode: str) -> keras.distribution.Distribution | None:
+    if mode == "data_parallel":
+        return keras.distribution.DataParallel(devices=jax.devices()[:4])
+    if mode == "model_parallel":
+        mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], jax.devices()[:4])
+        layouts = keras.distribution.LayoutMap(mesh)
+        layouts["hidden/kernel"] = layouts["mix/kernel"] = (None, "model")
+        layouts["hidden/bias"] = layouts["mix/bias"] = ("model",)
+        layouts["embed/embeddings"] = (None, "model")
+        layouts["out/kernel"] = ("model", None)
+        return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+    assert mode == "one_device", mode
+    return None
+
+
+def main(mode: str, out: Path) -> None:
+    keras.distribution.set_distribution(distribution(mode))
+    print(json.dumps({name: run(name, mode, out / name) for name in MODELS}))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]))

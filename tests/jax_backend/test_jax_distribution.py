@@ -1,11 +1,12 @@
-"""Tracking under `keras.distribution.DataParallel` on JAX: the log one device writes.
+"""Tracking under `keras.distribution` on JAX: the log one device writes.
 
-Each fit runs in a process of its own (`distribution_worker.py`), where JAX starts
-with four virtual CPU devices: once under `DataParallel` over the four, once on one
-device without a distribution, with the same weights, data and seeds. The two logs
-must hold the same rows (ids, steps, epochs, every per-example and per-step column)
-and the fits the same final weights: XLA computes the sharded step's statistics with
-the global batch's meaning. Other distributions are refused before any weight changes.
+Each mode's fits run in a process of their own (`distribution_worker.py`), where JAX
+starts with four virtual CPU devices: under `DataParallel` over the four, under
+`ModelParallel` on a 2 x 2 mesh (weights sharded), and on one device without a
+distribution, with the same weights, data and seeds. The logs must hold the same
+rows (ids, steps, epochs, every per-example and per-step column) and the fits the
+same final weights: XLA computes the sharded step's statistics with the global
+batch's meaning. Several processes, and distribution classes of one's own, are refused.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from keras_gradtrack.backends.jax import distribution as distribution_module
 WORKER = Path(__file__).with_name("distribution_worker.py")
 DEVICES = 4
 MODELS = ("mlp", "sequence")
+DISTRIBUTED = ("data_parallel", "model_parallel")
 RTOL, ATOL = 1e-5, 1e-6  # ATOL for cosines near zero (float32 sums in another order)
 
 
-def run_worker(devices: int, out: Path) -> dict[str, Any]:
+def run_worker(mode: str, out: Path) -> dict[str, Any]:
     env = {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
@@ -40,7 +42,7 @@ def run_worker(devices: int, out: Path) -> dict[str, Any]:
         "PYTHONPATH": os.pathsep.join([str(Path(kgt.__file__).parents[1]), *sys.path]),
     }
     done = subprocess.run(
-        [sys.executable, str(WORKER), str(devices), str(out)],
+        [sys.executable, str(WORKER), mode, str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -51,17 +53,19 @@ def run_worker(devices: int, out: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict[str, Any]]]:
-    outs = {devices: tmp_path_factory.mktemp(f"devices{devices}") for devices in (DEVICES, 1)}
-    with ThreadPoolExecutor(2) as pool:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
+    outs = {mode: tmp_path_factory.mktemp(mode) for mode in (*DISTRIBUTED, "one_device")}
+    with ThreadPoolExecutor(len(outs)) as pool:
         reports = dict(zip(outs, pool.map(run_worker, outs, outs.values())))
-    return {devices: (outs[devices], reports[devices]) for devices in outs}
+    return {mode: (outs[mode], reports[mode]) for mode in outs}
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_data_parallel_log_is_the_one_device_log(runs: Any, model: str) -> None:
-    (sharded_out, sharded), (single_out, single) = runs[DEVICES], runs[1]
+@pytest.mark.parametrize("mode", DISTRIBUTED)
+def test_distributed_log_is_the_one_device_log(runs: Any, mode: str, model: str) -> None:
+    (sharded_out, sharded), (single_out, single) = runs[mode], runs["one_device"]
     assert sharded[model]["weight_devices"] == DEVICES
+    assert sharded[model]["weight_sharded"] == (mode == "model_parallel")
     assert single[model]["weight_devices"] == 1
     # The example-independence guard ran once, not once per device.
     assert sharded[model]["guard_runs"] == single[model]["guard_runs"] == 1
@@ -95,26 +99,32 @@ def test_data_parallel_log_is_the_one_device_log(runs: Any, model: str) -> None:
 
 def test_a_last_batch_the_devices_do_not_divide_fails_as_in_plain_keras(runs: Any) -> None:
     # Keras' DataParallel neither pads nor drops it: placing the batch fails.
-    report = runs[DEVICES][1]["mlp"]
+    report = runs["data_parallel"][1]["mlp"]
     assert report["plain_ragged"].startswith("IndivisibleError")
     assert report["tracked_ragged"] == report["plain_ragged"]
 
 
-def test_model_parallel_is_refused_before_any_weight_changes(tmp_path: Path) -> None:
-    mesh = keras.distribution.DeviceMesh((1,), ["model"], jax.devices()[:1])
-    distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh))
-    keras.distribution.set_distribution(distribution)
+def test_a_distribution_class_of_ones_own_is_refused() -> None:
+    base = keras.distribution.DataParallel.__mro__[1]  # Keras' Distribution
+
+    class Custom(base):  # type: ignore[misc, valid-type]
+        def get_data_layout(self, data_shape: Any) -> None:
+            return None
+
+        def get_variable_layout(self, variable: Any) -> None:
+            return None
+
+        def get_tensor_layout(self, path: Any) -> None:
+            return None
+
+        def distribute_dataset(self, dataset: Any) -> Any:
+            return dataset
+
+    mesh = keras.distribution.DeviceMesh((1,), ["batch"], jax.devices()[:1])
+    keras.distribution.set_distribution(Custom(mesh))
     try:
-        inputs = keras.Input((4,))
-        model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(inputs))
-        model.compile(optimizer="sgd", loss="mse")
-        before = [np.asarray(w) for w in model.get_weights()]
-        x, y = np.ones((8, 4), "float32"), np.zeros((8, 2), "float32")
-        logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
-        with pytest.raises(NotImplementedError, match=r"ModelParallel.*DataParallel"):
-            model.fit(x, y, batch_size=4, verbose=0, callbacks=[logger])
-        for old, new in zip(before, model.get_weights()):
-            np.testing.assert_array_equal(old, new)
+        with pytest.raises(NotImplementedError, match=r"Custom.*DataParallel and ModelParallel"):
+            distribution_module.refuse_untracked_distribution()
     finally:
         keras.distribution.set_distribution(None)
 

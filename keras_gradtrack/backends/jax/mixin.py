@@ -70,12 +70,12 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     `gradient_statistics`), the example-independence guard runs, as on
     TensorFlow (`check_example_independence`).
 
-    Under `keras.distribution.DataParallel` (one process) the log is the one a
-    single device writes (`distribution.py`).
+    Under `keras.distribution` (`DataParallel`, `ModelParallel`; one process) the
+    log is the one a single device writes (`distribution.py`).
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers, BatchNormalization in training, attribution targets and sketches,
-    `keras.distribution` other than `DataParallel` in one process, loss scaling,
+    `keras.distribution` over several processes, loss scaling,
     `make_private`, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
