@@ -12,6 +12,10 @@ import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
+from keras_gradtrack.backends.jax.distribution import (
+    refuse_untracked_distribution,
+    step_out_shardings,
+)
 from keras_gradtrack.backends.jax.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.jax.own_step import (
     keras_step,
@@ -66,10 +70,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     `gradient_statistics`), the example-independence guard runs, as on
     TensorFlow (`check_example_independence`).
 
+    Under `keras.distribution` (`DataParallel`, `ModelParallel`; one process) the
+    log is the one a single device writes (`distribution.py`).
+
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers, BatchNormalization in training, attribution targets and sketches,
-    `keras.distribution`, loss scaling, `make_private`, opt-in statistics
-    (`pairwise_cosine`, `input_grad_norm`).
+    `keras.distribution` over several processes, loss scaling,
+    `make_private`, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
 
@@ -276,9 +283,9 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     def predict_step(self, state: Any, data: Any) -> Any:
         return super().predict_step(state, split_example_ids(data)[0])  # type: ignore[misc]
 
-    def _compiled(self, step: Any) -> Any:
+    def _compiled(self, step: Any, out_shardings: Any) -> Any:
         if not self.run_eagerly and self.jit_compile:  # type: ignore[attr-defined]
-            return jax.jit(step, donate_argnums=0)
+            return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         return step
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
@@ -287,8 +294,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
         if opt_in:
             raise unsupported(f"The statistics {opt_in}")
-        if keras.distribution.distribution() is not None:
-            raise unsupported("Tracking under keras.distribution")
+        refuse_untracked_distribution()
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
             raise unsupported("Tracking with a LossScaleOptimizer")
 
@@ -313,7 +319,9 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         if self.train_function is not None and not force:  # type: ignore[has-type]
             return
         tracking = self.gradient_tracking
-        untracked = self._compiled(self.train_step)  # type: ignore[attr-defined]
+        # Under keras.distribution, the state keeps its shardings, as in Keras' trainer.
+        out_shardings = step_out_shardings(self)
+        untracked = self._compiled(self.train_step, out_shardings)  # type: ignore[attr-defined]
         tracked_by_statistics: dict[tuple[str, ...], Any] = {}
 
         def one_step(state: Any, batch: Any) -> Any:
@@ -356,7 +364,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                     layouts.record(data, layout)  # when traced
                     return {**logs, PAYLOAD_KEY: vector}, state
 
-                tracked_by_statistics[key] = (self._compiled(step), layouts)
+                tracked_by_statistics[key] = (self._compiled(step, out_shardings), layouts)
             compiled_step, layouts = tracked_by_statistics[key]
             try:
                 logs, state = compiled_step(state, data)

@@ -1,0 +1,141 @@
+"""Tracked fits under a `keras.distribution` (`DataParallel`, `ModelParallel`) or on one device.
+
+Run by `test_jax_distribution.py` in a process of its own (JAX reads
+`XLA_FLAGS=--xla_force_host_platform_device_count=4` when it starts):
+
+    python distribution_worker.py MODE OUT
+
+MODE is `one_device` (no distribution), `data_parallel` (each batch sharded across
+the 4 devices) or `model_parallel` (a 2 x 2 mesh: each batch sharded across 2, the
+layers' weights along their units across the other 2). For each model (`MODELS`: an
+MLP and a sequence model) the fit writes its log to `OUT/<model>/log.h5`, and
+`OUT/<model>/arrays.npz` holds the final weights and the statistics of
+`gradient_statistics` on one batch. The last line printed is a JSON object, by
+model: how many times the example-independence guard ran, over how many devices the
+first kernel lies and whether it is sharded, and (under `DataParallel`, for the MLP)
+the errors of a plain Keras fit and of a tracked fit whose last batch the devices do
+not divide.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+import keras_gradtrack as kgt
+from keras_gradtrack.backends.jax import independence
+
+MODELS = ("mlp", "sequence")
+EXAMPLES, BATCH, EPOCHS = 72, 16, 2  # per epoch 4 batches of 16 and a short one of 8
+RAGGED = 70  # a last batch of 6, which 4 devices do not divide
+
+
+def data(name: str, examples: int = EXAMPLES) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    if name == "mlp":
+        return rng.normal(size=(examples, 12)).astype("float32"), rng.integers(0, 3, examples)
+    return rng.integers(0, 20, size=(examples, 5)), rng.integers(0, 3, (examples, 5))
+
+
+def build(name: str, model_class: type = kgt.GradientTrackingModel) -> keras.Model:
+    keras.utils.set_random_seed(1234)
+    if name == "mlp":
+        inputs = keras.Input((12,))
+        hidden = keras.layers.Dense(16, activation="tanh", name="hidden")(inputs)
+    else:  # a sequence model: Dense on (B, T, d)
+        inputs = keras.Input((5,), dtype="int32")
+        hidden = keras.layers.Embedding(20, 8, name="embed")(inputs)
+        hidden = keras.layers.Dense(8, activation="relu", name="mix")(hidden)
+    outputs = keras.layers.Dense(3, name="out")(hidden)
+    model = model_class(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+GUARD_RUNS: list[str] = []  # one entry each time the example-independence guard runs
+
+
+def counted(check: Any) -> Any:
+    def counting(model: keras.Model, *args: Any, **kwargs: Any) -> Any:
+        GUARD_RUNS.append(model.name)
+        return check(model, *args, **kwargs)
+
+    return counting
+
+
+independence.find_example_mixing = counted(independence.find_example_mixing)
+
+
+def ragged_fit_error(name: str, model_class: type, out: Path) -> str:
+    """The error of a fit whose last batch the devices do not divide ("" if none)."""
+    model = build(name, model_class)
+    x, y = data(name, RAGGED)
+    tracked = model_class is kgt.GradientTrackingModel
+    callbacks = [kgt.HDF5GradientLogger(out / "ragged.h5", overwrite=True)] if tracked else []
+    try:
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+    except Exception as error:  # reported to the test, which compares the two
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def run(name: str, mode: str, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    model = build(name)
+    x, y = data(name)
+    ids = np.arange(EXAMPLES, dtype=np.int64) + 1000
+    model.fit(
+        {"x": x, "example_id": ids},
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(out / "log.h5", overwrite=True)],
+    )
+    sharding = model.trainable_variables[0].value.sharding
+    report: dict[str, Any] = {
+        "guard_runs": GUARD_RUNS.count(model.name),
+        "weight_devices": len(sharding.device_set),
+        "weight_sharded": not sharding.is_fully_replicated,
+    }
+    stats = model.gradient_statistics(x[:BATCH], y[:BATCH])
+    weights = {f"weight_{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
+    np.savez(out / "arrays.npz", **weights, **{f"stat_{k}": v for k, v in stats.items()})
+    if mode == "data_parallel" and name == "mlp":
+        report["plain_ragged"] = ragged_fit_error(name, keras.Model, out)
+        report["tracked_ragged"] = ragged_fit_error(name, kgt.GradientTrackingModel, out)
+    return report
+
+
+def distribution(mode: str) -> keras.distribution.Distribution | None:
+    if mode == "data_parallel":
+        return keras.distribution.DataParallel(devices=jax.devices()[:4])
+    if mode == "model_parallel":
+        mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], jax.devices()[:4])
+        layouts = keras.distribution.LayoutMap(mesh)
+        layouts["hidden/kernel"] = layouts["mix/kernel"] = (None, "model")
+        layouts["hidden/bias"] = layouts["mix/bias"] = ("model",)
+        layouts["embed/embeddings"] = (None, "model")
+        layouts["out/kernel"] = ("model", None)
+        return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+    assert mode == "one_device", mode
+    return None
+
+
+def main(mode: str, out: Path) -> None:
+    keras.distribution.set_distribution(distribution(mode))
+    print(json.dumps({name: run(name, mode, out / name) for name in MODELS}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
