@@ -10,6 +10,7 @@ CNNs with fewer filters. Both backends' tests train it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -117,3 +118,29 @@ def expected_losses(model: Distiller, x: Any, y: Any) -> np.ndarray:
     q = np.clip(softmax(student / model.temperature), 1e-7, 1)
     divergence = np.sum(p * np.log(p / q), axis=1) * model.temperature**2
     return model.alpha * cross_entropy + (1 - model.alpha) * divergence
+
+
+def assert_logs_every_example(path: Path) -> None:
+    """Two epochs of 40 examples in batches of 16, logged to `path`: a row per
+    example, the first batch's losses `expected_losses`, every row finite."""
+    x, y = mnist_shaped(40)
+    model = distiller()
+    model(x[:1])
+    first_losses = expected_losses(model, x[:16], y[:16])
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(path)],
+    )
+    assert len(history.history["loss"]) == 2
+    with kgt.GradientLog(path) as log:
+        assert log.per_step("batch_size").tolist() == [16, 16, 8] * 2
+        losses = log.per_example("loss")
+        assert losses.shape == (80,)
+        np.testing.assert_allclose(losses[:16], first_losses, rtol=1e-4)
+        assert np.all(np.isfinite(losses))
+        assert np.all(np.isfinite(log.per_example("grad_norm")))

@@ -8,6 +8,7 @@ it; each override counts its calls (at trace time, as Keras traces them)."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -65,3 +66,26 @@ def overriding_model() -> Overriding:
 def data(n: int = 24) -> tuple[Any, Any]:
     rng = np.random.default_rng(3)
     return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n)
+
+
+def assert_overrides_train_tracked(path: Path) -> None:
+    """Fits and evaluates `overriding_model()` logged to `path`: every override is
+    called, the metric reaches the logs, and every example has its row."""
+    CALLS.clear()
+    model = overriding_model()
+    x, y = data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        validation_data=(x, y),
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(path)],
+    )
+    model.evaluate(x, y, verbose=0)
+    assert {"call", "compute_loss", "compute_metrics", "test_step", "update_state"} <= set(CALLS)
+    assert "val_mean_output" in history.history
+    with kgt.GradientLog(path) as log:
+        assert log.per_example("loss").shape == (48,)
+        assert np.all(np.isfinite(log.per_example("cosine")))

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from keras import layers, ops
+from keras_io_layers import PatchEncoder, TokenAndPositionEmbedding
 from oracle import assert_matches_oracle, oracle_statistics
-from zoo_models import TokenAndPositionEmbedding, TransformerBlock
+from zoo_models import TransformerBlock
 
 import keras_gradtrack as kgt
 
@@ -39,22 +40,6 @@ def assert_exact(model: Any, x: Any) -> None:
 
 def notes(model: Any) -> dict[str, str]:
     return {row.name: row.note for row in kgt.check(model).layers}
-
-
-class PatchEncoder(layers.Layer):
-    """keras-io image_classification_with_vision_transformer's encoder: the position
-    index has a leading axis of one, `(1, num_patches)`."""
-
-    def __init__(self, num_patches: int, projection_dim: int) -> None:
-        super().__init__()
-        self.num_patches = num_patches
-        self.projection = layers.Dense(units=projection_dim)
-        self.position_embedding = layers.Embedding(input_dim=num_patches, output_dim=projection_dim)
-
-    def call(self, patch: Any) -> Any:
-        positions = ops.expand_dims(ops.arange(start=0, stop=self.num_patches, step=1), axis=0)
-        projected_patches = self.projection(patch)
-        return projected_patches + self.position_embedding(positions)
 
 
 class LearnedBias(layers.Layer):

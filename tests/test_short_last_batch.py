@@ -1,20 +1,17 @@
-"""Several epochs with a short last batch: every step's rows in the log, oracle-exact.
-
-The same test runs on JAX (tests/jax_backend/test_jax_short_last_batch.py).
-"""
+"""Several epochs with a short last batch: every step's rows in the log, oracle-exact
+(tests/short_last_batch.py; the same runs on JAX in
+tests/jax_backend/test_jax_short_last_batch.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import keras
-import numpy as np
 import pytest
 from oracle import assert_matches_oracle, oracle_statistics
+from short_last_batch import assert_every_step_is_logged_oracle_exact
 
 import keras_gradtrack as kgt
-
-EXAMPLES, BATCH, EPOCHS = 80, 64, 3
 
 
 @pytest.mark.parametrize("flush_seconds", [1.0, None])
@@ -24,40 +21,6 @@ def test_every_step_of_every_epoch_is_logged_oracle_exact(
     inputs = keras.Input((12,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
     model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(hidden))
-    # A rate of zero keeps the weights, so every step's oracle is at the first weights.
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.0),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    assert_every_step_is_logged_oracle_exact(
+        model, tmp_path / "run.h5", flush_seconds, oracle_statistics, assert_matches_oracle
     )
-    rng = np.random.default_rng(5)
-    x, y = rng.normal(size=(EXAMPLES, 12)).astype("float32"), rng.integers(0, 3, EXAMPLES)
-    ids = np.arange(EXAMPLES, dtype=np.int64) + 2**40
-    path = tmp_path / "run.h5"
-    logger = kgt.HDF5GradientLogger(path, flush_seconds=flush_seconds)
-    history = model.fit(
-        {"x": x, "example_id": ids},
-        y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        callbacks=[logger],
-    )
-    assert len(history.history["loss"]) == EPOCHS
-
-    log = kgt.GradientLog(path)
-    rows = {name: log.per_example(name) for name in ("step", "epoch", "example_id")}
-    sizes = [BATCH, EXAMPLES - BATCH] * EPOCHS
-    assert rows["step"].tolist() == [s for s, n in enumerate(sizes) for _ in range(n)]
-    assert rows["epoch"].tolist() == [e for e in range(EPOCHS) for _ in range(EXAMPLES)]
-    assert rows["example_id"].tolist() == ids.tolist() * EPOCHS
-    assert log.per_step("batch_size").tolist() == sizes
-    batches = [slice(0, BATCH), slice(BATCH, EXAMPLES)]
-    expected = [oracle_statistics(model, x[part], y[part]) for part in batches]
-    for step in range(2 * EPOCHS):
-        chosen = rows["step"] == step
-        stats = {
-            name: log.per_example(name)[chosen]
-            for name in ("loss", "grad_norm", "cosine", "layer_grad_norm", "layer_cosine")
-        }
-        assert_matches_oracle(stats, expected[step % 2])

@@ -20,7 +20,8 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras import layers, ops
+from keras import layers
+from keras_io_layers import TokenAndPositionEmbedding
 
 import keras_gradtrack as kgt
 
@@ -67,20 +68,6 @@ class TransformerBlock(layers.Layer):
         ffn_output = self.ffn(out1)
         ffn_output = self.dropout2(ffn_output)
         return self.layernorm2(out1 + ffn_output)
-
-
-class TokenAndPositionEmbedding(layers.Layer):
-    def __init__(self, maxlen, vocab_size, embed_dim):
-        super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-    def call(self, x):
-        maxlen = ops.shape(x)[-1]
-        positions = ops.arange(start=0, stop=maxlen, step=1)
-        positions = self.pos_emb(positions)
-        x = self.token_emb(x)
-        return x + positions
 
 
 def transformer_classifier(batch: int = 6, maxlen: int = 6, dropout: float = 0.1) -> Zoo:

@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 from importlib import metadata
+from typing import Any
 
 os.environ["KERAS_BACKEND"] = "jax"
 warnings.filterwarnings("ignore")
@@ -48,16 +49,10 @@ def epsilons(noise_multiplier: float, steps: int) -> tuple[float, float]:
     return float(pld), float(rdp)
 
 
-def run(seed: int, args: argparse.Namespace) -> None:
+def run(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     x, y, x_test, y_test = common.digits()
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(common.HIDDEN, activation="relu"),  # Glorot uniform, zero bias
-            keras.layers.Dense(10),
-        ]
-    )
+    model = keras.Sequential(common.classifier_layers(keras))
     steps = args.epochs * common.STEPS_PER_EPOCH
     config = keras_api.DPKerasConfig(
         epsilon=1e6,  # a budget not to bind: the noise multiplier is given
@@ -84,14 +79,12 @@ def run(seed: int, args: argparse.Namespace) -> None:
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     taken = int(model.optimizer.iterations.numpy())
     epsilon, epsilon_rdp = epsilons(args.noise_multiplier, taken)
-    common.emit(
-        "jax-privacy",
-        seed,
-        accuracy,
-        epsilon,
-        taken,
-        seconds,
-        args,
+    return dict(
+        tool="jax-privacy",
+        accuracy=accuracy,
+        epsilon=epsilon,
+        steps=taken,
+        seconds=seconds,
         accountant="PLD (jax-privacy DpsgdTrainingAccountant, as keras_api)",
         epsilon_other=epsilon_rdp,
         other_accountant="RDP",
@@ -101,11 +94,5 @@ def run(seed: int, args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
-    args = common.arguments(__doc__.split("\n")[0])
-    for seed in common.seeds(args):
-        run(seed, args)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(__doc__.split("\n")[0], run)

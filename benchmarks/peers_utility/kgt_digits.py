@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -24,16 +25,10 @@ import utility_task as common
 import keras_gradtrack as kgt
 
 
-def run(seed: int, args: argparse.Namespace) -> None:
+def run(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     x, y, x_test, y_test = common.digits()
     keras.utils.set_random_seed(seed)
-    model = kgt.GradientTrackingSequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(common.HIDDEN, activation="relu"),  # Glorot uniform, zero bias
-            keras.layers.Dense(10),
-        ]
-    )
+    model = kgt.GradientTrackingSequential(common.classifier_layers(keras))
     model.compile(
         optimizer=keras.optimizers.SGD(args.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -55,14 +50,12 @@ def run(seed: int, args: argparse.Namespace) -> None:
     steps = int(model.private_steps)
     epsilon = kgt.privacy.compute_epsilon(args.noise_multiplier, q, steps, common.DELTA)
     pld = kgt.privacy.compute_epsilon(args.noise_multiplier, q, steps, common.DELTA, "pld")
-    common.emit(
-        "keras_gradtrack",
-        seed,
-        accuracy,
-        epsilon,
-        steps,
-        seconds,
-        args,
+    return dict(
+        tool="keras_gradtrack",
+        accuracy=accuracy,
+        epsilon=epsilon,
+        steps=steps,
+        seconds=seconds,
         accountant="RDP (kgt.privacy.compute_epsilon)",
         epsilon_other=pld,
         other_accountant="PLD",
@@ -71,11 +64,5 @@ def run(seed: int, args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
-    args = common.arguments(__doc__.split("\n")[0])
-    for seed in common.seeds(args):
-        run(seed, args)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(__doc__.split("\n")[0], run)

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 warnings.filterwarnings("ignore")
 # Before torch loads libgomp: idle OpenMP threads sleep instead of spinning on a shared CPU.
@@ -34,7 +35,7 @@ from torch import nn  # noqa: E402
 torch.set_num_threads(2)
 
 
-def run(seed: int, args: argparse.Namespace) -> None:
+def run(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     x, y, x_test, y_test = common.digits()
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, common.HIDDEN), nn.ReLU(), nn.Linear(common.HIDDEN, 10))
@@ -71,14 +72,12 @@ def run(seed: int, args: argparse.Namespace) -> None:
     epsilon = engine.get_epsilon(common.DELTA)
     prv = opacus.accountants.PRVAccountant()  # the same steps, its PRV accountant
     prv.history = list(engine.accountant.history)
-    common.emit(
-        "Opacus",
-        seed,
-        accuracy,
-        epsilon,
-        steps,
-        seconds,
-        args,
+    return dict(
+        tool="Opacus",
+        accuracy=accuracy,
+        epsilon=epsilon,
+        steps=steps,
+        seconds=seconds,
         accountant="RDP (opacus PrivacyEngine)",
         epsilon_other=prv.get_epsilon(common.DELTA),
         other_accountant="PRV",
@@ -88,11 +87,5 @@ def run(seed: int, args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
-    args = common.arguments(__doc__.split("\n")[0])
-    for seed in common.seeds(args):
-        run(seed, args)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(__doc__.split("\n")[0], run)

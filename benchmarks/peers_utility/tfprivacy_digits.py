@@ -23,6 +23,7 @@ import re
 import sys
 import time
 import warnings
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
@@ -60,16 +61,10 @@ def statement_epsilons(epochs: float, noise_multiplier: float) -> tuple[float, f
     return float(poisson.group(1)), float(once.group(1))
 
 
-def run(seed: int, args: argparse.Namespace) -> None:
+def run(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     x, y, x_test, y_test = common.digits()
     tf.keras.utils.set_random_seed(seed)
-    model = tf.keras.Sequential(
-        [
-            tf.keras.Input((64,)),
-            tf.keras.layers.Dense(common.HIDDEN, activation="relu"),  # Glorot uniform
-            tf.keras.layers.Dense(10),
-        ]
-    )
+    model = tf.keras.Sequential(common.classifier_layers(tf.keras))
     optimizer = DPKerasSGDOptimizer(
         l2_norm_clip=common.CLIP,
         noise_multiplier=args.noise_multiplier,
@@ -95,14 +90,12 @@ def run(seed: int, args: argparse.Namespace) -> None:
         delta=common.DELTA,
     )
     pld, once_per_epoch = statement_epsilons(steps / common.STEPS_PER_EPOCH, args.noise_multiplier)
-    common.emit(
-        "TF Privacy",
-        seed,
-        accuracy,
-        epsilon,
-        steps,
-        seconds,
-        args,
+    return dict(
+        tool="TF Privacy",
+        accuracy=accuracy,
+        epsilon=epsilon,
+        steps=steps,
+        seconds=seconds,
         accountant="RDP (compute_dp_sgd_privacy)",
         epsilon_other=pld,
         other_accountant="PLD",
@@ -112,11 +105,5 @@ def run(seed: int, args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
-    args = common.arguments(__doc__.split("\n")[0])
-    for seed in common.seeds(args):
-        run(seed, args)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(__doc__.split("\n")[0], run)

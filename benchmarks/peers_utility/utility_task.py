@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,26 @@ def arguments(description: str) -> argparse.Namespace:
 
 def seeds(args: argparse.Namespace) -> list[int]:
     return [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+
+
+def classifier_layers(keras: Any) -> list[Any]:
+    """The model every Keras driver trains, built from its `keras` module (Keras 3 or
+    `tf.keras`): 64 inputs, a ReLU layer of HIDDEN units, 10 logits (Glorot uniform
+    weights, zero biases, Keras' defaults)."""
+    return [
+        keras.Input((64,)),
+        keras.layers.Dense(HIDDEN, activation="relu"),
+        keras.layers.Dense(10),
+    ]
+
+
+def main(description: str, run: Callable[[int, argparse.Namespace], dict[str, Any]]) -> None:
+    """Parses the flags and trains each seed: `run(seed, args)` returns the seed's
+    result (`emit`'s `tool`, `accuracy`, `epsilon`, `steps`, `seconds` and extra fields),
+    printed as one JSON line."""
+    args = arguments(description)
+    for seed in seeds(args):
+        emit(seed=seed, args=args, **run(seed, args))
 
 
 def emit(

@@ -16,13 +16,7 @@ from typing import Any
 import jax
 import keras
 import numpy as np
-
-# The tolerance rule of tests/oracle.py (which says why): RTOL of each entry plus
-# FLOOR of its statistic's largest finite magnitude; cosines COSINE_ATOL.
-RTOL = 1e-4
-FLOOR = 1e-6
-COSINE_ATOL = 1e-5
-NOISE_SCALE_RTOL = 1e-3
+from tolerance import assert_matches_oracle  # noqa: F401 (the one tolerance rule)
 
 
 def layer_columns(model: Any) -> list[list[int]]:
@@ -107,35 +101,6 @@ def oracle_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> 
             "mean_cosine": np.nanmean(cosine),
             "frac_negative_cosine": np.mean(cosine < 0),
         }
-
-
-BOOKKEEPING = ("batch_size", "learning_rate", "example_id")
-
-
-def tolerance(name: str, expected: Any) -> tuple[float, float]:
-    """`(rtol, atol)` for statistic `name` whose oracle values are `expected`."""
-    if "cosine" in name:
-        return RTOL, COSINE_ATOL
-    values = np.abs(np.asarray(expected, np.float64))
-    finite = values[np.isfinite(values)]
-    scale = float(finite.max()) if finite.size else 0.0
-    return (NOISE_SCALE_RTOL if name == "noise_scale" else RTOL), FLOOR * scale
-
-
-def assert_matches_oracle(stats: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Compares every statistic in `stats` with the oracle's value."""
-    unknown = sorted(set(stats) - set(expected) - set(BOOKKEEPING))
-    assert not unknown, f"no oracle value for {unknown}"
-    compared = 0
-    for name, value in stats.items():
-        if name in BOOKKEEPING:
-            continue
-        rtol, atol = tolerance(name, expected[name])
-        np.testing.assert_allclose(
-            np.asarray(value, np.float64), expected[name], rtol=rtol, atol=atol, err_msg=name
-        )
-        compared += 1
-    assert compared > 0, "nothing was compared"
 
 
 def tracked_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:

@@ -14,41 +14,12 @@ import numpy as np
 import pytest
 from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
 from keras import layers, ops
+from keras_io_layers import PatchEncoder, TokenAndPositionEmbedding
 
 import keras_gradtrack as kgt
 
 BATCH = 6
 rng = np.random.default_rng(3)
-
-
-class TokenAndPositionEmbedding(layers.Layer):
-    """keras-io text_classification_with_transformer's embedding, as written there."""
-
-    def __init__(self, maxlen, vocab_size, embed_dim):
-        super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-    def call(self, x):
-        maxlen = ops.shape(x)[-1]
-        positions = ops.arange(start=0, stop=maxlen, step=1)
-        positions = self.pos_emb(positions)
-        x = self.token_emb(x)
-        return x + positions
-
-
-class PatchEncoder(layers.Layer):
-    """keras-io's vision transformer encoder: a `(1, num_patches)` position index."""
-
-    def __init__(self, num_patches: int, projection_dim: int) -> None:
-        super().__init__()
-        self.num_patches = num_patches
-        self.projection = layers.Dense(units=projection_dim)
-        self.position_embedding = layers.Embedding(input_dim=num_patches, output_dim=projection_dim)
-
-    def call(self, patch: Any) -> Any:
-        positions = ops.expand_dims(ops.arange(start=0, stop=self.num_patches, step=1), axis=0)
-        return self.projection(patch) + self.position_embedding(positions)
 
 
 class SummedPositions(layers.Layer):
