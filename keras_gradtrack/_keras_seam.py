@@ -69,6 +69,12 @@ def optimizer_apply_count(optimizer: Any) -> Any:
     return optimizer._iterations
 
 
+def state_sharding_spec(model: Any) -> Any:
+    """The shardings of a model's state under `keras.distribution` on JAX, as Keras'
+    JAX trainer gives them to its jitted train step as `out_shardings`."""
+    return model._get_state_sharding_spec()
+
+
 def layer_losses(layer: Any) -> list[Any]:
     """The losses `layer` added in its last call (`add_loss`, activity regularizers)."""
     return list(layer._losses)
@@ -265,6 +271,9 @@ PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
     "Model._build_shapes_dict": _attributes(lambda: keras.Model(), "_build_shapes_dict"),
     "Variable._value": _attributes(lambda: keras.Variable(1.0), "_value"),
     "Optimizer._iterations": _attributes(keras.optimizers.SGD, "_iterations"),
+    "JAXTrainer._get_state_sharding_spec": lambda: (
+        importlib.import_module("keras.src.backend.jax.trainer").JAXTrainer._get_state_sharding_spec
+    ),
     "BatchNormalization._moments": _attributes(keras.layers.BatchNormalization, "_moments"),
     "Conv1D._compute_causal_padding": _attributes(
         lambda: keras.layers.Conv1D(1, 2, padding="causal"), "_compute_causal_padding"

@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import keras
 
+from keras_gradtrack._keras_seam import state_sharding_spec
+
 TRACKED = (keras.distribution.DataParallel, keras.distribution.ModelParallel)
 
 
@@ -54,4 +56,4 @@ def step_out_shardings(model: keras.Model) -> Any:
     variables hold their values, before `fit` moves them into the step's state)."""
     if keras.distribution.distribution() is None:
         return None
-    return (None, model._get_state_sharding_spec())
+    return (None, state_sharding_spec(model))
