@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import keras
 import numpy as np
 from keras import tree
 
@@ -135,6 +136,22 @@ def leading_size(x: Any) -> int | None:
         if hasattr(value, "shape") and len(value.shape) and value.shape[0] is not None
     }
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def others_replaced(data: Any, kept: int) -> Any:
+    """`data` (any structure; None stays None) with its rows from `kept` on replaced by
+    its first rows in reverse order (the batch size stays), in `keras.ops`."""
+    if data is None:
+        return None
+
+    def replaced(value: Any) -> Any:
+        if value is None:
+            return None
+        value = keras.ops.convert_to_tensor(value)
+        size = keras.ops.shape(value)[0]
+        return keras.ops.concatenate([value[:kept], keras.ops.flip(value[: size - kept], axis=0)])
+
+    return tree.map_structure(replaced, data)
 
 
 def rows(data: Any, count: int) -> Any:

@@ -39,6 +39,7 @@ from keras_gradtrack.engine.example_independence import (
     first_mixing,
     leading_size,
     mixing_error,
+    others_replaced,
     rows,
     subscribes_to_gradients,
 )
@@ -131,19 +132,3 @@ def states_restored(model: Any) -> Iterator[Callable[[], None]]:
         yield restore
     finally:
         restore()
-
-
-def others_replaced(data: Any, kept: int) -> Any:
-    """`data` (any structure; None stays None) with its rows from `kept` on replaced by
-    its first rows in reverse order (the batch size stays)."""
-    if data is None:
-        return None
-
-    def replaced(value: Any) -> Any:
-        if value is None:
-            return None
-        value = tf.convert_to_tensor(value) if not tf.is_tensor(value) else value
-        size = tf.shape(value)[0]
-        return tf.concat([value[:kept], tf.reverse(value[: size - kept], axis=[0])], axis=0)
-
-    return tree.map_structure(replaced, data)

@@ -39,6 +39,7 @@ from keras_gradtrack.engine.example_independence import (
     checked_once,
     first_mixing,
     leading_size,
+    others_replaced,
 )
 
 
@@ -141,18 +142,3 @@ def forward(
     for index, record in enumerate(recorder.records):
         found[f"loss {index}"] = np.asarray(per_example_values(record))
     return found
-
-
-def others_replaced(data: Any, kept: int) -> Any:
-    """`data` (any structure; None stays None) with its rows from `kept` on replaced by
-    its first rows in reverse order (the batch size stays)."""
-    if data is None:
-        return None
-
-    def replaced(value: Any) -> Any:
-        if value is None:
-            return None
-        value = jnp.asarray(value)
-        return jnp.concatenate([value[:kept], jnp.flip(value[: value.shape[0] - kept], axis=0)])
-
-    return tree.map_structure(replaced, data)
