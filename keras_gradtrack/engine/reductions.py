@@ -2,10 +2,13 @@
 
 Every Keras loss reduces its weighted per-element values `v` `(B, ...)` with
 `loss_module.reduce_values`. `recorded_reductions` wraps that function for a
-block; each engine says what it records of a reduction (TensorFlow: a fresh copy
-of `v` on the tape, `engine/losses.py`; JAX: `v` plus its zero probe,
-`backends/jax/losses.py`) and what the reduction then reduces. This module
-imports no TensorFlow.
+block; `recording_losses` records each reduction's `v` as the backend marks it
+for differentiation (TensorFlow: a fresh copy of `v` on the tape,
+`engine/losses.py`; JAX: `v` plus its zero probe, `backends/jax/losses.py`), with
+the kind of its factor. From the records and the gradients of the marked values,
+`per_example_shares` and `loss_factor` give the per-example losses
+`l_i = s_i / c` on every backend. Written in `keras.ops`: this module imports no
+backend.
 
 Example:
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import keras
 
 from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack._patching import patched
@@ -88,3 +93,100 @@ def recorded_reductions(record: Record) -> Iterator[LossRecorder]:
 
     with patched(loss_module, "reduce_values", recording_reduce_values):
         yield recorder
+
+
+@dataclasses.dataclass(frozen=True)
+class LossRecord:
+    """One reduction of weighted loss values seen while recording.
+
+    Attributes:
+        values: The weighted values `v` `(B, ...)`, as the backend marked them.
+        reduction: The Keras reduction applied to them.
+        kind: `"sum"`, `"mean"` or `"weights"`: the kind of its factor `c`.
+        weight_sum: `sum(w)` (float32) for the kind `"weights"`, else None.
+    """
+
+    values: Any
+    reduction: str
+    kind: str
+    weight_sum: Any = None
+
+
+# (the values a loss reduces, their position among this block's reductions) ->
+# the values marked for differentiation (their gradient is `dL/dv`).
+Mark = Callable[[Any, int], Any]
+
+
+def recording_losses(mark: Mark) -> contextlib.AbstractContextManager[LossRecorder]:
+    """Records every reduction of the block as a `LossRecord` of its marked values.
+
+    Args:
+        mark: How the backend marks the values for differentiation; Keras then
+            reduces what it returns.
+    """
+
+    def record(recorder: LossRecorder, values: Any, sample_weight: Any, reduction: str) -> Any:
+        values = mark(values, len(recorder.records))
+        kind = factor_kind(reduction, sample_weight)
+        weight_sum = None
+        if kind == "weights":
+            weight_sum = keras.ops.sum(keras.ops.cast(sample_weight, "float32"))
+        recorder.records.append(LossRecord(values, reduction, kind, weight_sum))
+        return values
+
+    return recorded_reductions(record)
+
+
+def per_example_values(values: Any) -> Any:
+    """`(B,)` float32 sums of `(B, ...)` values over all but the batch axis."""
+    values = keras.ops.cast(values, "float32")
+    axes = tuple(range(1, len(values.shape)))
+    return keras.ops.sum(values, axis=axes) if axes else values
+
+
+def per_example_shares(records: Sequence[LossRecord], gradients: Sequence[Any]) -> Any:
+    """`(B,)` `s_i = sum_t v_it dL/dv_it` over the records (`gradients`: their marked
+    values'); None where no record reached the loss (every gradient None)."""
+    shares = [
+        per_example_values(
+            keras.ops.cast(record.values, "float32") * keras.ops.cast(gradient, "float32")
+        )
+        for record, gradient in zip(records, gradients)
+        if gradient is not None
+    ]
+    return sum(shares[1:], shares[0]) if shares else None
+
+
+def refuse_unknown_reductions(recorder: LossRecorder) -> None:
+    """Raises when a loss used a reduction the table does not cover."""
+    if recorder.refused:
+        raise ValueError(
+            "A loss of this step uses a reduction without a per-example factor, so its "
+            f"per-example losses are not defined. Expected one of {list(REDUCTIONS)}. "
+            f"Received: reduction={recorder.refused[0]}"
+        )
+
+
+def loss_factor(records: Sequence[LossRecord], batch_size: Any, replicas: float = 1.0) -> Any:
+    """`c` of the table (`L = c sum_i l_i`, on one replica of `replicas`) for the
+    recorded losses, which must share one.
+
+    Raises:
+        ValueError: When the losses' factors differ.
+    """
+    kinds = {record.kind for record in records}
+    weighted = [record for record in records if record.kind == "weights"]
+    if len(kinds) > 1 or len(weighted) > 1:
+        raise ValueError(
+            "The losses of this step reduce with different factors, so one per-example "
+            "loss l_i cannot weigh them as the batch loss does. Give every loss a "
+            "reduction of the same kind: all 'sum', or all means ('sum_over_batch_size', "
+            "'mean', or 'mean_with_sample_weight' without sample weights). Received: "
+            f"reductions={[record.reduction for record in records]}"
+        )
+    (kind,) = kinds
+    if kind == "sum":
+        return keras.ops.convert_to_tensor(1.0, "float32")
+    if kind == "weights":
+        return 1.0 / (replicas * weighted[0].weight_sum)
+    return 1.0 / (replicas * keras.ops.cast(batch_size, "float32"))

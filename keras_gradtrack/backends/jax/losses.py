@@ -28,40 +28,33 @@ recorder.records[0].values      # (B, ...) weighted values, probe added
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
 from keras_gradtrack.backends.jax.plan import BACKEND
+from keras_gradtrack.engine import reductions
 from keras_gradtrack.engine.reductions import (
-    REDUCTIONS,
+    LossRecord,
     LossRecorder,
-    factor_kind,
-    recorded_reductions,
+    per_example_shares,
+    refuse_unknown_reductions,
 )
 
-
-@dataclasses.dataclass(frozen=True)
-class LossRecord:
-    """One reduction of weighted loss values seen while recording.
-
-    Attributes:
-        values: The weighted values `v` `(B, ...)` (plus their probe, when given).
-        kind: `"sum"`, `"mean"` or `"weights"`: the kind of its factor `c`.
-        weight_sum: `sum(w)` for the kind `"weights"`, else None.
-    """
-
-    values: Any
-    kind: str
-    weight_sum: Any = None
+__all__ = [
+    "LossRecord",
+    "LossRecorder",
+    "loss_factor",
+    "per_example_shares",
+    "per_example_values",
+    "recording_losses",
+]
 
 
 def recording_losses(
     probes: Sequence[Any] | None = None,
 ) -> contextlib.AbstractContextManager[LossRecorder]:
-    """Wraps Keras' `reduce_values` for the block, recording every reduction.
+    """Wraps Keras' `reduce_values` for the block (`reductions.recording_losses`),
+    recording every reduction's values plus its zero probe.
 
     Args:
         probes: Zeros added to the recorded values, in the order of the
@@ -73,23 +66,17 @@ def recording_losses(
     on exit, however the block ends.
     """
 
-    def record(recorder: LossRecorder, values: Any, sample_weight: Any, reduction: str) -> Any:
-        if probes is not None:
-            values = values + probes[len(recorder.records)].astype(values.dtype)
-        kind = factor_kind(reduction, sample_weight)
-        weight_sum = None
-        if kind == "weights":
-            weight_sum = jnp.sum(jnp.asarray(sample_weight, jnp.float32))
-        recorder.records.append(LossRecord(values, kind, weight_sum))
-        return values
+    def mark(values: Any, position: int) -> Any:
+        if probes is None:
+            return values
+        return values + probes[position].astype(values.dtype)
 
-    return recorded_reductions(record)
+    return reductions.recording_losses(mark)
 
 
 def per_example_values(record: LossRecord) -> Any:
     """`(B,)` sums of one record's values over all but the batch axis, in float32."""
-    values = jnp.asarray(record.values, jnp.float32)
-    return jnp.sum(values.reshape(values.shape[0], -1), axis=1)
+    return reductions.per_example_values(record.values)
 
 
 def loss_factor(recorder: LossRecorder, batch: int) -> Any:
@@ -99,12 +86,7 @@ def loss_factor(recorder: LossRecorder, batch: int) -> Any:
         ValueError: When no Keras loss reduced per-example values, a loss used a
             reduction without a per-example factor, or the losses' factors differ.
     """
-    if recorder.refused:
-        raise ValueError(
-            "A loss of this step uses a reduction without a per-example factor, so its "
-            f"per-example losses are not defined. Expected one of {list(REDUCTIONS)}. "
-            f"Received: reduction={recorder.refused[0]}"
-        )
+    refuse_unknown_reductions(recorder)
     if not recorder.records:
         raise ValueError(
             f"On the {BACKEND} backend the per-example losses l_i come from the Keras "
@@ -114,16 +96,6 @@ def loss_factor(recorder: LossRecorder, batch: int) -> Any:
             f"per-example values (a loss reduced to one value itself: "
             f"{recorder.whole_batch}). Compute the loss with a keras.losses.Loss."
         )
-    kinds = {record.kind for record in recorder.records}
-    weighted = [record for record in recorder.records if record.kind == "weights"]
-    if len(kinds) > 1 or len(weighted) > 1:
-        raise ValueError(
-            "The losses of this step reduce with different factors, so one per-example "
-            "loss l_i cannot weigh them as the batch loss does. Give every loss a "
-            "reduction of the same kind: all 'sum', or all means ('sum_over_batch_size', "
-            "'mean', or 'mean_with_sample_weight' without sample weights). Received: "
-            f"{sorted(record.kind for record in recorder.records)}"
-        )
     for record in recorder.records:
         if record.values.shape[0] != batch:
             raise ValueError(
@@ -131,18 +103,4 @@ def loss_factor(recorder: LossRecorder, batch: int) -> Any:
                 f"whose first axis is not the batch (of {batch} examples), so its "
                 "per-example losses are not defined."
             )
-    (kind,) = kinds
-    if kind == "sum":
-        return jnp.float32(1.0)
-    if kind == "weights":
-        return 1.0 / weighted[0].weight_sum
-    return jnp.float32(1.0 / batch)
-
-
-def per_example_shares(records: Sequence[LossRecord], gradients: Sequence[Any]) -> Any:
-    """`(B,)` `s_i = sum_t v_it dL/dv_it` over the records (`gradients`: their probes')."""
-    shares = [
-        per_example_values(dataclasses.replace(record, values=record.values * gradient))
-        for record, gradient in zip(records, gradients)
-    ]
-    return sum(shares[1:], shares[0])
+    return reductions.loss_factor(recorder.records, batch)

@@ -38,7 +38,6 @@ import keras
 from keras_gradtrack._keras_seam import update_metrics_variables
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.losses import (
-    LossRecord,
     LossRecorder,
     loss_factor,
     per_example_shares,
@@ -235,7 +234,7 @@ def tracked_call(
         )
     recorder = recorders[-1]
     records = [
-        LossRecord(values, record.kind, weight_sum)
+        dataclasses.replace(record, values=values, weight_sum=weight_sum)
         for (values, weight_sum), record in zip(recorded, recorder.records)
     ]
     factor = loss_factor(
