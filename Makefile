@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all demo docs lint typecheck bench bench-mislabeled gpu-wheels clean
+.PHONY: install test test-all demo docs lint typecheck bench bench-backends bench-mislabeled gpu-wheels clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# Both backends' tables (TensorFlow, JAX), each in a process of its own.
+bench-backends: $(STAMP)
+	$(PY) benchmarks/backends.py
 
 bench-mislabeled: $(STAMP)
 	$(PY) benchmarks/mislabeled_digits.py

@@ -15,7 +15,7 @@ batch signature, as on TensorFlow (a later fit of the same kind skips it).
 Example:
 
 ```python
-mixing = find_example_mixing(model, state, x, y)     # state: (trainable, non_trainable, ...)
+mixing = find_example_mixing(model, state, x, y)     # state: Keras' four-part state
 if mixing is not None:
     raise mixing_error(model, mixing)
 ```
@@ -115,9 +115,12 @@ def find_example_mixing(
     if size is None or size < 2:
         return None
     kept = size // 2
+    # The metrics' values too: a compiled loss of several outputs updates a metric per
+    # output, and Keras' fit holds their values in the state, not in the variables.
     mapping = [
         *zip(model.trainable_variables, state[0]),
         *zip(model.non_trainable_variables, state[1]),
+        *zip(model.metrics_variables, state[3]),
     ]
     full = forward(model, mapping, x, y, sample_weight)
     variant = forward(
