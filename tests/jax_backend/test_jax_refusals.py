@@ -30,7 +30,7 @@ def fit_tracked(model: keras.Model, names: list[str] | None = None) -> None:
 @pytest.mark.parametrize(
     ("layer", "match"),
     [
-        (keras.layers.LSTM(3), "recurrent.*JAX backend"),
+        (keras.layers.RNN(keras.layers.StackedRNNCells([keras.layers.LSTMCell(3)])), "JAX backend"),
         (keras.layers.BatchNormalization(), "BatchNormalization.*JAX backend"),
     ],
 )
