@@ -19,6 +19,7 @@ from jax_oracle import (
     oracle_statistics,
     tracked_statistics,
 )
+from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics
@@ -111,6 +112,37 @@ def test_a_tracked_recurrent_step_trains_as_keras_does(name: str) -> None:
     assert_trains_as_plain(tracked, plain, x, y, BATCH)
 
 
+def fixed_dropout_mask(self: Any, step_input: Any, dropout_rate: float) -> Any:
+    """A dropout mask that is the same for every example and differs per gate, so the
+    oracle's one-example batches see the batch's masks."""
+    width = step_input.shape[-1]
+
+    def mask(gate: int) -> Any:
+        keep = (np.arange(width) + gate) % 3 != 0
+        return keras.ops.ones_like(step_input) * (keep / (1.0 - dropout_rate)).astype("float32")
+
+    count = getattr(self, "dropout_mask_count", None)
+    return mask(0) if count is None else [mask(gate) for gate in range(count)]
+
+
+def test_dropout_and_recurrent_dropout_use_the_cells_masks(monkeypatch: Any) -> None:
+    """The rule multiplies each kernel's inputs by the cell's own masks: one for every gate,
+    or one per gate (`implementation=1`, which recurrent dropout selects)."""
+    monkeypatch.setattr(DropoutRNNCell, "_create_dropout_mask", fixed_dropout_mask)
+    inputs = keras.Input((LENGTH, 4))
+    heads = [
+        L.LSTM(3, dropout=0.3, recurrent_dropout=0.2, go_backwards=True)(inputs),
+        L.GRU(3, dropout=0.3, recurrent_dropout=0.2)(inputs),
+        L.GRU(3, recurrent_dropout=0.2, reset_after=False)(inputs),
+        L.SimpleRNN(3, dropout=0.3, recurrent_dropout=0.2)(inputs),
+    ]
+    model = compiled(kgt.GradientTrackingModel(inputs, L.Dense(3)(L.Concatenate()(heads))))
+    x, y = rng.normal(size=(BATCH, LENGTH, 4)).astype("float32"), rng.integers(0, 3, BATCH)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
 def test_each_direction_of_a_bidirectional_is_a_column_on_its_rule() -> None:
     model = compiled(bidirectional_stack(kgt.GradientTrackingModel))
     model(token_ids()[:1])
@@ -137,10 +169,18 @@ class MinimalCell(L.Layer):
         return output, [output]
 
 
+class OwnLSTM(L.LSTM):
+    def call(
+        self, sequences: Any, initial_state: Any = None, mask: Any = None, training: Any = False
+    ) -> Any:
+        return super().call(sequences, initial_state, mask, training)
+
+
 @pytest.mark.parametrize(
     ("layer", "match"),
     [
         (L.RNN(MinimalCell(3)), "MinimalCell"),
+        (OwnLSTM(3), "overrides `call`"),
         (L.RNN([L.LSTMCell(3), L.GRUCell(2)]), "StackedRNNCells"),
         (L.ConvLSTM1D(2, 2), "ConvLSTMCell"),
     ],

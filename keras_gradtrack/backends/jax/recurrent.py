@@ -132,8 +132,8 @@ def recurrent_call(
             emitted = [jnp.flip(sequence, axis=1) for sequence in emitted]
         saved.update(
             inputs=sequences,
-            input_masks=loop.input_masks,
-            recurrent_masks=loop.recurrent_masks,
+            input_masks=as_pytree(loop.input_masks),
+            recurrent_masks=as_pytree(loop.recurrent_masks),
             **dict(zip(loop.emitted, emitted)),
         )
         return last[:, : cell.units], outputs, list(states[1:])
@@ -151,6 +151,12 @@ def recurrent_call(
             "call(), so the recurrent rule cannot see its steps."
         )
     return outputs, saved
+
+
+def as_pytree(masks: Any) -> Any:
+    """A cell's dropout masks as JAX returns them from a trace (the cell keeps one per
+    gate in a Keras `TrackedList`, which JAX does not know)."""
+    return list(masks) if isinstance(masks, (list, tuple)) else masks
 
 
 def recurrent_per_example(
