@@ -70,9 +70,9 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
     """The tracked layers of a built model, in column order.
 
     Raises:
-        ValueError: For a layer the JAX engine refuses (recurrent layers off the
-            recurrent rule, BatchNormalization in training, activity regularizers), trainable variables of the model
-            itself, or a model without trainable variables.
+        ValueError: For a layer the JAX engine refuses (recurrent layers off their
+            rule, BatchNormalization in training, activity regularizers), trainable
+            variables of the model itself, or a model without trainable variables.
     """
     if own_trainable_variables(model):
         raise ValueError(
