@@ -112,6 +112,25 @@ def test_a_tracked_recurrent_step_trains_as_keras_does(name: str) -> None:
     assert_trains_as_plain(tracked, plain, x, y, BATCH)
 
 
+def test_returned_states_initial_states_and_a_shared_layer() -> None:
+    """An encoder's states start a decoder; one SimpleRNN reads two inputs (its calls
+    add up), one of them masked."""
+    source, target = keras.Input((6, 2)), keras.Input((4, 2))
+    _, state_h, state_c = L.LSTM(3, return_state=True)(source)
+    decoded = L.LSTM(3, return_sequences=True)(target, initial_state=[state_h, state_c])
+    shared = L.SimpleRNN(2)
+    pair = L.Concatenate()([shared(source), shared(L.Masking()(target))])
+    outputs = L.Dense(3)(L.Concatenate()([L.Flatten()(decoded), pair, state_c]))
+    model = compiled(kgt.GradientTrackingModel([source, target], outputs))
+    target_values = rng.normal(size=(BATCH, 4, 2)).astype("float32")
+    target_values[::2, 2:] = 0.0  # masked steps at the end of every other example
+    x = [rng.normal(size=(BATCH, 6, 2)).astype("float32"), target_values]
+    y = rng.integers(0, 3, BATCH)
+    model([v[:1] for v in x])
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
 def fixed_dropout_mask(self: Any, step_input: Any, dropout_rate: float) -> Any:
     """A dropout mask that is the same for every example and differs per gate, so the
     oracle's one-example batches see the batch's masks."""
