@@ -32,7 +32,7 @@ RULE_FOUNDATIONS = {
     "keras_gradtrack.rules.windows",
     "keras_gradtrack.rules.filter_gradients",
     "keras_gradtrack.rules.chunks",
-    "keras_gradtrack.rules.recurrent_cells",
+    "keras_gradtrack.recurrent_cells",
     "keras_gradtrack.rule_math",
 }
 

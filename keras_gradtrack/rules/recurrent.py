@@ -7,7 +7,7 @@ the layer's, so the rule covers the cell's variables from the layer's calls
 layer's own `call` runs (initial and stateful states, masking, `go_backwards`,
 `return_sequences`, `return_state`, `unroll`: all Keras'), with its loop
 replaced by the same `backend.rnn` loop over a step split around the input
-projection (`recurrent_cells`): `P = X W` is taken before the loop, so the one
+projection (`keras_gradtrack/recurrent_cells.py`, shared with the JAX engine): `P = X W` is taken before the loop, so the one
 backward pass gives `δ_t = dL/dP_t`, the gradient at the gate pre-activations,
 and the loop emits `h_{t-1}`. Each weight's per-example gradient is then a sum
 over time, `Σ_t a_tᵀ δ_t`, whose squared norm is the sequence-Dense form
@@ -27,6 +27,7 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import keras_backend
 from keras_gradtrack._patching import patched
+from keras_gradtrack.recurrent_cells import CellLoop, Term, loop_of, per_example_gradients
 from keras_gradtrack.rule_math import gram_is_cheaper
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
 from keras_gradtrack.rules.ops import (
@@ -35,7 +36,6 @@ from keras_gradtrack.rules.ops import (
     stacked_along_time,
     sum_of_squares,
 )
-from keras_gradtrack.rules.recurrent_cells import CellLoop, Term, loop_of
 
 
 def recurrent_applies(layer: Any) -> bool:
@@ -103,7 +103,7 @@ class SplitLoop:
             mask = mask[0]
         if not tree.is_nested(initial_state):
             initial_state = [initial_state]
-        loop: CellLoop = loop_of(cell)(cell, training, sequences, initial_state)  # type: ignore[misc]
+        loop: CellLoop = loop_of(cell).for_call(cell, training, sequences, initial_state)  # type: ignore[union-attr]
         projected = loop.project(sequences)
         dtypes: list[tf.DType] = []  # of the emitted tensors, as the step made them
         # Without a mask the last output is the last state (each step returns its `h` as
@@ -235,27 +235,7 @@ def recurrent_primitives(
 
 def recurrent_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of the cell's weights, `(B, *weight.shape)` each."""
-    parts: dict[int, list[Term]] = {}
-    variables = {}
-    for term in layer_terms(calls):
-        parts.setdefault(id(term.variable), []).append(term)
-        variables[id(term.variable)] = term.variable
-    pairs = []
-    for key, terms in parts.items():
-        if terms[0].row is not None:  # the rows of a GRU's (2, 3 units) bias
-            rows = sorted({term.row for term in terms if term.row is not None})
-            grad = tf.stack([side_by_side([t for t in terms if t.row == r]) for r in rows], 1)
-        else:
-            grad = side_by_side(terms)
-        pairs.append((variables[key], grad))
-    return pairs
-
-
-def side_by_side(terms: Sequence[Term]) -> tf.Tensor:
-    """The per-example gradient of the columns that `terms` cover together, in order."""
-    ordered = sorted(terms, key=lambda t: 0 if t.columns is None else t.columns.start)
-    grads = [term_gradient(term) for term in ordered]
-    return tf.concat(grads, axis=-1) if len(grads) > 1 else grads[0]
+    return per_example_gradients(layer_terms(calls), term_gradient)
 
 
 def recurrent_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:

@@ -30,7 +30,10 @@ def fit_tracked(model: keras.Model, names: list[str] | None = None) -> None:
 @pytest.mark.parametrize(
     ("layer", "match"),
     [
-        (keras.layers.LSTM(3), "recurrent.*JAX backend"),
+        (
+            keras.layers.RNN([keras.layers.LSTMCell(3), keras.layers.GRUCell(2)]),
+            "StackedRNNCells.*JAX",
+        ),
         (keras.layers.BatchNormalization(), "BatchNormalization.*JAX backend"),
     ],
 )

@@ -74,7 +74,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     log is the one a single device writes (`distribution.py`).
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
-    layers, BatchNormalization in training, attribution targets and sketches,
+    layers other than SimpleRNN, LSTM and GRU, BatchNormalization in training, attribution targets and sketches,
     `keras.distribution` over several processes, loss scaling,
     `make_private`, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
 

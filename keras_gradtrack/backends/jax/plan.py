@@ -16,6 +16,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
+from keras_gradtrack.backends.jax.recurrent import cell_of, recurrent_refusal
 from keras_gradtrack.backends.jax.registry import lookup
 from keras_gradtrack.backends.jax.rules import JaxRule
 
@@ -48,11 +49,7 @@ def refusal(layer: Any) -> str:
     """Why the JAX engine cannot track the layer yet (empty when it can)."""
     name = f"Layer {layer.name!r} ({type(layer).__name__})"
     if isinstance(layer, keras.layers.RNN):
-        return (
-            f"{name} is recurrent: its per-time-step rule runs on the TensorFlow backend "
-            "only; on the JAX backend it is not tracked yet. Train with "
-            "KERAS_BACKEND=tensorflow to track it."
-        )
+        return recurrent_refusal(layer)
     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
         return (
             f"{name} normalizes with statistics of the whole batch in training, so example "
@@ -73,9 +70,9 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
     """The tracked layers of a built model, in column order.
 
     Raises:
-        ValueError: For a layer the JAX engine refuses (recurrent, BatchNormalization
-            in training, activity regularizers), trainable variables of the model
-            itself, or a model without trainable variables.
+        ValueError: For a layer the JAX engine refuses (recurrent layers off their
+            rule, BatchNormalization in training, activity regularizers), trainable
+            variables of the model itself, or a model without trainable variables.
     """
     if own_trainable_variables(model):
         raise ValueError(
@@ -84,11 +81,18 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
         )
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     groups = []
+    cells: set[int] = set()  # those whose variables their recurrent layer's column holds
     for layer in flatten_layers(model, include_self=False):
         reason = refusal(layer)
         if reason:
             raise ValueError(reason)
-        own = [v for v in own_trainable_variables(layer) if id(v) in position]
+        if id(layer) in cells:
+            continue
+        cell = cell_of(layer)
+        if cell is not None:
+            cells.add(id(cell))
+        variables = own_trainable_variables(layer) if cell is None else cell.trainable_variables
+        own = [v for v in variables if id(v) in position]
         if own:
             groups.append((layer, sorted(own, key=lambda v: position[id(v)])))
     # Columns in Keras' own order of the model's weights, as on TensorFlow.

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.batchless import broadcast_to_batch
+from keras_gradtrack.backends.jax.recurrent import cell_of, recurrent_call
 from keras_gradtrack.backends.jax.rules import splits_activation
 
 
@@ -83,6 +84,10 @@ class Probes:
                 assert self._batch_size is not None
                 args = (broadcast_to_batch(args[0], self._batch_size), *args[1:])
             self.calls.append((index, args[0], dict(kwargs)))
+            if cell_of(layer) is not None:  # the probe goes on the gate pre-activations
+                outputs, saved = recurrent_call(layer, original, args, kwargs, self._add_probe)
+                self.calls[-1] = (index, saved, dict(kwargs))
+                return outputs
             if splits_activation(layer):
                 activation = layer.activation
                 applied = []

@@ -35,6 +35,7 @@ from keras_gradtrack.backends.jax.normalization import (
     LAYER_NORMALIZATION,
     RMS_NORMALIZATION,
 )
+from keras_gradtrack.backends.jax.recurrent import RECURRENT
 from keras_gradtrack.backends.jax.rules import (
     DENSE,
     EINSUM_DENSE,
@@ -61,6 +62,11 @@ REGISTRY: dict[type, JaxRule] = {
     keras.layers.LayerNormalization: LAYER_NORMALIZATION,
     keras.layers.RMSNormalization: RMS_NORMALIZATION,
     keras.layers.GroupNormalization: GROUP_NORMALIZATION,
+    # The plan refuses the recurrent layers this rule does not cover (`recurrent.py`).
+    keras.layers.SimpleRNN: RECURRENT,
+    keras.layers.LSTM: RECURRENT,
+    keras.layers.GRU: RECURRENT,
+    keras.layers.RNN: RECURRENT,
 }
 
 # Rules for configurations the class's own rule leaves out: LoRA (`enable_lora`).

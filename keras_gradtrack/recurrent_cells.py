@@ -22,11 +22,11 @@ what each kernel column sees. Each step does the cell's arithmetic in its order.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 # (dropout mask or None, columns of a kernel): gates that share a mask.
 Run = tuple[Any, slice]
@@ -46,8 +46,8 @@ class Term:
     """
 
     variable: Any
-    inputs: tf.Tensor | None
-    grads: tf.Tensor
+    inputs: Any | None
+    grads: Any
     columns: slice | None = None
     row: int | None = None
 
@@ -62,7 +62,7 @@ def runs(masks: Any, units: int, start: int, stop: int) -> list[Run]:
     return [(masks, slice(start * units, stop * units))]
 
 
-def masked(sequence: tf.Tensor, mask: Any) -> tf.Tensor:
+def masked(sequence: Any, mask: Any) -> Any:
     """`(B, T, d)` times a `(B, d)` mask fixed over time (unchanged without one)."""
     return sequence if mask is None else sequence * mask[:, None, :]
 
@@ -76,7 +76,7 @@ def columns_of(weight: Any, columns: slice) -> Any:
     return weight if covers(weight, columns) else weight[..., columns]
 
 
-def kernel_term(kernel: Any, inputs: tf.Tensor, grads: tf.Tensor, columns: slice) -> Term:
+def kernel_term(kernel: Any, inputs: Any, grads: Any, columns: slice) -> Term:
     """The term of `kernel[:, columns]`, for `grads` at the whole product (unsliced, so
     not copied, when the term covers the kernel)."""
     if covers(kernel, columns):
@@ -84,13 +84,13 @@ def kernel_term(kernel: Any, inputs: tf.Tensor, grads: tf.Tensor, columns: slice
     return Term(kernel, inputs, grads[..., columns], columns)
 
 
-def product(a: tf.Tensor, kernel: Any, gate_runs: Sequence[Run]) -> tf.Tensor:
+def product(a: Any, kernel: Any, gate_runs: Sequence[Run]) -> Any:
     """`(a ⊙ mask) kernel[:, columns]` per run, side by side (one step, inside the loop)."""
     parts = [
-        tf.matmul(a if mask is None else a * mask, columns_of(kernel, columns))
+        ops.matmul(a if mask is None else a * mask, columns_of(kernel, columns))
         for mask, columns in gate_runs
     ]
-    return tf.concat(parts, axis=-1) if len(parts) > 1 else parts[0]
+    return ops.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 class CellLoop:
@@ -98,26 +98,47 @@ class CellLoop:
 
     Args:
         cell: The Keras cell.
-        training: The call's `training` argument (dropout applies when true).
-        sequences: The layer's input `(B, T, d)`.
-        initial_state: The loop's initial states (a list).
+        input_masks: The dropout mask of the inputs (None, one `(B, d)` mask, or one
+            per gate).
+        recurrent_masks: The dropout mask of `h_{t-1}`, alike.
+
+    Example:
+
+    ```python
+    loop = loop_of(cell).for_call(cell, training, sequences, initial_state)
+    projected = loop.project(sequences)                # (B, T, gates * units)
+    output, states, emitted = loop.step(projected[:, 0], initial_state)
+    ```
     """
 
     gates = 1
     # What the step emits besides its output, in order (all `(B, units)`).
     emitted: tuple[str, ...] = ("h_prev",)
 
-    def __init__(self, cell: Any, training: Any, sequences: Any, initial_state: Sequence[Any]):
+    def __init__(self, cell: Any, input_masks: Any = None, recurrent_masks: Any = None):
         self.cell = cell
         self.units = cell.units
-        # The masks the cell's own call would take: the RNN layer's call draws them
-        # before its loop and the cell keeps them until the call ends.
-        self.input_masks = None
-        self.recurrent_masks = None
+        self.input_masks = input_masks
+        self.recurrent_masks = recurrent_masks
+
+    @classmethod
+    def for_call(
+        cls, cell: Any, training: Any, sequences: Any, initial_state: Sequence[Any]
+    ) -> CellLoop:
+        """The loop of one call, with the masks the cell's own call would take: the RNN
+        layer's call draws them before its loop and the cell keeps them until it ends.
+
+        Args:
+            training: The call's `training` argument (dropout applies when true).
+            sequences: The layer's input `(B, T, d)`.
+            initial_state: The loop's initial states (a list).
+        """
+        input_masks = recurrent_masks = None
         if training and 0.0 < cell.dropout < 1.0:
-            self.input_masks = cell.get_dropout_mask(sequences[:, 0, :])
+            input_masks = cell.get_dropout_mask(sequences[:, 0, :])
         if training and 0.0 < cell.recurrent_dropout < 1.0:
-            self.recurrent_masks = cell.get_recurrent_dropout_mask(initial_state[0])
+            recurrent_masks = cell.get_recurrent_dropout_mask(initial_state[0])
+        return cls(cell, input_masks, recurrent_masks)
 
     def input_runs(self) -> list[Run]:
         return runs(self.input_masks, self.units, 0, self.gates)
@@ -128,40 +149,38 @@ class CellLoop:
     def input_bias(self) -> Any:
         return self.cell.bias
 
-    def projection(self, sequences: tf.Tensor, with_bias: bool) -> tf.Tensor:
+    def projection(self, sequences: Any, with_bias: bool) -> Any:
         """`X W` for the whole sequence `(B, T, d)`, plus the input bias if asked."""
         parts = []
         for mask, columns in self.input_runs():
             kernel = columns_of(self.cell.kernel, columns)
-            part = tf.einsum("btd,dg->btg", masked(sequences, mask), kernel)
+            part = ops.einsum("btd,dg->btg", masked(sequences, mask), kernel)
             if with_bias:
                 part = part + columns_of(self.input_bias(), columns)
             parts.append(part)
-        return tf.concat(parts, axis=-1) if len(parts) > 1 else parts[0]
+        return ops.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
-    def kernel_terms(self, inputs: tf.Tensor, grads: tf.Tensor) -> list[Term]:
+    def kernel_terms(self, inputs: Any, grads: Any) -> list[Term]:
         return [
             kernel_term(self.cell.kernel, masked(inputs, mask), grads, columns)
             for mask, columns in self.input_runs()
         ]
 
-    def recurrent_terms(
-        self, sequence: tf.Tensor, grads: tf.Tensor, gate_runs: Sequence[Run]
-    ) -> list[Term]:
+    def recurrent_terms(self, sequence: Any, grads: Any, gate_runs: Sequence[Run]) -> list[Term]:
         return [
             kernel_term(self.cell.recurrent_kernel, masked(sequence, mask), grads, columns)
             for mask, columns in gate_runs
         ]
 
     # Each cell: the projection taken before the loop, the step, and the terms.
-    def project(self, sequences: tf.Tensor) -> tf.Tensor:
+    def project(self, sequences: Any) -> Any:
         raise NotImplementedError
 
-    def step(self, projected: tf.Tensor, states: Sequence[tf.Tensor]) -> tuple[Any, list, list]:
+    def step(self, projected: Any, states: Sequence[Any]) -> tuple[Any, list, list]:
         """`(output, new states, emitted)` of one step from `P_t` and the states."""
         raise NotImplementedError
 
-    def terms(self, inputs: tf.Tensor, saved: dict[str, tf.Tensor], grads: tf.Tensor) -> list[Term]:
+    def terms(self, inputs: Any, saved: dict[str, Any], grads: Any) -> list[Term]:
         """The terms from the layer's input, the emitted sequences and `δ = dL/dP`."""
         raise NotImplementedError
 
@@ -169,17 +188,17 @@ class CellLoop:
 class SimpleRNNLoop(CellLoop):
     """`h_t = act(x_t W + b + h_{t-1} U)`."""
 
-    def project(self, sequences: tf.Tensor) -> tf.Tensor:
+    def project(self, sequences: Any) -> Any:
         return self.projection(sequences, with_bias=self.cell.bias is not None)
 
-    def step(self, projected: tf.Tensor, states: Sequence[tf.Tensor]) -> tuple[Any, list, list]:
+    def step(self, projected: Any, states: Sequence[Any]) -> tuple[Any, list, list]:
         h_prev = states[0]
         output = projected + product(h_prev, self.cell.recurrent_kernel, self.recurrent_runs())
         if self.cell.activation is not None:
             output = self.cell.activation(output)
         return output, [output], [h_prev]
 
-    def terms(self, inputs: tf.Tensor, saved: dict[str, tf.Tensor], grads: tf.Tensor) -> list[Term]:
+    def terms(self, inputs: Any, saved: dict[str, Any], grads: Any) -> list[Term]:
         terms = self.kernel_terms(inputs, grads)
         terms += self.recurrent_terms(saved["h_prev"], grads, self.recurrent_runs())
         if self.cell.bias is not None:
@@ -196,16 +215,16 @@ class LSTMLoop(CellLoop):
         # implementation=1 adds each gate's bias to its input product (Keras' order).
         return bool(self.cell.use_bias) and self.cell.implementation == 1
 
-    def project(self, sequences: tf.Tensor) -> tf.Tensor:
+    def project(self, sequences: Any) -> Any:
         return self.projection(sequences, with_bias=self.bias_in_projection())
 
-    def step(self, projected: tf.Tensor, states: Sequence[tf.Tensor]) -> tuple[Any, list, list]:
+    def step(self, projected: Any, states: Sequence[Any]) -> tuple[Any, list, list]:
         cell = self.cell
         h_prev, c_prev = states[0], states[1]
         z = projected + product(h_prev, cell.recurrent_kernel, self.recurrent_runs())
         if cell.use_bias and not self.bias_in_projection():
             z = z + cell.bias
-        z_i, z_f, z_c, z_o = tf.split(z, 4, axis=-1)
+        z_i, z_f, z_c, z_o = ops.split(z, 4, axis=-1)
         i = cell.recurrent_activation(z_i)
         f = cell.recurrent_activation(z_f)
         c = f * c_prev + i * cell.activation(z_c)
@@ -213,7 +232,7 @@ class LSTMLoop(CellLoop):
         h = o * cell.activation(c)
         return h, [h, c], [h_prev]
 
-    def terms(self, inputs: tf.Tensor, saved: dict[str, tf.Tensor], grads: tf.Tensor) -> list[Term]:
+    def terms(self, inputs: Any, saved: dict[str, Any], grads: Any) -> list[Term]:
         terms = self.kernel_terms(inputs, grads)
         terms += self.recurrent_terms(saved["h_prev"], grads, self.recurrent_runs())
         if self.cell.use_bias:
@@ -227,20 +246,20 @@ class GRULoop(CellLoop):
 
     gates = 3
 
-    def __init__(self, cell: Any, *args: Any):
-        super().__init__(cell, *args)
+    def __init__(self, cell: Any, *masks: Any):
+        super().__init__(cell, *masks)
         self.emitted = ("h_prev", "reset") if cell.reset_after else ("h_prev", "reset_h_prev")
 
     def input_bias(self) -> Any:
         return self.cell.bias[0] if self.cell.reset_after else self.cell.bias
 
-    def project(self, sequences: tf.Tensor) -> tf.Tensor:
+    def project(self, sequences: Any) -> Any:
         return self.projection(sequences, with_bias=bool(self.cell.use_bias))
 
-    def step(self, projected: tf.Tensor, states: Sequence[tf.Tensor]) -> tuple[Any, list, list]:
+    def step(self, projected: Any, states: Sequence[Any]) -> tuple[Any, list, list]:
         cell, units = self.cell, self.units
         h_prev = states[0]
-        x_z, x_r, x_h = tf.split(projected, 3, axis=-1)
+        x_z, x_r, x_h = ops.split(projected, 3, axis=-1)
         if cell.reset_after:
             inner = product(h_prev, cell.recurrent_kernel, self.recurrent_runs())
             if cell.use_bias:
@@ -260,7 +279,7 @@ class GRULoop(CellLoop):
         h = z * h_prev + (1 - z) * candidate
         return h, [h], emitted
 
-    def terms(self, inputs: tf.Tensor, saved: dict[str, tf.Tensor], grads: tf.Tensor) -> list[Term]:
+    def terms(self, inputs: Any, saved: dict[str, Any], grads: Any) -> list[Term]:
         cell, units = self.cell, self.units
         terms = self.kernel_terms(inputs, grads)
         if not cell.reset_after:
@@ -301,3 +320,48 @@ def loop_of(cell: Any) -> type[CellLoop] | None:
         if isinstance(cell, cell_class) and type(cell).call is cell_class.call:
             return loop
     return None
+
+
+def term_gradient(term: Term) -> Any:
+    """`(B, in, out)` `Σ_t a_tᵀ δ_t`, or `(B, out)` `Σ_t δ_t` for a bias."""
+    if term.inputs is None:
+        return ops.sum(term.grads, axis=1)
+    return ops.einsum("bti,bto->bio", term.inputs, term.grads)
+
+
+def per_example_gradients(
+    terms: Sequence[Term], gradient: Callable[[Term], Any] = term_gradient
+) -> list[tuple[Any, Any]]:
+    """`[(weight, (B, *weight.shape) gradient)]` from the terms: each weight's terms
+    side by side along its columns (and its rows, for a GRU's `(2, 3 units)` bias).
+
+    Example:
+
+    ```python
+    pairs = per_example_gradients(loop.terms(inputs, emitted, grads))
+    ```
+    """
+    parts: dict[int, list[Term]] = {}
+    variables = {}
+    for term in terms:
+        parts.setdefault(id(term.variable), []).append(term)
+        variables[id(term.variable)] = term.variable
+    pairs = []
+    for key, weight_terms in parts.items():
+        if weight_terms[0].row is not None:
+            rows = sorted({term.row for term in weight_terms if term.row is not None})
+            grad = ops.stack(
+                [side_by_side([t for t in weight_terms if t.row == row], gradient) for row in rows],
+                axis=1,
+            )
+        else:
+            grad = side_by_side(weight_terms, gradient)
+        pairs.append((variables[key], grad))
+    return pairs
+
+
+def side_by_side(terms: Sequence[Term], gradient: Callable[[Term], Any] = term_gradient) -> Any:
+    """The per-example gradient of the columns that `terms` cover together, in order."""
+    ordered = sorted(terms, key=lambda t: 0 if t.columns is None else t.columns.start)
+    grads = [gradient(term) for term in ordered]
+    return ops.concatenate(grads, axis=-1) if len(grads) > 1 else grads[0]

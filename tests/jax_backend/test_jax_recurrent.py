@@ -1,0 +1,218 @@
+"""Recurrent layers on JAX: LSTM, GRU and SimpleRNN on their rule, inside Keras' scan.
+
+Against the `jax.grad` oracle (rtol 1e-4, float32), tracked equals plain, the path
+column, and the refusals of what the rule does not cover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+from jax_models import compiled
+from jax_oracle import (
+    assert_matches_oracle,
+    assert_trains_as_plain,
+    oracle_statistics,
+    tracked_statistics,
+)
+from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
+
+import keras_gradtrack as kgt
+from keras_gradtrack import statistics
+
+L = keras.layers
+BATCH, LENGTH, VOCAB = 6, 7, 20
+rng = np.random.default_rng(0)
+
+
+def token_ids(batch: int = BATCH, padded: bool = False) -> np.ndarray:
+    ids = rng.integers(1, VOCAB, (batch, LENGTH)).astype("int32")
+    if padded:  # trailing padding of different lengths, one example unpadded
+        for i in range(batch):
+            ids[i, LENGTH - i % 4 :] = 0
+    return ids
+
+
+def text_classifier(model_class: type, recurrent: Any, mask_zero: bool = False) -> Any:
+    """keras-io's text classification: Embedding -> recurrent -> Dense."""
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    hidden = L.Embedding(VOCAB, 5, mask_zero=mask_zero)(inputs)
+    return model_class(inputs, L.Dense(3)(recurrent(hidden)))
+
+
+def bidirectional_stack(model_class: type, mask_zero: bool = False) -> Any:
+    """keras-io `bidirectional_lstm_imdb`: two stacked Bidirectional(LSTM)."""
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    hidden = L.Embedding(VOCAB, 5, mask_zero=mask_zero)(inputs)
+    hidden = L.Bidirectional(L.LSTM(4, return_sequences=True))(hidden)
+    hidden = L.Bidirectional(L.LSTM(3))(hidden)
+    return model_class(inputs, L.Dense(3)(hidden))
+
+
+def gru_model(model_class: type, reset_after: bool = True) -> Any:
+    inputs = keras.Input((LENGTH, 4))
+    hidden = L.GRU(5, return_sequences=True, reset_after=reset_after)(inputs)
+    hidden = L.GRU(3, go_backwards=True, reset_after=reset_after)(hidden)
+    return model_class(inputs, L.Dense(3)(hidden))
+
+
+# name -> (model builder, inputs)
+CASES: dict[str, tuple[Callable[[type], Any], Callable[[], np.ndarray]]] = {
+    "lstm": (lambda c: text_classifier(c, L.LSTM(6)), token_ids),
+    "lstm_sequences_masked": (
+        lambda c: text_classifier(
+            c, lambda h: L.GlobalAveragePooling1D()(L.LSTM(4, return_sequences=True)(h)), True
+        ),
+        lambda: token_ids(padded=True),
+    ),
+    "bidirectional_lstm": (bidirectional_stack, token_ids),
+    "bidirectional_lstm_masked": (
+        lambda c: bidirectional_stack(c, mask_zero=True),
+        lambda: token_ids(padded=True),
+    ),
+    "gru": (gru_model, lambda: rng.normal(size=(BATCH, LENGTH, 4)).astype("float32")),
+    "gru_reset_before": (
+        lambda c: gru_model(c, reset_after=False),
+        lambda: rng.normal(size=(BATCH, LENGTH, 4)).astype("float32"),
+    ),
+    "simple_rnn": (
+        lambda c: text_classifier(
+            c, lambda h: L.SimpleRNN(4, go_backwards=True)(L.SimpleRNN(5, return_sequences=True)(h))
+        ),
+        token_ids,
+    ),
+    "simple_rnn_masked_unrolled": (
+        lambda c: text_classifier(c, L.SimpleRNN(4, unroll=True, use_bias=False), True),
+        lambda: token_ids(padded=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_recurrent_models_match_the_oracle(name: str) -> None:
+    build, data = CASES[name]
+    model = compiled(build(kgt.GradientTrackingModel))
+    x, y = data(), rng.integers(0, 3, BATCH)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+    summary = model.gradient_tracking_summary()
+    assert "rule:recurrent" in summary and "fallback" not in summary, summary
+
+
+@pytest.mark.parametrize("name", ["lstm", "bidirectional_lstm_masked", "gru", "gru_reset_before"])
+def test_a_tracked_recurrent_step_trains_as_keras_does(name: str) -> None:
+    build, data = CASES[name]
+    x, y = np.concatenate([data(), data()]), rng.integers(0, 3, 2 * BATCH)
+    tracked, plain = compiled(build(kgt.GradientTrackingModel)), compiled(build(keras.Model))
+    assert_trains_as_plain(tracked, plain, x, y, BATCH)
+
+
+def test_returned_states_initial_states_and_a_shared_layer() -> None:
+    """An encoder's states start a decoder; one SimpleRNN reads two inputs (its calls
+    add up), one of them masked."""
+    source, target = keras.Input((6, 2)), keras.Input((4, 2))
+    _, state_h, state_c = L.LSTM(3, return_state=True)(source)
+    decoded = L.LSTM(3, return_sequences=True)(target, initial_state=[state_h, state_c])
+    shared = L.SimpleRNN(2)
+    pair = L.Concatenate()([shared(source), shared(L.Masking()(target))])
+    outputs = L.Dense(3)(L.Concatenate()([L.Flatten()(decoded), pair, state_c]))
+    model = compiled(kgt.GradientTrackingModel([source, target], outputs))
+    target_values = rng.normal(size=(BATCH, 4, 2)).astype("float32")
+    target_values[::2, 2:] = 0.0  # masked steps at the end of every other example
+    x = [rng.normal(size=(BATCH, 6, 2)).astype("float32"), target_values]
+    y = rng.integers(0, 3, BATCH)
+    model([v[:1] for v in x])
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
+def fixed_dropout_mask(self: Any, step_input: Any, dropout_rate: float) -> Any:
+    """A dropout mask that is the same for every example and differs per gate, so the
+    oracle's one-example batches see the batch's masks."""
+    width = step_input.shape[-1]
+
+    def mask(gate: int) -> Any:
+        keep = (np.arange(width) + gate) % 3 != 0
+        return keras.ops.ones_like(step_input) * (keep / (1.0 - dropout_rate)).astype("float32")
+
+    count = getattr(self, "dropout_mask_count", None)
+    return mask(0) if count is None else [mask(gate) for gate in range(count)]
+
+
+def test_dropout_and_recurrent_dropout_use_the_cells_masks(monkeypatch: Any) -> None:
+    """The rule multiplies each kernel's inputs by the cell's own masks: one for every gate,
+    or one per gate (`implementation=1`, which recurrent dropout selects)."""
+    monkeypatch.setattr(DropoutRNNCell, "_create_dropout_mask", fixed_dropout_mask)
+    inputs = keras.Input((LENGTH, 4))
+    heads = [
+        L.LSTM(3, dropout=0.3, recurrent_dropout=0.2, go_backwards=True)(inputs),
+        L.GRU(3, dropout=0.3, recurrent_dropout=0.2)(inputs),
+        L.GRU(3, recurrent_dropout=0.2, reset_after=False)(inputs),
+        L.SimpleRNN(3, dropout=0.3, recurrent_dropout=0.2)(inputs),
+    ]
+    model = compiled(kgt.GradientTrackingModel(inputs, L.Dense(3)(L.Concatenate()(heads))))
+    x, y = rng.normal(size=(BATCH, LENGTH, 4)).astype("float32"), rng.integers(0, 3, BATCH)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
+def test_each_direction_of_a_bidirectional_is_a_column_on_its_rule() -> None:
+    model = compiled(bidirectional_stack(kgt.GradientTrackingModel))
+    model(token_ids()[:1])
+    rows = [line.split() for line in model.gradient_tracking_summary().splitlines()]
+    lstms = [(row[1].rstrip("_0123456789"), row[-1]) for row in rows if "_lstm" in row[1]]
+    assert lstms == [("forward_lstm", "rule:recurrent"), ("backward_lstm", "rule:recurrent")] * 2
+
+
+class MinimalCell(L.Layer):
+    """keras.io's custom RNN cell (`keras.layers.RNN` guide)."""
+
+    def __init__(self, units: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.units = units
+        self.state_size = units
+
+    def build(self, input_shape: Any) -> None:
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+        self.recurrent_kernel = self.add_weight(shape=(self.units, self.units), name="recurrent")
+
+    def call(self, inputs: Any, states: Any) -> Any:
+        output = keras.ops.matmul(inputs, self.kernel)
+        output = output + keras.ops.matmul(states[0], self.recurrent_kernel)
+        return output, [output]
+
+
+class OwnLSTM(L.LSTM):
+    def call(
+        self, sequences: Any, initial_state: Any = None, mask: Any = None, training: Any = False
+    ) -> Any:
+        return super().call(sequences, initial_state, mask, training)
+
+
+@pytest.mark.parametrize(
+    ("layer", "match"),
+    [
+        (L.RNN(MinimalCell(3)), "MinimalCell"),
+        (OwnLSTM(3), "overrides `call`"),
+        (L.RNN([L.LSTMCell(3), L.GRUCell(2)]), "StackedRNNCells"),
+        (L.ConvLSTM1D(2, 2), "ConvLSTMCell"),
+    ],
+)
+def test_recurrent_layers_off_the_rule_are_refused_before_training(layer: Any, match: str) -> None:
+    inputs = keras.Input((LENGTH, 4, 1) if isinstance(layer, L.ConvLSTM1D) else (LENGTH, 4))
+    hidden = layer(inputs)
+    model = compiled(kgt.GradientTrackingModel(inputs, L.Dense(3)(L.Flatten()(hidden))))
+    x = rng.normal(size=(BATCH, *inputs.shape[1:])).astype("float32")
+    model(x[:1])
+    before = model.get_weights()
+    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
+    with pytest.raises(ValueError, match=f"{layer.name}.*{match}.*JAX backend"):
+        model.fit(x, rng.integers(0, 3, BATCH), batch_size=BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
