@@ -52,7 +52,6 @@ def differs(reason: str) -> Any:
 
 EXPECTED_FAILURES = {
     "several_outputs": refused("a model compiled with one loss per output"),
-    "lstm": refused("a recurrent layer"),
     "batch_normalization": refused("track_batch_normalization"),
     "private": refused("make_private"),
     "attribution": refused("attribution (`targets=`)"),
