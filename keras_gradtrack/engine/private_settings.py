@@ -5,6 +5,9 @@ each example's gradient restricted to group k, `g_i^(k)`, to `C_k`; the
 sensitivity is then `sqrt(sum_k C_k^2)`. A bound per tracked layer is the case of
 groups of one layer. Each tracked layer is in exactly one group: a layer in none
 would have an unbounded gradient, one in two would be clipped twice.
+
+Plain Python and Keras (a plan is the model's own, `gradient_tracking_plan()`), so
+that every backend's engine shares it; `clip_weights` is the clipping in `keras.ops`.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers
-from keras_gradtrack.engine.plan import Plan, build_plan
 from keras_gradtrack.privacy.adaptive_clip import AdaptiveClip, gradient_noise_multiplier
 from keras_gradtrack.privacy.budget import PrivacyBudget
+
+if TYPE_CHECKING:
+    from keras_gradtrack.engine.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +256,7 @@ def validated_settings(
             sigma, settings.adaptive_clip.clipped_count_stddev
         )  # refuses 2 sigma_b <= sigma
     if model.built:
-        layer_groups(settings, model, build_plan(model))  # refuses bad groups now
+        layer_groups(settings, model, model.gradient_tracking_plan())  # refuses bad groups now
     return settings
 
 
@@ -306,7 +311,7 @@ def config_of(model: Any) -> dict[str, Any] | None:
     groups = None
     if settings.groups is not None:
         if model.built:
-            found = layer_groups(settings, model, build_plan(model))
+            found = layer_groups(settings, model, model.gradient_tracking_plan())
             assert found is not None
             groups = {name: list(members) for name, members in zip(found.names, found.members)}
         else:

@@ -1,0 +1,173 @@
+"""The private step on JAX (DP-SGD): clipped per-example gradients, summed, plus noise.
+
+For a model made private (`make_private`), the tracked step (`step.py`) hands the
+optimizer, in place of the batch gradient,
+
+    (sum_i min(1, C / ||g_i||) g_i + N(0, sigma^2 C^2 I)) / B_expected
+
+from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
+(`engine/clipping.py`):
+
+* each example's norm `||g_i||` from every layer's squared norms (`sq_norm`, the
+  primitives the statistics use: a rule's direct form, its per-example
+  gradients, or the fallback);
+* the weights `w_i = min(1, C / ||g_i||)` (per group of layers with bounds per
+  group), from the shared `engine/clip_weights.py`;
+* each layer's clipped sum: the layer's local vector-Jacobian product from its
+  (pre-activation) output to its own variables, at the inputs the step recorded,
+  with output gradients `w_i d_i` (for a Dense layer, `A^T (w * D)`). Only the
+  layer's own operations lie between them; no second backward pass through the
+  model, no loop over examples;
+* the noise `N(0, (sigma C)^2)` drawn once per variable with `jax.random`, from
+  the base seed of `make_private` folded with the optimizer's step count (so a
+  run is reproducible), and the sum divided by `B_expected` (else the batch).
+
+Example:
+
+```python
+step = functools.partial(tracked_train_step, private=private_gradients)
+logs, state = step(model, plan, statistics, state, data)
+logs["dp_fraction_clipped"]
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.rules import f32, preactivation_call
+from keras_gradtrack.engine.clip_weights import clip_weights
+from keras_gradtrack.engine.private_settings import settings_of
+
+
+def private_gradients(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    probed: Any,
+    columns: Sequence[Any],
+    factor: Any,
+    exact_factor: Any,
+    optimizer_variables: Any,
+) -> tuple[list[Any], dict[str, Any]]:
+    """`(gradients, rows)`: what the optimizer receives (aligned with
+    `model.trainable_variables`) and the values for fit's logs.
+
+    Args:
+        model: The private model.
+        plan: Its tracked layers.
+        probed: The step's `ProbedPass`.
+        columns: Per tracked layer, its primitives and `||G^(k)||^2`.
+        factor: `c`, with which the loss reduces the examples' losses.
+        exact_factor: `c` when the loss is `c sum_i l_i` and nothing else, else None.
+        optimizer_variables: The optimizer's values before the step (its step count).
+
+    Raises:
+        ValueError: When the loss adds terms of its own (weight penalties,
+            `add_loss`), or a trainable variable is in no tracked layer.
+    """
+    settings = settings_of(model)
+    assert settings is not None
+    if exact_factor is None:
+        raise ValueError(
+            f"Model {model.name!r} adds terms of its own to the loss (weight "
+            "regularizers or `add_loss`): private training on the "
+            f"{BACKEND} backend clips a loss that is a sum of per-example terms only. "
+            "Remove the regularizers, or train with KERAS_BACKEND=tensorflow (which "
+            "adds weight penalties unclipped)."
+        )
+    sq_norms = [jnp.maximum(f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
+    weights, clipped = clip_weights(settings, model, plan, sq_norms, settings.sensitivity)
+    sums = clipped_sums(model, plan, probed, weights, factor)
+    batch = clipped.shape[0]
+    divisor = settings.expected_batch_size or float(batch)
+    std = settings.noise_multiplier * settings.sensitivity
+    key = step_key(model, settings.seed, optimizer_variables)
+    gradients = []
+    for position, (variable, value) in enumerate(zip(model.trainable_variables, probed.trainable)):
+        if id(variable) not in sums:
+            raise ValueError(
+                "A private step needs every trainable variable to belong to a tracked "
+                f"layer. Received: {variable.path!r}"
+            )
+        gradient = sums[id(variable)]
+        if std > 0.0:
+            draw = jax.random.normal(jax.random.fold_in(key, position), value.shape, jnp.float32)
+            gradient = gradient + std * draw
+        gradients.append((gradient / divisor).astype(value.dtype))
+    rows = {"dp_fraction_clipped": jnp.mean(clipped.astype(jnp.float32))}
+    return gradients, rows
+
+
+def clipped_sums(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    probed: Any,
+    weights: Sequence[Any],
+    factor: Any,
+) -> dict[int, Any]:
+    """`{id(variable): sum_i w_i g_i}` (float32) of every tracked layer's own variables.
+
+    A layer's clipped sum is `sum_calls d <z_c(theta), w * d_c> / d theta` at the
+    recorded inputs of each call: its local VJP with the reweighted output
+    gradients (linear in them, so the sum over examples is taken by the VJP)."""
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+    def value_of(variable: Any) -> Any:
+        if id(variable) in position:
+            return probed.trainable[position[id(variable)]]
+        return probed.non_trainable[others[id(variable)]]
+
+    sums: dict[int, Any] = {}
+    for index, (tracked, weight) in enumerate(zip(plan, weights)):
+        layer = tracked.layer
+        all_variables = list(layer.trainable_variables)
+        values = [value_of(v) for v in all_variables]
+        fixed = [value_of(v) for v in layer.non_trainable_variables]
+        total: list[Any] | None = None
+        for n, (owner, kwargs) in enumerate(probed.calls):
+            if owner != index:
+                continue
+            inputs, grad = probed.inputs[n], f32(probed.probe_grads[n]) / factor
+            reweighted = grad * weight.reshape((-1,) + (1,) * (grad.ndim - 1))
+            grads = local_vjp(layer, values, fixed, inputs, kwargs, reweighted)
+            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        if total is None:
+            raise ValueError(
+                f"Tracked layer {tracked.name!r} was not called in the step, so its "
+                "clipped gradient is not defined."
+            )
+        own = {id(v) for v in tracked.variables}
+        for variable, grad in zip(all_variables, total):
+            if id(variable) in own:
+                sums[id(variable)] = f32(grad)
+    return sums
+
+
+def local_vjp(
+    layer: Any, values: Any, fixed: Any, inputs: Any, kwargs: Any, cotangent: Any
+) -> list[Any]:
+    """`d <z(theta), cotangent> / d theta` at `values`: the layer's (pre-activation)
+    output on the recorded `inputs`, pulled back to its trainable variables."""
+
+    def output(values: Any) -> Any:
+        return preactivation_call(layer, values, fixed, inputs, kwargs)
+
+    outputs, vjp = jax.vjp(output, values)
+    (grads,) = vjp(cotangent.astype(outputs.dtype))
+    return list(grads)
+
+
+def step_key(model: keras.Model, seed: int, optimizer_variables: Any) -> Any:
+    """The noise's key for this step: the base seed folded with the optimizer's step
+    count (its `iterations` before the step)."""
+    optimizer = model.optimizer
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_variables))):
+        iterations = keras.ops.convert_to_tensor(optimizer.iterations)
+    return jax.random.fold_in(jax.random.key(seed), jnp.asarray(iterations).astype(jnp.uint32))
