@@ -150,3 +150,45 @@ def test_the_noise_changes_from_step_to_step() -> None:
     first, second = update(model, x, y), update(model, x, y)
     assert not np.allclose(np.concatenate([f.ravel() for f in first]),
                            np.concatenate([s.ravel() for s in second]))  # fmt: skip
+
+
+def test_a_layer_called_twice_in_a_row_is_clipped_once() -> None:
+    # The second call's input depends on the layer's own weights through the first:
+    # each call's product holds its recorded input fixed, so that path is counted once.
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((12,))
+    shared = keras.layers.Dense(12, activation="tanh")
+    model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(shared(shared(inputs))))
+    model.compile(
+        optimizer=keras.optimizers.SGD(RATE),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = batch("mlp")
+    oracle = per_example_gradients(model, x, y)["g"]
+    bound = float(np.median(np.sqrt(sum((rows**2).sum(axis=1) for rows in oracle))))
+    model.make_private(l2_norm_clip=bound, noise_multiplier=0.0)
+    found = per_layer(model, update(model, x, y))
+    assert_close(found, [s / BATCH for s in clipped_sum(oracle, bound)])
+
+
+def test_weight_penalties_are_added_unclipped() -> None:
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(16, activation="relu", kernel_regularizer="l2")(inputs)
+    outputs = keras.layers.Dense(3, bias_regularizer=keras.regularizers.L1(0.05))(hidden)
+    model = kgt.GradientTrackingModel(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(RATE),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = batch("mlp")
+    oracle = per_example_gradients(model, x, y)
+    g = oracle["g"]
+    # G is the compiled loss's mean gradient plus the penalties'.
+    penalties = [full - rows.sum(axis=0) / BATCH for full, rows in zip(oracle["G"], g)]
+    bound = float(np.median(np.sqrt(sum((rows**2).sum(axis=1) for rows in g))))
+    model.make_private(l2_norm_clip=bound, noise_multiplier=0.0)
+    found = per_layer(model, update(model, x, y))
+    clipped = clipped_sum(g, bound)
+    assert_close(found, [s / BATCH + p for s, p in zip(clipped, penalties)])
+    assert max(np.abs(p).max() for p in penalties) > 1e-3  # the penalties count

@@ -20,7 +20,10 @@ from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
   model, no loop over examples;
 * the noise `N(0, (sigma C)^2)` drawn once per variable with `jax.random`, from
   the base seed of `make_private` folded with the optimizer's step count (so a
-  run is reproducible), and the sum divided by `B_expected` (else the batch).
+  run is reproducible), and the sum divided by `B_expected` (else the batch);
+* weight penalties (`variable.regularizer`) do not depend on the data: their
+  gradient is added unclipped and without noise. Other added losses (`add_loss`,
+  activity regularizers) are refused, as on TensorFlow.
 
 Example:
 
@@ -52,7 +55,7 @@ def private_gradients(
     probed: Any,
     columns: Sequence[Any],
     factor: Any,
-    exact_factor: Any,
+    added_losses: Sequence[int],
     optimizer_variables: Any,
 ) -> tuple[list[Any], dict[str, Any]]:
     """`(gradients, rows)`: what the optimizer receives (aligned with
@@ -64,23 +67,18 @@ def private_gradients(
         probed: The step's `ProbedPass`.
         columns: Per tracked layer, its primitives and `||G^(k)||^2`.
         factor: `c`, with which the loss reduces the examples' losses.
-        exact_factor: `c` when the loss is `c sum_i l_i` and nothing else, else None.
+        added_losses: How many losses the forward pass added to the compiled loss
+            (as the step's first trace saw them).
         optimizer_variables: The optimizer's values before the step (its step count).
 
     Raises:
-        ValueError: When the loss adds terms of its own (weight penalties,
-            `add_loss`), or a trainable variable is in no tracked layer.
+        ValueError: When the forward pass adds losses other than weight penalties
+            (`add_loss`, activity regularizers), or a trainable variable is in no
+            tracked layer.
     """
     settings = settings_of(model)
     assert settings is not None
-    if exact_factor is None:
-        raise ValueError(
-            f"Model {model.name!r} adds terms of its own to the loss (weight "
-            "regularizers or `add_loss`): private training on the "
-            f"{BACKEND} backend clips a loss that is a sum of per-example terms only. "
-            "Remove the regularizers, or train with KERAS_BACKEND=tensorflow (which "
-            "adds weight penalties unclipped)."
-        )
+    penalties = penalty_gradients(model, probed.trainable, added_losses)
     sq_norms = [jnp.maximum(f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
     weights, clipped = clip_weights(settings, model, plan, sq_norms, settings.sensitivity)
     sums = clipped_sums(model, plan, probed, weights, factor)
@@ -99,9 +97,45 @@ def private_gradients(
         if std > 0.0:
             draw = jax.random.normal(jax.random.fold_in(key, position), value.shape, jnp.float32)
             gradient = gradient + std * draw
-        gradients.append((gradient / divisor).astype(value.dtype))
+        gradient = gradient / divisor
+        if penalties is not None:
+            gradient = gradient + f32(penalties[position])
+        gradients.append(gradient.astype(value.dtype))
     rows = {"dp_fraction_clipped": jnp.mean(clipped.astype(jnp.float32))}
     return gradients, rows
+
+
+def penalty_gradients(
+    model: keras.Model, trainable: Sequence[Any], added_losses: Sequence[int]
+) -> list[Any] | None:
+    """The gradient of the weight penalties (`variable.regularizer`), which do not
+    depend on the data and are added unclipped and without noise; None without any.
+
+    Raises:
+        ValueError: When the forward pass adds other losses (`add_loss`, activity
+            regularizers): not a sum of per-example terms, nothing to clip.
+    """
+    regularized = [
+        (position, variable)
+        for position, variable in enumerate(model.trainable_variables)
+        if getattr(variable, "regularizer", None) is not None
+    ]
+    if list(added_losses) != [len(regularized)]:
+        raise ValueError(
+            f"Model {model.name!r} adds losses with `add_loss` (or an activity "
+            "regularizer): such a term is not a sum of per-example terms, so it has no "
+            "per-example gradient to clip and private training would not bound each "
+            "example's influence. Move the term into the compiled loss as a "
+            f"per-example value, or remove it. (The {BACKEND} backend's step saw "
+            f"{list(added_losses)} added losses and {len(regularized)} weight penalties.)"
+        )
+    if not regularized:
+        return None
+
+    def total(values: Sequence[Any]) -> Any:
+        return sum(f32(variable.regularizer(values[p])) for p, variable in regularized)
+
+    return list(jax.grad(total)(list(trainable)))
 
 
 def clipped_sums(

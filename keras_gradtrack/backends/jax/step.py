@@ -174,8 +174,8 @@ def tracked_train_step(
 
     `data` holds no example ids (`split_example_ids` takes them off first, outside
     the compiled step, so that int64 ids stay exact). `private`, for a private
-    model: `(model, plan, probed, columns, exact_factor, optimizer_variables) ->
-    (gradients, rows)`, what the optimizer receives in place of the batch gradient
+    model: `(model, plan, probed, columns, factor, added_losses,
+    optimizer_variables) -> (gradients, rows)`, what the optimizer receives in place of the batch gradient
     and the values it adds to the logs (`private_step.py`).
     """
     trainable, non_trainable, optimizer_variables, metrics_variables = state
@@ -230,7 +230,7 @@ def tracked_train_step(
     rows: dict[str, Any] = {}
     if private is not None:
         grads, rows = private(
-            model, plan, probed, columns, factor, exact_factor, optimizer_variables
+            model, plan, probed, columns, factor, added_losses, optimizer_variables
         )
     new_trainable, new_optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
