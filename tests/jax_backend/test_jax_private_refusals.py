@@ -25,7 +25,6 @@ def model(optimizer: Any = "sgd") -> Any:
 @pytest.mark.parametrize(
     ("arguments", "match"),
     [
-        ({"accumulation_steps": 2}, "accumulated batches"),
         ({"secure_noise": True}, "secure noise"),
         ({"adaptive_clip": kgt.privacy.AdaptiveClip()}, "Adaptive clipping"),
     ],
@@ -35,12 +34,6 @@ def test_what_jax_does_not_have_yet_is_refused(arguments: dict[str, Any], match:
     with pytest.raises(NotImplementedError, match=f"{match}.*JAX backend"):
         m.make_private(l2_norm_clip=1.0, noise_multiplier=1.0, **arguments)
     assert m.privacy_settings is None and m.privacy_history == ()
-
-
-def test_an_optimizer_accumulating_gradients_is_refused() -> None:
-    m = model(keras.optimizers.SGD(gradient_accumulation_steps=2))
-    with pytest.raises(NotImplementedError, match=r"accumulated batches.*JAX backend"):
-        m.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
 
 
 def test_a_loss_scale_optimizer_is_refused() -> None:

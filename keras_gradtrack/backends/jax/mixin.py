@@ -80,7 +80,7 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers, BatchNormalization in training, attribution targets and sketches,
     `keras.distribution` over several processes, loss scaling, private training
-    with accumulated batches, secure noise or adaptive clipping, opt-in
+    with secure noise or adaptive clipping, opt-in
     statistics (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
@@ -369,6 +369,7 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
 
                 tracked_by_statistics[key] = (self._compiled(step, out_shardings), layouts)
             compiled_step, layouts = tracked_by_statistics[key]
+            iterations = self._private_iterations(state) if private else None
             try:
                 logs, state = compiled_step(state, data)
             except Exception:
@@ -387,7 +388,7 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
             payload = DeviceRows(lambda: unpacked(vector, layout), [n for n, _ in layout], host)
             tracking.report(batch_size, payload if due else None, due)
             if private:
-                private_training.record_steps(self, 1)
+                self._record_private_step(iterations, state)
                 self.__dict__["_last_private_logs"] = logs
             return logs, state
 

@@ -23,7 +23,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack.backends.jax.plan import BACKEND
-from keras_gradtrack.backends.jax.private_step import private_gradients
+from keras_gradtrack.backends.jax.private_step import logical_iterations, private_gradients
 from keras_gradtrack.backends.jax.step import batch_size_of, tracked_train_step
 from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.private_model import PrivateTraining
@@ -41,18 +41,12 @@ def not_on_jax(what: str) -> NotImplementedError:
 
 
 class JaxPrivateTraining(PrivateTraining):
-    """`make_private` on JAX: one bound or bounds per group, the noise, the history,
-    the budget and the sampling checks; each refusal below names the backend."""
+    """`make_private` on JAX: one bound or bounds per group, the noise, logical
+    batches, the history, the budget and the sampling checks; each refusal below
+    names the backend."""
 
     def _refuse_private(self, **arguments: Any) -> None:
-        accumulation_steps = arguments.get("accumulation_steps")
         optimizer = getattr(self, "optimizer", None)
-        own_accumulation = getattr(optimizer, "gradient_accumulation_steps", None) or 1
-        if (accumulation_steps not in (None, 1)) or own_accumulation > 1:
-            raise not_on_jax(
-                "Private training with accumulated batches (`accumulation_steps`, "
-                "`gradient_accumulation_steps`)"
-            )
         if arguments.get("secure_noise"):
             raise not_on_jax("The secure noise of private training (`secure_noise=True`)")
         if arguments.get("adaptive_clip") is not None:
@@ -81,6 +75,19 @@ class JaxPrivateTraining(PrivateTraining):
             size = batch_size_of(keras.utils.unpack_x_y_sample_weight(data_batch)[0])
             private_training.check_batches(self, fit_data[0], size, fit_data[1])
         return super()._symbolic_build(iterator=iterator, data_batch=data_batch)  # type: ignore[misc]
+
+    def _private_iterations(self, state: Any) -> int | None:
+        """The optimizer's logical iterations in `state` (read before the step donates
+        it), with accumulation; None without."""
+        return logical_iterations(self, state[2])
+
+    def _record_private_step(self, iterations_before: int | None, state: Any) -> None:
+        """Adds the step's optimizer updates to the current phase of the history: one,
+        or with accumulation the change of the logical iterations."""
+        updates = 1
+        if iterations_before is not None:
+            updates = int(logical_iterations(self, state[2]) or 0) - iterations_before
+        private_training.record_steps(self, updates)
 
     def _private_train_step(self) -> Any:
         """The tracked step whose optimizer receives the private gradients."""

@@ -20,7 +20,10 @@ from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
   model, no loop over examples;
 * the noise `N(0, (sigma C)^2)` drawn once per variable with `jax.random`, from
   the base seed of `make_private` folded with the optimizer's step count (so a
-  run is reproducible), and the sum divided by `B_expected` (else the batch);
+  run is reproducible), and the sum divided by `B_expected` (else the batch); with
+  `accumulation_steps=k` (Keras' `gradient_accumulation_steps`, which applies the
+  mean of k physical batches' gradients) each physical batch's sum goes over
+  `B_expected / k` and the noise is drawn on the k-th alone;
 * weight penalties (`variable.regularizer`) do not depend on the data: their
   gradient is added unclipped and without noise. Other added losses (`add_loss`,
   activity regularizers) are refused, as on TensorFlow.
@@ -43,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.rules import f32, preactivation_call
 from keras_gradtrack.engine.clip_weights import clip_weights
@@ -85,6 +89,15 @@ def private_gradients(
     batch = clipped.shape[0]
     divisor = settings.expected_batch_size or float(batch)
     std = settings.noise_multiplier * settings.sensitivity
+    noise_factor = jnp.float32(std)
+    k = settings.accumulation_steps
+    if k > 1:
+        # Keras' accumulation applies the mean of k physical batches' gradients: each
+        # goes over B_logical / k, and only the k-th carries the logical batch's noise.
+        if settings.expected_batch_size is not None:
+            divisor = divisor / k
+        applies = optimizer_value(model, optimizer_variables, optimizer_apply_count)
+        noise_factor = jnp.where((applies + 1) % k == 0, noise_factor, 0.0)
     key = step_key(model, settings.seed, optimizer_variables)
     gradients = []
     for position, (variable, value) in enumerate(zip(model.trainable_variables, probed.trainable)):
@@ -96,7 +109,7 @@ def private_gradients(
         gradient = sums[id(variable)]
         if std > 0.0:
             draw = jax.random.normal(jax.random.fold_in(key, position), value.shape, jnp.float32)
-            gradient = gradient + std * draw
+            gradient = gradient + noise_factor * draw
         gradient = gradient / divisor
         if penalties is not None:
             gradient = gradient + f32(penalties[position])
@@ -198,10 +211,24 @@ def local_vjp(
     return list(grads)
 
 
-def step_key(model: keras.Model, seed: int, optimizer_variables: Any) -> Any:
-    """The noise's key for this step: the base seed folded with the optimizer's step
-    count (its `iterations` before the step)."""
+def optimizer_value(model: keras.Model, optimizer_variables: Any, read: Any) -> Any:
+    """`read(optimizer)` with the optimizer's variables at `optimizer_variables`."""
     optimizer = model.optimizer
     with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_variables))):
-        iterations = keras.ops.convert_to_tensor(optimizer.iterations)
-    return jax.random.fold_in(jax.random.key(seed), jnp.asarray(iterations).astype(jnp.uint32))
+        return jnp.asarray(keras.ops.convert_to_tensor(read(optimizer)))
+
+
+def step_key(model: keras.Model, seed: int, optimizer_variables: Any) -> Any:
+    """The noise's key for this step: the base seed folded with the optimizer's step
+    count (its `iterations` before the step: with accumulation, logical batches)."""
+    iterations = optimizer_value(model, optimizer_variables, lambda o: o.iterations)
+    return jax.random.fold_in(jax.random.key(seed), iterations.astype(jnp.uint32))
+
+
+def logical_iterations(model: keras.Model, optimizer_variables: Any) -> int | None:
+    """The optimizer's `iterations` (logical batches) at `optimizer_variables`, read
+    to the host, for a model accumulating batches; None for another (one update a step)."""
+    settings = settings_of(model)
+    if settings is None or settings.accumulation_steps == 1:
+        return None
+    return int(optimizer_value(model, optimizer_variables, lambda o: o.iterations))
