@@ -264,7 +264,9 @@ def checked_noise(model: Any, secure_noise: Any, adaptive_clip: Any) -> tuple[bo
     """`secure_noise` and `adaptive_clip` of `make_private`, checked."""
     if not isinstance(secure_noise, bool):
         raise ValueError(f"Expected secure_noise to be a bool. Received: {secure_noise!r}")
-    if secure_noise and getattr(model, "jit_compile", False) is True:
+    # On JAX the draw runs on the host through a callback the compiled step makes.
+    xla = getattr(model, "jit_compile", False) is True and keras.backend.backend() != "jax"
+    if secure_noise and xla:
         raise ValueError(
             "secure_noise=True draws its random bits on the host (`os.urandom`), which "
             "XLA cannot compile: compile the model with `jit_compile=False`. "

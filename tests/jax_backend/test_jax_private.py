@@ -109,14 +109,21 @@ def test_groups_clip_their_layers_together() -> None:
     assert_close(found, [s / BATCH for s in [*body, *clipped_sum(oracle[2:], 0.2)]])
 
 
-def noise_of(sigma: float, bound: float, expected_batch_size: float, seed: int) -> np.ndarray:
+def noise_of(
+    sigma: float, bound: float, expected_batch_size: float, seed: int, secure_noise: bool = False
+) -> np.ndarray:
     """The noise part of one step's update (the update less the same step without noise)."""
     x, y = batch("mlp")
     plain = private_model("mlp", seed)
-    plain.make_private(l2_norm_clip=bound, noise_multiplier=0.0, expected_batch_size=4.0)
+    plain.make_private(
+        l2_norm_clip=bound, noise_multiplier=0.0, expected_batch_size=expected_batch_size
+    )
     noisy = private_model("mlp", seed)
     noisy.make_private(
-        l2_norm_clip=bound, noise_multiplier=sigma, expected_batch_size=expected_batch_size
+        l2_norm_clip=bound,
+        noise_multiplier=sigma,
+        expected_batch_size=expected_batch_size,
+        secure_noise=secure_noise,
     )
     clean, found = update(plain, x, y), update(noisy, x, y)
     return np.concatenate([(f - c).ravel() for f, c in zip(found, clean)])
@@ -131,6 +138,20 @@ def test_the_noise_has_deviation_sigma_c_over_the_expected_batch() -> None:
     # (far from a factor: sqrt(2), B / B_expected = 4, or a missing sigma).
     assert abs(np.std(noise) / want - 1.0) < 5.0 / np.sqrt(2 * count)
     assert abs(np.mean(noise)) < 5.0 * want / np.sqrt(count)
+
+
+@pytest.mark.parametrize("secure_noise", [False, True])
+def test_the_noise_has_deviation_sigma_c_with_either_draw(secure_noise: bool) -> None:
+    noise = noise_of(0.9, 2.0, 1.0, seed=9, secure_noise=secure_noise)
+    want = 0.9 * 2.0
+    assert abs(np.std(noise) / want - 1.0) < 5.0 / np.sqrt(2 * noise.size)
+    assert abs(np.mean(noise)) < 5.0 * want / np.sqrt(noise.size)
+
+
+def test_the_secure_noise_is_not_seeded() -> None:
+    first = noise_of(1.0, 1.0, 4.0, seed=11, secure_noise=True)
+    again = noise_of(1.0, 1.0, 4.0, seed=11, secure_noise=True)
+    assert not np.allclose(first, again)
 
 
 def test_the_noise_is_reproducible_from_the_seed() -> None:

@@ -25,7 +25,6 @@ def model(optimizer: Any = "sgd") -> Any:
 @pytest.mark.parametrize(
     ("arguments", "match"),
     [
-        ({"secure_noise": True}, "secure noise"),
         ({"adaptive_clip": kgt.privacy.AdaptiveClip()}, "Adaptive clipping"),
     ],
 )

@@ -79,9 +79,8 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers, BatchNormalization in training, attribution targets and sketches,
-    `keras.distribution` over several processes, loss scaling, private training
-    with secure noise or adaptive clipping, opt-in
-    statistics (`pairwise_cosine`, `input_grad_norm`).
+    `keras.distribution` over several processes, loss scaling, adaptive clipping in
+    private training, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
 

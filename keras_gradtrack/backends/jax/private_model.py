@@ -47,8 +47,6 @@ class JaxPrivateTraining(PrivateTraining):
 
     def _refuse_private(self, **arguments: Any) -> None:
         optimizer = getattr(self, "optimizer", None)
-        if arguments.get("secure_noise"):
-            raise not_on_jax("The secure noise of private training (`secure_noise=True`)")
         if arguments.get("adaptive_clip") is not None:
             raise not_on_jax("Adaptive clipping (`adaptive_clip=`)")
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

@@ -24,6 +24,7 @@ from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
   `accumulation_steps=k` (Keras' `gradient_accumulation_steps`, which applies the
   mean of k physical batches' gradients) each physical batch's sum goes over
   `B_expected / k` and the noise is drawn on the k-th alone;
+  with `secure_noise=True` the draw is `secure_noise.py`'s (host, `os.urandom`);
 * weight penalties (`variable.regularizer`) do not depend on the data: their
   gradient is added unclipped and without noise. Other added losses (`add_loss`,
   activity regularizers) are refused, as on TensorFlow.
@@ -49,6 +50,7 @@ import keras
 from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.rules import f32, preactivation_call
+from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
 from keras_gradtrack.engine.clip_weights import clip_weights
 from keras_gradtrack.engine.private_settings import settings_of
 
@@ -107,7 +109,9 @@ def private_gradients(
                 f"layer. Received: {variable.path!r}"
             )
         gradient = sums[id(variable)]
-        if std > 0.0:
+        if std > 0.0 and settings.secure_noise:
+            gradient = gradient + secure_standard_normal(tuple(value.shape), noise_factor)
+        elif std > 0.0:
             draw = jax.random.normal(jax.random.fold_in(key, position), value.shape, jnp.float32)
             gradient = gradient + noise_factor * draw
         gradient = gradient / divisor
