@@ -41,7 +41,7 @@ def clip_weights(
     weights[0]          # (B,) min(1, 1 / sqrt(sq_a + sq_b))
     ```
     """
-    groups = layer_groups(settings, model, plan)
+    groups = layer_groups(settings, model, tuple(plan))
     if groups is None:
         norms = ops.sqrt(functools.reduce(operator.add, list(sq_norms)))
         return [ops.minimum(1.0, bound / norms)] * len(plan), ops.greater(norms, bound)

@@ -35,6 +35,8 @@ class PrivateTraining:
     ```
     """
 
+    train_function: Any  # Keras' compiled train step (`Trainer.make_train_function`)
+
     def make_private(
         self,
         l2_norm_clip: float | dict[str, float],

@@ -243,7 +243,7 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
             and (subscribes_to_gradients(callbacks) or self.privacy_settings is not None)
         )
         try:
-            return super().fit(*args, **kwargs)  # type: ignore[misc]
+            return super().fit(*args, **kwargs)
         finally:
             self.__dict__["_independence_guard"] = None
             # However fit ends, its subscribers finish: their files get every step.
@@ -272,7 +272,7 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
             data_batch = first_data_batch(iterator)
         if data_batch is not None:
             data_batch, _ = split_example_ids(data_batch)
-        return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
+        return super()._symbolic_build(data_batch=data_batch)
 
     def test_step(self, state: Any, data: Any) -> Any:
         return super().test_step(state, split_example_ids(data)[0])  # type: ignore[misc]
@@ -313,13 +313,13 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
         self.jax_state_sync()  # type: ignore[attr-defined]
 
     def make_train_function(self, force: bool = False) -> None:
-        if self.train_function is not None and not force:  # type: ignore[has-type]
+        if self.train_function is not None and not force:
             return
         tracking = self.gradient_tracking
         # Under keras.distribution, the state keeps its shardings, as in Keras' trainer.
         out_shardings = step_out_shardings(self)
-        untracked = self._compiled(self.train_step, out_shardings)  # type: ignore[attr-defined]
-        tracked_by_statistics: dict[tuple[str, ...], Any] = {}
+        untracked = self._compiled(self.train_step, out_shardings)
+        tracked_by_statistics: dict[Any, Any] = {}
 
         def one_step(state: Any, batch: Any) -> Any:
             data, ids = split_example_ids(batch)
