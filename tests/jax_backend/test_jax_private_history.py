@@ -89,7 +89,9 @@ def test_the_log_holds_the_norms_the_fraction_clipped_and_the_history(tmp_path: 
     m.make_private(l2_norm_clip=0.1, noise_multiplier=0.5, dataset_size=16)
     path = tmp_path / "run.h5"
     logger = kgt.HDF5GradientLogger(path, statistics=["grad_norm"])
-    history = m.fit(x, y, batch_size=8, verbose=0, callbacks=[logger])
+    accountant = kgt.privacy.PrivacyAccountant(delta=DELTA)
+    history = m.fit(x, y, batch_size=8, verbose=0, callbacks=[logger, accountant])
+    assert accountant.epsilon == pytest.approx(m.epsilon(DELTA), rel=1e-12)
     log = kgt.GradientLog(path)
     norms = log.per_example("dp_grad_norm")
     np.testing.assert_allclose(norms, log.per_example("grad_norm"), rtol=1e-6)
@@ -99,6 +101,7 @@ def test_the_log_holds_the_norms_the_fraction_clipped_and_the_history(tmp_path: 
     with h5py.File(path, "r") as file:
         assert file.attrs["dp_noise_multiplier"] == 0.5
         assert file.attrs["dp_l2_norm_clip"] == 0.1
+        assert file.attrs["dp_epsilon"] == pytest.approx(m.epsilon(DELTA), rel=1e-12)
         assert json.loads(file.attrs["dp_privacy_history"]) == [
             {"noise_multiplier": 0.5, "sampling_rate": 0.5, "steps": 2, "sampling": "shuffled"}
         ]

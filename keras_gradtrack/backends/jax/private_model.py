@@ -51,7 +51,9 @@ class JaxPrivateTraining(PrivateTraining):
             raise not_on_jax("Adaptive clipping (`adaptive_clip=`)")
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise not_on_jax("Private training with a LossScaleOptimizer")
-        if self._has_own_step() or type(self).compute_loss is not keras.Model.compute_loss:  # type: ignore[attr-defined]
+        own_step = self._has_own_step()  # type: ignore[attr-defined]
+        own_loss = type(self).compute_loss is not keras.Model.compute_loss  # type: ignore[attr-defined]
+        if own_step or own_loss:
             raise not_on_jax("Private training of a model with its own train_step or compute_loss")
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -72,7 +74,8 @@ class JaxPrivateTraining(PrivateTraining):
         if fit_data is not None and data_batch is not None:
             size = batch_size_of(keras.utils.unpack_x_y_sample_weight(data_batch)[0])
             private_training.check_batches(self, fit_data[0], size, fit_data[1])
-        return super()._symbolic_build(iterator=iterator, data_batch=data_batch)  # type: ignore[misc]
+        build = super()._symbolic_build  # type: ignore[misc]
+        return build(iterator=iterator, data_batch=data_batch)
 
     def _private_iterations(self, state: Any) -> int | None:
         """The optimizer's logical iterations in `state` (read before the step donates

@@ -175,8 +175,9 @@ def tracked_train_step(
     `data` holds no example ids (`split_example_ids` takes them off first, outside
     the compiled step, so that int64 ids stay exact). `private`, for a private
     model: `(model, plan, probed, columns, factor, added_losses,
-    optimizer_variables) -> (gradients, rows)`, what the optimizer receives in place of the batch gradient
-    and the values it adds to the logs (`private_step.py`).
+    optimizer_variables) -> (gradients, rows)`, what the optimizer receives in
+    place of the batch gradient and the values it adds to the logs
+    (`private_step.py`).
     """
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
