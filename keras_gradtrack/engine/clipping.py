@@ -47,13 +47,13 @@ import tensorflow as tf
 from keras_gradtrack._keras_seam import flatten_layers, layer_losses, optimizer_apply_count
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Materialized
+from keras_gradtrack.engine.clip_weights import clip_weights as shared_clip_weights
 from keras_gradtrack.engine.fallback import per_example_output_products
 from keras_gradtrack.engine.per_layer import layers_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
 from keras_gradtrack.engine.private_settings import (
     PrivacySettings,
     batch_normalization_refusal,
-    layer_groups,
     settings_of,
 )
 from keras_gradtrack.engine.private_settings import (  # preflight's refusal text
@@ -194,27 +194,12 @@ def clip_weights(
     bound: tf.Tensor | float | None = None,
 ) -> tuple[list[tf.Tensor], tf.Tensor]:
     """Per layer, each example's `(B,)` clipping weight `w_i`, and which examples were
-    clipped (`(B,)` booleans), from the layers' squared norms (true scale).
-
-    One bound: `w_i = min(1, C / ||g_i||)`. With bounds per group, every layer of
-    group k takes the weight `min(1, C_k / ||g_i^(k)||)`, `||g_i^(k)||^2` the sum of
-    its layers' squared norms; an example is clipped when some group is. The fraction
-    clipped that fit's logs and a gradient logger report both come from here. `bound`:
-    the one bound of this step (None: `step_bound`'s)."""
-    groups = layer_groups(settings, model, plan)
-    if groups is None:
-        bound = step_bound(model, settings) if bound is None else bound
-        norms = tf.sqrt(tf.add_n(list(sq_norms)))
-        return [tf.minimum(1.0, bound / norms)] * len(plan), norms > bound
-    group_norms = [
-        tf.sqrt(tf.add_n([sq for sq, k in zip(sq_norms, groups.index) if k == group]))
-        for group in range(len(groups.names))
-    ]
-    group_weights = [tf.minimum(1.0, c / n) for c, n in zip(groups.bounds, group_norms)]
-    clipped = tf.reduce_any(
-        tf.stack([n > c for c, n in zip(groups.bounds, group_norms)], axis=1), axis=1
-    )
-    return [group_weights[k] for k in groups.index], clipped
+    clipped (`(B,)` booleans), from the layers' squared norms (true scale): the shared
+    `clip_weights.clip_weights` at this step's bound (`bound`, None: `step_bound`'s).
+    The fraction clipped that fit's logs and a gradient logger report both come from it."""
+    if bound is None and not settings.per_layer:
+        bound = step_bound(model, settings)
+    return shared_clip_weights(settings, model, plan, sq_norms, bound)
 
 
 def noisy_gradients(

@@ -1,6 +1,6 @@
 """What a gradient logger records of a private model: the pre-clip norms, the fraction
 clipped per step (with adaptive clipping, the step's bound), and the privacy settings as
-the log's attributes."""
+the log's attributes. In `keras.ops`: both engines' loggers use it."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack.engine import private_training
-from keras_gradtrack.engine.clipping import clip_weights
-from keras_gradtrack.engine.plan import build_plan
+from keras_gradtrack.engine.clip_weights import clip_weights
 from keras_gradtrack.engine.private_settings import config_of, settings_of
 from keras_gradtrack.privacy.history import history_json
 from keras_gradtrack.statistics import Statistic, StepPrimitives
@@ -27,7 +26,7 @@ class DPGradNorm(Statistic):
     per_example = True
     needs_dot = False
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         return primitives.grad_norm
 
 
@@ -42,12 +41,17 @@ class DPFractionClipped(Statistic):
     def __init__(self, model: Any) -> None:
         self.model = model
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
+    def compute(self, primitives: StepPrimitives) -> Any:
         settings = settings_of(self.model)
         assert settings is not None
-        sq_norms = tf.unstack(tf.maximum(tf.cast(primitives.sq_norm, tf.float32), 0.0), axis=1)
-        _, clipped = clip_weights(settings, self.model, build_plan(self.model), sq_norms)
-        return tf.reduce_mean(tf.cast(clipped, tf.float32))
+        sq_norm = ops.maximum(ops.cast(primitives.sq_norm, "float32"), 0.0)
+        sq_norms = [sq_norm[:, k] for k in range(sq_norm.shape[1])]
+        bound = settings.sensitivity
+        if settings.adaptive_clip is not None:
+            bound = ops.convert_to_tensor(self.model.__dict__["_adaptive_clip_bound"])
+        plan = self.model.gradient_tracking_plan()
+        _, clipped = clip_weights(settings, self.model, plan, sq_norms, bound)
+        return ops.mean(ops.cast(clipped, "float32"))
 
 
 class DPL2NormClip(Statistic):
@@ -63,8 +67,8 @@ class DPL2NormClip(Statistic):
     def __init__(self, model: Any) -> None:
         self.model = model
 
-    def compute(self, primitives: StepPrimitives) -> tf.Tensor:
-        return tf.identity(self.model.__dict__["_adaptive_clip_bound"])
+    def compute(self, primitives: StepPrimitives) -> Any:
+        return ops.convert_to_tensor(self.model.__dict__["_adaptive_clip_bound"])
 
 
 def privacy_statistics(model: Any) -> list[Statistic]:

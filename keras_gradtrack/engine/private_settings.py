@@ -5,6 +5,9 @@ each example's gradient restricted to group k, `g_i^(k)`, to `C_k`; the
 sensitivity is then `sqrt(sum_k C_k^2)`. A bound per tracked layer is the case of
 groups of one layer. Each tracked layer is in exactly one group: a layer in none
 would have an unbounded gradient, one in two would be clipped twice.
+
+Plain Python and Keras (a plan is the model's own, `gradient_tracking_plan()`), so
+that every backend's engine shares it; `clip_weights` is the clipping in `keras.ops`.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers
-from keras_gradtrack.engine.plan import Plan, build_plan
 from keras_gradtrack.privacy.adaptive_clip import AdaptiveClip, gradient_noise_multiplier
 from keras_gradtrack.privacy.budget import PrivacyBudget
+
+if TYPE_CHECKING:
+    from keras_gradtrack.engine.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +256,7 @@ def validated_settings(
             sigma, settings.adaptive_clip.clipped_count_stddev
         )  # refuses 2 sigma_b <= sigma
     if model.built:
-        layer_groups(settings, model, build_plan(model))  # refuses bad groups now
+        layer_groups(settings, model, model.gradient_tracking_plan())  # refuses bad groups now
     return settings
 
 
@@ -259,7 +264,9 @@ def checked_noise(model: Any, secure_noise: Any, adaptive_clip: Any) -> tuple[bo
     """`secure_noise` and `adaptive_clip` of `make_private`, checked."""
     if not isinstance(secure_noise, bool):
         raise ValueError(f"Expected secure_noise to be a bool. Received: {secure_noise!r}")
-    if secure_noise and getattr(model, "jit_compile", False) is True:
+    # On JAX the draw runs on the host through a callback the compiled step makes.
+    xla = getattr(model, "jit_compile", False) is True and keras.backend.backend() != "jax"
+    if secure_noise and xla:
         raise ValueError(
             "secure_noise=True draws its random bits on the host (`os.urandom`), which "
             "XLA cannot compile: compile the model with `jit_compile=False`. "
@@ -306,7 +313,7 @@ def config_of(model: Any) -> dict[str, Any] | None:
     groups = None
     if settings.groups is not None:
         if model.built:
-            found = layer_groups(settings, model, build_plan(model))
+            found = layer_groups(settings, model, model.gradient_tracking_plan())
             assert found is not None
             groups = {name: list(members) for name, members in zip(found.names, found.members)}
         else:

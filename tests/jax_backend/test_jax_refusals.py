@@ -58,11 +58,6 @@ def test_attribution_targets_are_refused_on_jax(tmp_path) -> None:  # type: igno
         model.fit(X, Y, batch_size=8, verbose=0, callbacks=[logger])
 
 
-def test_make_private_is_refused_on_jax() -> None:
-    with pytest.raises(NotImplementedError, match="JAX backend"):
-        model_with(keras.layers.Dense(3)).make_private(1.0, 1.0)
-
-
 def test_untracked_fit_is_plain_keras() -> None:
     model = model_with(keras.layers.Dense(3))
     model.fit(X, Y, batch_size=4, verbose=0)

@@ -24,6 +24,7 @@ from keras_gradtrack.backends.jax.own_step import (
     tracked_value_and_grad,
 )
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
+from keras_gradtrack.backends.jax.private_model import JaxPrivateTraining
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
     Layouts,
@@ -32,6 +33,7 @@ from keras_gradtrack.backends.jax.step import (
     split_example_ids,
     unpacked,
 )
+from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.device_rows import DeviceRows
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
@@ -50,7 +52,7 @@ def unsupported(what: str) -> NotImplementedError:
     )
 
 
-class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
+class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, TracksGradients):
     """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -73,10 +75,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     Under `keras.distribution` (`DataParallel`, `ModelParallel`; one process) the
     log is the one a single device writes (`distribution.py`).
 
+    After `make_private(...)`, every step is a DP-SGD step (`private_step.py`).
+
     Not on JAX yet (each refused with an error naming the backend): recurrent
-    layers other than SimpleRNN, LSTM and GRU, BatchNormalization in training, attribution targets and sketches,
-    `keras.distribution` over several processes, loss scaling,
-    `make_private`, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
+    layers other than SimpleRNN, LSTM and GRU, BatchNormalization in training,
+    attribution targets and sketches, `keras.distribution` over several processes, loss
+    scaling, adaptive clipping in private training, opt-in statistics
+    (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
 
@@ -94,14 +99,6 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     def distribute_strategy(self) -> None:
         """None: `tf.distribute` strategies do not exist on JAX (loggers ask for one)."""
         return None
-
-    @property
-    def privacy_settings(self) -> None:
-        """None: private training runs on the TensorFlow backend only."""
-        return None
-
-    def make_private(self, *args: Any, **kwargs: Any) -> None:
-        raise unsupported("Private training (make_private)")
 
     def tracked_value_and_grad(
         self, fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False
@@ -243,10 +240,11 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
         self.__dict__["_independence_guard"] = IndependenceGuard(
-            self.check_example_independence and subscribes_to_gradients(callbacks)
+            self.check_example_independence
+            and (subscribes_to_gradients(callbacks) or self.privacy_settings is not None)
         )
         try:
-            return super().fit(*args, **kwargs)  # type: ignore[misc]
+            return super().fit(*args, **kwargs)
         finally:
             self.__dict__["_independence_guard"] = None
             # However fit ends, its subscribers finish: their files get every step.
@@ -275,7 +273,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             data_batch = first_data_batch(iterator)
         if data_batch is not None:
             data_batch, _ = split_example_ids(data_batch)
-        return super()._symbolic_build(data_batch=data_batch)  # type: ignore[misc]
+        return super()._symbolic_build(data_batch=data_batch)
 
     def test_step(self, state: Any, data: Any) -> Any:
         return super().test_step(state, split_example_ids(data)[0])  # type: ignore[misc]
@@ -316,24 +314,27 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         self.jax_state_sync()  # type: ignore[attr-defined]
 
     def make_train_function(self, force: bool = False) -> None:
-        if self.train_function is not None and not force:  # type: ignore[has-type]
+        if self.train_function is not None and not force:
             return
         tracking = self.gradient_tracking
         # Under keras.distribution, the state keeps its shardings, as in Keras' trainer.
         out_shardings = step_out_shardings(self)
-        untracked = self._compiled(self.train_step, out_shardings)  # type: ignore[attr-defined]
-        tracked_by_statistics: dict[tuple[str, ...], Any] = {}
+        untracked = self._compiled(self.train_step, out_shardings)
+        tracked_by_statistics: dict[Any, Any] = {}
 
         def one_step(state: Any, batch: Any) -> Any:
             data, ids = split_example_ids(batch)
             batch_size = batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0])
             due = tracking.due()
-            if not due:
+            private = self.privacy_settings is not None
+            if not due and not private:
                 logs, state = untracked(state, data)
                 tracking.report(batch_size, None, due)
                 return logs, state
+            if private and not private_training.step_allowed(self):
+                return self.__dict__.get("_last_private_logs", {}), state  # the budget's end
             statistics, requests = tracking.statistics(due), tracking.requests(due)
-            key = tuple(statistic.name for statistic in statistics)
+            key = (tuple(statistic.name for statistic in statistics), private)
             try:
                 self._check_independence_once(state, data)
             except Exception:
@@ -356,6 +357,8 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                 tracked_step = (
                     own_tracked_step if self._has_own_step() else keras_tracked_step(self)
                 )
+                if private:
+                    tracked_step = self._private_train_step()
 
                 def step(state: Any, data: Any) -> Any:
                     logs, state = tracked_step(self, plan, statistics, state, data)
@@ -366,6 +369,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
 
                 tracked_by_statistics[key] = (self._compiled(step, out_shardings), layouts)
             compiled_step, layouts = tracked_by_statistics[key]
+            iterations = self._private_iterations(state) if private else None
             try:
                 logs, state = compiled_step(state, data)
             except Exception:
@@ -382,7 +386,10 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
             # One transfer of the whole payload, when first read: it waits for the
             # step, so not before (a logger reads it with its block).
             payload = DeviceRows(lambda: unpacked(vector, layout), [n for n, _ in layout], host)
-            tracking.report(batch_size, payload, due)
+            tracking.report(batch_size, payload if due else None, due)
+            if private:
+                self._record_private_step(iterations, state)
+                self.__dict__["_last_private_logs"] = logs
             return logs, state
 
         steps = int(self.steps_per_execution)  # type: ignore[attr-defined]

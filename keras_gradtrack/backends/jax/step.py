@@ -168,11 +168,16 @@ def tracked_train_step(
     statistics: Sequence[Statistic],
     state: Any,
     data: Any,
+    private: Any = None,
 ) -> tuple[dict[str, Any], Any]:
     """Keras' JAX `train_step`, whose logs also carry the statistics under `PAYLOAD_KEY`.
 
     `data` holds no example ids (`split_example_ids` takes them off first, outside
-    the compiled step, so that int64 ids stay exact).
+    the compiled step, so that int64 ids stay exact). `private`, for a private
+    model: `(model, plan, probed, columns, factor, added_losses,
+    optimizer_variables) -> (gradients, rows)`, what the optimizer receives in
+    place of the batch gradient and the values it adds to the logs
+    (`private_step.py`).
     """
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -218,23 +223,26 @@ def tracked_train_step(
         forward, argnums=(0, 1), has_aux=True
     )(trainable, zeros)
     unscaled_loss, y_pred, new_non_trainable, new_metrics_variables = aux
+    losses, factor = per_example_losses(model, y, y_pred, sample_weight)
+    probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
+    # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
+    exact_factor = factor if added_losses == [0] else None
+    columns = layer_columns(model, plan, probed, factor, exact_factor)
+    rows: dict[str, Any] = {}
+    if private is not None:
+        grads, rows = private(
+            model, plan, probed, columns, factor, added_losses, optimizer_variables
+        )
     new_trainable, new_optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
     )
     logs, new_metrics_variables = update_metrics_variables(
         model, new_metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
-
-    losses, factor = per_example_losses(model, y, y_pred, sample_weight)
-    probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
-    # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
-    exact_factor = factor if added_losses == [0] else None
-    payload = statistics_payload(
-        model, plan, statistics, probed, losses, factor, exact_factor, batch
-    )
+    payload = columns_payload(statistics, columns, losses, batch)
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
-    return {**logs, PAYLOAD_KEY: payload}, state
+    return {**logs, **rows, PAYLOAD_KEY: payload}, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +279,22 @@ def statistics_payload(
     """Each statistic of the step, from its probed pass, the per-example losses `l_i`
     `(B,)` and the factor `c` (`loss = c sum_i l_i`, plus penalties unless
     `exact_factor`, which is then `c`)."""
+    columns = layer_columns(model, plan, probed, factor, exact_factor)
+    return columns_payload(statistics, columns, losses, batch)
+
+
+Columns = list[tuple[LayerPrimitives, Any]]
+
+
+def layer_columns(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    probed: ProbedPass,
+    factor: Any,
+    exact_factor: Any,
+) -> Columns:
+    """Per tracked layer, its primitives and `||G^(k)||^2` (`layer_primitives`), from
+    the probed pass and the loss's factor `c` (see `statistics_payload`)."""
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
@@ -294,6 +318,13 @@ def statistics_payload(
         columns.append(
             layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient, exact_factor)
         )
+    return columns
+
+
+def columns_payload(
+    statistics: Sequence[Statistic], columns: Columns, losses: Any, batch: int
+) -> dict[str, Any]:
+    """Each statistic of the step, from its layers' columns and the losses `l_i`."""
     primitives = StepPrimitives(
         loss=losses,
         sq_norm=jnp.stack([c.sq_norm for c, _ in columns], axis=1),

@@ -1,0 +1,238 @@
+"""The private step on JAX (DP-SGD): clipped per-example gradients, summed, plus noise.
+
+For a model made private (`make_private`), the tracked step (`step.py`) hands the
+optimizer, in place of the batch gradient,
+
+    (sum_i min(1, C / ||g_i||) g_i + N(0, sigma^2 C^2 I)) / B_expected
+
+from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
+(`engine/clipping.py`):
+
+* each example's norm `||g_i||` from every layer's squared norms (`sq_norm`, the
+  primitives the statistics use: a rule's direct form, its per-example
+  gradients, or the fallback);
+* the weights `w_i = min(1, C / ||g_i||)` (per group of layers with bounds per
+  group), from the shared `engine/clip_weights.py`;
+* each layer's clipped sum: the layer's local vector-Jacobian product from its
+  (pre-activation) output to its own variables, at the inputs the step recorded,
+  with output gradients `w_i d_i` (for a Dense layer, `A^T (w * D)`). Only the
+  layer's own operations lie between them; no second backward pass through the
+  model, no loop over examples;
+* the noise `N(0, (sigma C)^2)` drawn once per variable with `jax.random`, from
+  the base seed of `make_private` folded with the optimizer's step count (so a
+  run is reproducible), and the sum divided by `B_expected` (else the batch); with
+  `accumulation_steps=k` (Keras' `gradient_accumulation_steps`, which applies the
+  mean of k physical batches' gradients) each physical batch's sum goes over
+  `B_expected / k` and the noise is drawn on the k-th alone;
+  with `secure_noise=True` the draw is `secure_noise.py`'s (host, `os.urandom`);
+* weight penalties (`variable.regularizer`) do not depend on the data: their
+  gradient is added unclipped and without noise. Other added losses (`add_loss`,
+  activity regularizers) are refused, as on TensorFlow.
+
+Example:
+
+```python
+step = functools.partial(tracked_train_step, private=private_gradients)
+logs, state = step(model, plan, statistics, state, data)
+logs["dp_fraction_clipped"]
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_gradtrack._keras_seam import optimizer_apply_count
+from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.rules import f32, preactivation_call
+from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
+from keras_gradtrack.engine.clip_weights import clip_weights
+from keras_gradtrack.engine.private_settings import settings_of
+
+
+def private_gradients(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    probed: Any,
+    columns: Sequence[Any],
+    factor: Any,
+    added_losses: Sequence[int],
+    optimizer_variables: Any,
+) -> tuple[list[Any], dict[str, Any]]:
+    """`(gradients, rows)`: what the optimizer receives (aligned with
+    `model.trainable_variables`) and the values for fit's logs.
+
+    Args:
+        model: The private model.
+        plan: Its tracked layers.
+        probed: The step's `ProbedPass`.
+        columns: Per tracked layer, its primitives and `||G^(k)||^2`.
+        factor: `c`, with which the loss reduces the examples' losses.
+        added_losses: How many losses the forward pass added to the compiled loss
+            (as the step's first trace saw them).
+        optimizer_variables: The optimizer's values before the step (its step count).
+
+    Raises:
+        ValueError: When the forward pass adds losses other than weight penalties
+            (`add_loss`, activity regularizers), or a trainable variable is in no
+            tracked layer.
+    """
+    settings = settings_of(model)
+    assert settings is not None
+    penalties = penalty_gradients(model, probed.trainable, added_losses)
+    sq_norms = [jnp.maximum(f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
+    weights, clipped = clip_weights(settings, model, plan, sq_norms, settings.sensitivity)
+    sums = clipped_sums(model, plan, probed, weights, factor)
+    batch = clipped.shape[0]
+    divisor = settings.expected_batch_size or float(batch)
+    std = settings.noise_multiplier * settings.sensitivity
+    noise_factor = jnp.float32(std)
+    k = settings.accumulation_steps
+    if k > 1:
+        # Keras' accumulation applies the mean of k physical batches' gradients: each
+        # goes over B_logical / k, and only the k-th carries the logical batch's noise.
+        if settings.expected_batch_size is not None:
+            divisor = divisor / k
+        applies = optimizer_value(model, optimizer_variables, optimizer_apply_count)
+        noise_factor = jnp.where((applies + 1) % k == 0, noise_factor, 0.0)
+    key = step_key(model, settings.seed, optimizer_variables)
+    gradients = []
+    for position, (variable, value) in enumerate(zip(model.trainable_variables, probed.trainable)):
+        if id(variable) not in sums:
+            raise ValueError(
+                "A private step needs every trainable variable to belong to a tracked "
+                f"layer. Received: {variable.path!r}"
+            )
+        gradient = sums[id(variable)]
+        if std > 0.0 and settings.secure_noise:
+            gradient = gradient + secure_standard_normal(tuple(value.shape), noise_factor)
+        elif std > 0.0:
+            draw = jax.random.normal(jax.random.fold_in(key, position), value.shape, jnp.float32)
+            gradient = gradient + noise_factor * draw
+        gradient = gradient / divisor
+        if penalties is not None:
+            gradient = gradient + f32(penalties[position])
+        gradients.append(gradient.astype(value.dtype))
+    rows = {"dp_fraction_clipped": jnp.mean(clipped.astype(jnp.float32))}
+    return gradients, rows
+
+
+def penalty_gradients(
+    model: keras.Model, trainable: Sequence[Any], added_losses: Sequence[int]
+) -> list[Any] | None:
+    """The gradient of the weight penalties (`variable.regularizer`), which do not
+    depend on the data and are added unclipped and without noise; None without any.
+
+    Raises:
+        ValueError: When the forward pass adds other losses (`add_loss`, activity
+            regularizers): not a sum of per-example terms, nothing to clip.
+    """
+    regularized = [
+        (position, variable)
+        for position, variable in enumerate(model.trainable_variables)
+        if getattr(variable, "regularizer", None) is not None
+    ]
+    if list(added_losses) != [len(regularized)]:
+        raise ValueError(
+            f"Model {model.name!r} adds losses with `add_loss` (or an activity "
+            "regularizer): such a term is not a sum of per-example terms, so it has no "
+            "per-example gradient to clip and private training would not bound each "
+            "example's influence. Move the term into the compiled loss as a "
+            f"per-example value, or remove it. (The {BACKEND} backend's step saw "
+            f"{list(added_losses)} added losses and {len(regularized)} weight penalties.)"
+        )
+    if not regularized:
+        return None
+
+    def total(values: Sequence[Any]) -> Any:
+        return sum(f32(variable.regularizer(values[p])) for p, variable in regularized)
+
+    return list(jax.grad(total)(list(trainable)))
+
+
+def clipped_sums(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    probed: Any,
+    weights: Sequence[Any],
+    factor: Any,
+) -> dict[int, Any]:
+    """`{id(variable): sum_i w_i g_i}` (float32) of every tracked layer's own variables.
+
+    A layer's clipped sum is `sum_calls d <z_c(theta), w * d_c> / d theta` at the
+    recorded inputs of each call: its local VJP with the reweighted output
+    gradients (linear in them, so the sum over examples is taken by the VJP)."""
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+    def value_of(variable: Any) -> Any:
+        if id(variable) in position:
+            return probed.trainable[position[id(variable)]]
+        return probed.non_trainable[others[id(variable)]]
+
+    sums: dict[int, Any] = {}
+    for index, (tracked, weight) in enumerate(zip(plan, weights)):
+        layer = tracked.layer
+        all_variables = list(layer.trainable_variables)
+        values = [value_of(v) for v in all_variables]
+        fixed = [value_of(v) for v in layer.non_trainable_variables]
+        total: list[Any] | None = None
+        for n, (owner, kwargs) in enumerate(probed.calls):
+            if owner != index:
+                continue
+            inputs, grad = probed.inputs[n], f32(probed.probe_grads[n]) / factor
+            reweighted = grad * weight.reshape((-1,) + (1,) * (grad.ndim - 1))
+            grads = local_vjp(layer, values, fixed, inputs, kwargs, reweighted)
+            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        if total is None:
+            raise ValueError(
+                f"Tracked layer {tracked.name!r} was not called in the step, so its "
+                "clipped gradient is not defined."
+            )
+        own = {id(v) for v in tracked.variables}
+        for variable, grad in zip(all_variables, total):
+            if id(variable) in own:
+                sums[id(variable)] = f32(grad)
+    return sums
+
+
+def local_vjp(
+    layer: Any, values: Any, fixed: Any, inputs: Any, kwargs: Any, cotangent: Any
+) -> list[Any]:
+    """`d <z(theta), cotangent> / d theta` at `values`: the layer's (pre-activation)
+    output on the recorded `inputs`, pulled back to its trainable variables."""
+
+    def output(values: Any) -> Any:
+        return preactivation_call(layer, values, fixed, inputs, kwargs)
+
+    outputs, vjp = jax.vjp(output, values)
+    (grads,) = vjp(cotangent.astype(outputs.dtype))
+    return list(grads)
+
+
+def optimizer_value(model: keras.Model, optimizer_variables: Any, read: Any) -> Any:
+    """`read(optimizer)` with the optimizer's variables at `optimizer_variables`."""
+    optimizer = model.optimizer
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_variables))):
+        return jnp.asarray(keras.ops.convert_to_tensor(read(optimizer)))
+
+
+def step_key(model: keras.Model, seed: int, optimizer_variables: Any) -> Any:
+    """The noise's key for this step: the base seed folded with the optimizer's step
+    count (its `iterations` before the step: with accumulation, logical batches)."""
+    iterations = optimizer_value(model, optimizer_variables, lambda o: o.iterations)
+    return jax.random.fold_in(jax.random.key(seed), iterations.astype(jnp.uint32))
+
+
+def logical_iterations(model: keras.Model, optimizer_variables: Any) -> int | None:
+    """The optimizer's `iterations` (logical batches) at `optimizer_variables`, read
+    to the host, for a model accumulating batches; None for another (one update a step)."""
+    settings = settings_of(model)
+    if settings is None or settings.accumulation_steps == 1:
+        return None
+    return int(optimizer_value(model, optimizer_variables, lambda o: o.iterations))
