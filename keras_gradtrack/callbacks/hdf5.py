@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h5py
+import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
@@ -21,12 +22,18 @@ from keras_gradtrack.callbacks.base import (
     refuse_square_statistics,
     require_tracking_model,
 )
+from keras_gradtrack.engine.attribution_requests import (
+    AttributionRequest,
+    SketchRequest,
+    TargetExamples,
+)
 from keras_gradtrack.engine.device_rows import deferred
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.io.checkpoints import (
     check_checkpoints,
     checkpoint_path,
     remove_checkpoints,
+    save_checkpoint,
     write_privacy_history,
 )
 from keras_gradtrack.io.checks import check_flush_seconds
@@ -41,8 +48,17 @@ from keras_gradtrack.io.schema import (
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 
-if TYPE_CHECKING:
-    from keras_gradtrack.engine.requests import AttributionRequest
+
+def attribution_classes() -> tuple[type[TargetExamples], type[SketchRequest]]:
+    """The classes of the targets' and the sketches' requests on the Keras backend: the
+    TensorFlow engine's (imported only when asked for), or on JAX the requests as data,
+    which the JAX engine computes itself (`backends/jax/attribution.py`)."""
+    if keras.backend.backend() == "jax":
+        return TargetExamples, SketchRequest
+    from keras_gradtrack.attribution.sketches import GradientSketch
+    from keras_gradtrack.attribution.targets import TargetSet
+
+    return TargetSet, GradientSketch
 
 
 def privacy_of(model: Any) -> tuple[list[Statistic], dict[str, Any]]:
@@ -169,17 +185,9 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self.compression = compression
-        # Attribution is the TensorFlow engine's: imported only when asked for.
-        self.targets = None
-        if targets is not None:
-            from keras_gradtrack.attribution.targets import TargetSet
-
-            self.targets = TargetSet.from_argument(targets)
-        self.sketch = None
-        if sketch_dim is not None:
-            from keras_gradtrack.attribution.sketches import GradientSketch
-
-            self.sketch = GradientSketch(sketch_dim, sketch_seed)
+        target_class, sketch_class = attribution_classes()
+        self.targets = None if targets is None else target_class.from_argument(targets)
+        self.sketch = None if sketch_dim is None else sketch_class(sketch_dim, sketch_seed)
         self.checkpoint_every = checkpoint_every
         # Sketches are only of use with weights to sketch targets at.
         self._checkpoints = checkpoint_every is not None or sketch_dim is not None
@@ -252,8 +260,6 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         path = checkpoint_path(self.path, self.writer.step_offset + step)
         path.parent.mkdir(exist_ok=True)
         # Before the step runs: the weights of its gradients, as the log's rows use them.
-        from keras_gradtrack.attribution.sketches import save_checkpoint
-
         save_checkpoint(self.model, path)
         self._saved_checkpoints.append(path)
         if getattr(self.model, "privacy_settings", None) is not None:
