@@ -27,7 +27,7 @@ from keras_gradtrack.engine.attribution_requests import (
     SketchRequest,
     TargetExamples,
 )
-from keras_gradtrack.engine.device_rows import deferred
+from keras_gradtrack.engine.device_rows import ScaledRows, deferred
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.io.checkpoints import (
     check_checkpoints,
@@ -372,7 +372,9 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         per_example = {s.name: deferred(values, s.name) for s in self.statistics if s.per_example}
         if self.targets is not None:
             # TracIn's term of this step: the products times the rate the step used.
-            per_example[TARGET_INFLUENCE] = values[self.targets.key] * values[LEARNING_RATE]
+            per_example[TARGET_INFLUENCE] = ScaledRows(
+                deferred(values, self.targets.key), deferred(values, LEARNING_RATE)
+            )
         if self.sketch is not None:
             per_example[GRADIENT_SKETCH] = deferred(values, self.sketch.key)
         self.writer.write_step(

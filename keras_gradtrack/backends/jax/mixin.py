@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.backends.jax.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.distribution import (
     refuse_untracked_distribution,
@@ -74,7 +75,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     log is the one a single device writes (`distribution.py`).
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
-    layers, BatchNormalization in training, attribution targets and sketches,
+    layers, BatchNormalization in training,
     `keras.distribution` over several processes, loss scaling,
     `make_private`, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
 
@@ -289,8 +290,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
         return step
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
-        if requests:
-            raise unsupported("Attribution (`targets=`, `sketch_dim=`)")
+        refuse_unknown_requests(requests)
         opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
         if opt_in:
             raise unsupported(f"The statistics {opt_in}")
@@ -333,7 +333,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                 tracking.report(batch_size, None, due)
                 return logs, state
             statistics, requests = tracking.statistics(due), tracking.requests(due)
-            key = tuple(statistic.name for statistic in statistics)
+            key = tuple(s.name for s in statistics) + tuple(r.key for r in requests)
             try:
                 self._check_independence_once(state, data)
             except Exception:
@@ -358,7 +358,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
                 )
 
                 def step(state: Any, data: Any) -> Any:
-                    logs, state = tracked_step(self, plan, statistics, state, data)
+                    logs, state = tracked_step(self, plan, statistics, state, data, requests)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
                     layouts.record(data, layout)  # when traced

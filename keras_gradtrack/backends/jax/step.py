@@ -30,6 +30,7 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
@@ -168,8 +169,10 @@ def tracked_train_step(
     statistics: Sequence[Statistic],
     state: Any,
     data: Any,
+    requests: Sequence[Any] = (),
 ) -> tuple[dict[str, Any], Any]:
-    """Keras' JAX `train_step`, whose logs also carry the statistics under `PAYLOAD_KEY`.
+    """Keras' JAX `train_step`, whose logs also carry the statistics (and the rows of
+    the attribution `requests`, by key) under `PAYLOAD_KEY`.
 
     `data` holds no example ids (`split_example_ids` takes them off first, outside
     the compiled step, so that int64 ids stay exact).
@@ -232,6 +235,7 @@ def tracked_train_step(
     payload = statistics_payload(
         model, plan, statistics, probed, losses, factor, exact_factor, batch
     )
+    payload.update(requested_rows(model, plan, requests, probed, factor))
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
     return {**logs, PAYLOAD_KEY: payload}, state
@@ -271,24 +275,14 @@ def statistics_payload(
     """Each statistic of the step, from its probed pass, the per-example losses `l_i`
     `(B,)` and the factor `c` (`loss = c sum_i l_i`, plus penalties unless
     `exact_factor`, which is then `c`)."""
+    lookup_value = value_lookup(model, probed)
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-
-    def lookup_value(variable: Any) -> Any:
-        if id(variable) in position:
-            return probed.trainable[position[id(variable)]]
-        return probed.non_trainable[others[id(variable)]]
 
     def lookup_gradient(variable: Any) -> Any:
         return probed.grads[position[id(variable)]]
 
     columns = []
-    for index, tracked in enumerate(plan):
-        layer_calls = [
-            ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
-            for n, (owner, kwargs) in enumerate(probed.calls)
-            if owner == index
-        ]
+    for layer_calls, tracked in zip(probed_calls(probed, factor, len(plan)), plan):
         if exact_factor is not None and len(layer_calls) == 1:
             layer_calls = [dataclasses.replace(layer_calls[0], reference_factor=exact_factor)]
         columns.append(
@@ -303,6 +297,56 @@ def statistics_payload(
         batch_size=jnp.asarray(batch, jnp.float32),
     )
     return {s.name: f32(s.compute(primitives)) for s in statistics}
+
+
+def value_lookup(model: keras.Model, probed: ProbedPass) -> Any:
+    """variable -> its value in the probed pass (trainable or not)."""
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+    def lookup_value(variable: Any) -> Any:
+        if id(variable) in position:
+            return probed.trainable[position[id(variable)]]
+        return probed.non_trainable[others[id(variable)]]
+
+    return lookup_value
+
+
+def probed_calls(probed: ProbedPass, factor: Any, layers: int) -> list[list[ProbedCall]]:
+    """Per tracked layer, its calls with the output gradients `d l_i / d z_i` (the
+    probes' gradients divided by the loss's factor `c`)."""
+    calls: list[list[ProbedCall]] = [[] for _ in range(layers)]
+    for n, (owner, kwargs) in enumerate(probed.calls):
+        calls[owner].append(
+            ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
+        )
+    return calls
+
+
+def requested_rows(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    requests: Sequence[Any],
+    probed: ProbedPass,
+    factor: Any,
+) -> dict[str, Any]:
+    """The rows of the loggers' attribution requests (`attribution.py`), by key."""
+    if not requests:
+        return {}
+
+    def target_losses(y: Any, y_pred: Any) -> Any:
+        return per_example_losses(model, y, y_pred, None)[0]
+
+    return attribution_rows(
+        model,
+        plan,
+        requests,
+        probed_calls(probed, factor, len(plan)),
+        value_lookup(model, probed),
+        probed.trainable,
+        probed.non_trainable,
+        target_losses,
+    )
 
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
