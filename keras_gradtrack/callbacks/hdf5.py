@@ -192,6 +192,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         # Sketches are only of use with weights to sketch targets at.
         self._checkpoints = checkpoint_every is not None or sketch_dim is not None
         self._first_step = 0
+        self._tracking: Any = None
         self._epoch = 0
         self._epoch_position = 0
         self._writes = True
@@ -234,7 +235,10 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         private, _ = privacy_of(self.model)
         names = {statistic.name for statistic in private}
         self.statistics = [s for s in self.statistics if s.name not in names] + private
-        self._first_step = self.model.gradient_tracking.step
+        # Read without `self.model`, which on JAX copies the training state into the
+        # model's variables each time: once per checkpoint, not once per step.
+        self._tracking = self.model.gradient_tracking
+        self._first_step = self._tracking.step
         self._created_file, self._steps_written, self._saved_checkpoints = False, 0, []
         # Called only when the fit raises (`on_train_end` ends the subscription first).
         self.subscribe(self._consume, finish=self._close_after_error, requests=requests)
@@ -250,7 +254,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not (self._checkpoints and self._writes):
             return
-        step = self.model.gradient_tracking.step - self._first_step
+        step = self._tracking.step - self._first_step
         due = step % self.checkpoint_every == 0 if self.checkpoint_every else batch == 0
         if not due or not self.model.built:
             return

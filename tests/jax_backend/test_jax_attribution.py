@@ -63,8 +63,31 @@ def tokens(model_class: type) -> Any:
     return head(model_class, inputs, hidden)
 
 
+class OwnTrainStep(kgt.GradientTrackingModel):
+    """Keras' step written out, with `tracked_value_and_grad` (docs/jax.md)."""
+
+    def train_step(self, state: Any, data: Any) -> Any:
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        grad_fn = self.tracked_value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, aux), grads = grad_fn(
+            trainable, non_trainable, metrics_variables, x, y, sample_weight,
+            training=True, optimizer_variables=optimizer_variables,
+        )  # fmt: skip
+        _, _, non_trainable, metrics_variables = aux
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def mlp_own_train_step(model_class: type) -> Any:
+    return MODELS["mlp"][0](OwnTrainStep)
+
+
 BUILDERS = {name: MODELS[name] for name in ("mlp", "cnn", "transformer_block")}
 BUILDERS["tokens"] = (tokens, None)
+BUILDERS["mlp_own_train_step"] = (mlp_own_train_step, (12,))
 
 
 def data(rng: np.random.Generator, shape: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
