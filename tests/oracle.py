@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
+from sketch_oracle import oracle_sketches  # noqa: F401 (re-exported)
 from tolerance import COSINE_ATOL, RTOL, assert_matches_oracle  # noqa: F401 (re-exported)
 
 
@@ -285,20 +286,3 @@ def oracle_target_products(
     as `per_example_gradients`) with the targets' (`target_gradients`)."""
     batch = np.concatenate(per_example_gradients(model, x, y, sample_weight)["g"], axis=1)
     return batch @ target_gradients(model, x_targets, y_targets).T
-
-
-def oracle_sketches(
-    gradients: np.ndarray, shapes: list[tuple[int, ...]], matrices: list[tuple[Any, Any]]
-) -> np.ndarray:
-    """`(n, K)` sketches `R^T M C` of flat gradients `(n, P)` over variables of `shapes`
-    (in order), each gradient `M` as a (rows, last axis) matrix; `(R, C)` per variable."""
-    sketches, start = [], 0
-    for shape, (rows, columns) in zip(shapes, matrices):
-        size = int(np.prod(shape))
-        width = shape[-1] if shape else 1
-        part = gradients[:, start : start + size].reshape(len(gradients), -1, width)
-        projected = np.einsum("nrc,rq,cs->nqs", part, np.asarray(rows, np.float64), columns)
-        sketches.append(projected.reshape(len(gradients), -1))
-        start += size
-    assert start == gradients.shape[1], "the shapes do not cover the gradients"
-    return np.concatenate(sketches, axis=1)

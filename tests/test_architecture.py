@@ -34,6 +34,7 @@ RULE_FOUNDATIONS = {
     "keras_gradtrack.rules.chunks",
     "keras_gradtrack.recurrent_cells",
     "keras_gradtrack.rule_math",
+    "keras_gradtrack.attribution_math",
 }
 
 

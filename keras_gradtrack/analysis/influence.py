@@ -6,8 +6,8 @@ score makes i a *proponent* of target j (training on i lowered j's loss, to firs
 order), a negative one an *opponent*. `influence` sums the exact products the
 logger wrote for targets given before training; `influence_from_sketches`
 estimates them from gradient sketches for targets chosen afterwards (the targets'
-sketches at the checkpoints come from `keras_gradtrack.attribution`, which needs
-TensorFlow).
+sketches at the checkpoints come from `keras_gradtrack.attribution`, which runs
+the model on the backend Keras runs on).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Targets given before training get exact scores (`HDF5GradientLogger(targets=...)
 read with `GradientLog.influence()`). For any other example, a log written with
 `sketch_dim=` holds a sketch of every logged per-example gradient and the weights
 at its checkpoints: `estimate_influence` sketches the targets at each checkpoint
-(with the model) and pairs them with the rows of the steps after it. Unlike the
-rest of reading, this needs TensorFlow.
+(with the model, on the backend Keras runs on: the TensorFlow engine's or the JAX
+engine's) and pairs them with the rows of the steps after it.
 
 The subpackage holds the two requests a logger makes of the tracked step
 (`engine.requests.AttributionRequest`): `targets.py` (`TargetSet`, the exact
@@ -31,10 +31,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import keras
+
 from keras_gradtrack.analysis import GradientLog, Influence
 from keras_gradtrack.analysis.influence import influence_from_sketches, require_sketches
-from keras_gradtrack.attribution.sketches import checkpoint_sketches
-from keras_gradtrack.attribution.targets import TargetSet
 
 __all__ = ["estimate_influence"]
 
@@ -79,6 +79,13 @@ def estimate_influence(
         require_sketches(reader)
         sketch = reader.layout.sketch
         assert sketch is not None
+        # Each engine sketches the targets itself, with the log's projections.
+        if keras.backend.backend() == "jax":
+            from keras_gradtrack.backends.jax.target_sketches import checkpoint_sketches
+            from keras_gradtrack.engine.attribution_requests import TargetExamples as TargetSet
+        else:
+            from keras_gradtrack.attribution.sketches import checkpoint_sketches
+            from keras_gradtrack.attribution.targets import TargetSet
         target_set = TargetSet.from_argument(targets)
         sketches = checkpoint_sketches(
             model, sketch.dim, sketch.seed, sketch.widths, reader.checkpoints(), target_set

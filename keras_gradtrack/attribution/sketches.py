@@ -19,7 +19,6 @@ building `M`; other layers project their per-example gradients.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,49 +26,20 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_gradtrack._keras_seam import saving_lib
 from keras_gradtrack.attribution.targets import TargetSet, layer_per_example, target_pass
+from keras_gradtrack.engine.attribution_requests import SketchRequest, projection_matrices
+from keras_gradtrack.engine.attribution_requests import sketch_widths as variable_sketch_widths
 from keras_gradtrack.engine.backward import Calls
 from keras_gradtrack.engine.plan import DIRECT, MATERIALIZED, Plan, TrackedLayer, build_plan
-from keras_gradtrack.engine.requests import AttributionRequest, BatchGradients
+from keras_gradtrack.engine.requests import BatchGradients
+from keras_gradtrack.io.checkpoints import load_checkpoint
 from keras_gradtrack.rules import Projection
 from keras_gradtrack.rules.ops import reshape_per_example, sketch_of
 
 
-def matrix_sides(shape: Sequence[int]) -> tuple[int, int]:
-    """`(rows, cols)` of a variable's gradient seen as a matrix: cols is the last axis."""
-    if not shape:
-        return 1, 1
-    return math.prod(shape[:-1]), shape[-1]
-
-
 def sketch_widths(plan: Plan, dim: int) -> list[tuple[str, int]]:
     """`(path, r_in * r_out)` of each of `plan`'s variables, in column order."""
-    widths = []
-    for variable in (v for tracked in plan for v in tracked.variables):
-        rows, cols = matrix_sides(variable.shape)
-        widths.append((variable.path, min(rows, dim) * min(cols, dim)))
-    return widths
-
-
-def projection_matrices(dim: int, seed: int, shapes: Sequence[Sequence[int]]) -> list[tuple]:
-    """Per variable, `(R, C)` as float32 numpy arrays (identity for a side kept as is).
-
-    The same `(seed, position)` always gives the same matrices, so sketches made
-    later (of targets) match those of the log.
-    """
-    matrices = []
-    for position, shape in enumerate(shapes):
-        rng = np.random.default_rng([seed, position])
-        sides = []
-        for size in matrix_sides(shape):
-            if size <= dim:
-                sides.append(np.eye(size, dtype=np.float32))
-            else:
-                gaussian = rng.standard_normal((size, dim)) / math.sqrt(dim)
-                sides.append(gaussian.astype(np.float32))
-        matrices.append(tuple(sides))
-    return matrices
+    return variable_sketch_widths([v for tracked in plan for v in tracked.variables], dim)
 
 
 def projection_of(plan: Plan, dim: int, seed: int) -> Projection:
@@ -105,8 +75,9 @@ def layer_sketches(
     return [reshape_per_example(s, [-1]) for s in sketches]
 
 
-class GradientSketch(AttributionRequest):
-    """Asks every tracked step for each example's gradient sketch: `(B, K)` rows.
+class GradientSketch(SketchRequest):
+    """A `SketchRequest` whose rows the TensorFlow engine computes in its tracked step:
+    each example's gradient sketch, `(B, K)` rows.
 
     Args:
         dim: The most dimensions each side of a variable's gradient matrix is
@@ -117,15 +88,6 @@ class GradientSketch(AttributionRequest):
     Raises:
         ValueError: for a `dim` or `seed` that is not a positive (non-negative) int.
     """
-
-    def __init__(self, dim: int, seed: int = 0):
-        super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"Expected sketch_dim to be a positive int. Received: {dim!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"Expected sketch_seed to be a non-negative int. Received: {seed!r}")
-        self.dim = dim
-        self.seed = seed
 
     def widths(self, model: Any) -> list[tuple[str, int]]:
         """`(path, width)` of the sketched variables of `model` (every tracked layer's)."""
@@ -191,18 +153,6 @@ def sketch_function(
         return tf.concat(columns, axis=1) / factor
 
     return sketches
-
-
-def save_checkpoint(model: Any, path: Path) -> None:
-    """Saves the model's weights (not the optimizer's) as a Keras `.weights.h5` file."""
-    skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
-    saving_lib.save_weights_only(model, path, objects_to_skip=skipped)
-
-
-def load_checkpoint(model: Any, path: Path) -> None:
-    """Loads weights `save_checkpoint` saved; the model's optimizer is left as it is."""
-    skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
-    saving_lib.load_weights_only(model, path, objects_to_skip=skipped)
 
 
 def checkpoint_sketches(

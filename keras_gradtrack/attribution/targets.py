@@ -17,7 +17,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -25,17 +24,18 @@ from keras import tree
 from keras_gradtrack._keras_seam import compiled_loss
 from keras_gradtrack._patching import patched_each
 from keras_gradtrack.engine import losses
+from keras_gradtrack.engine.attribution_requests import TargetExamples
 from keras_gradtrack.engine.backward import Calls, with_output_gradients
-from keras_gradtrack.engine.data import EXAMPLE_ID_KEY, check_example_ids, split_example_ids
+from keras_gradtrack.engine.data import check_example_ids
 from keras_gradtrack.engine.fallback import per_example_gradients
 from keras_gradtrack.engine.plan import MATERIALIZED, Plan, TrackedLayer
-from keras_gradtrack.engine.requests import AttributionRequest, BatchGradients
+from keras_gradtrack.engine.requests import BatchGradients
 from keras_gradtrack.engine.taps import LayerTap, installed
 from keras_gradtrack.rules.ops import cross_of, flat_per_example
 
 
-class TargetSet(AttributionRequest):
-    """Targets whose gradients every tracked step's per-example gradients are paired with.
+class TargetSet(TargetExamples):
+    """`TargetExamples` whose products the TensorFlow engine computes in its tracked step.
 
     The step's rows are `(B, T)`: `<g_i(theta_t), g_j'(theta_t)>`, with `g_j'` the
     gradient of target j's loss (the compiled loss, without sample weight or
@@ -58,44 +58,10 @@ class TargetSet(AttributionRequest):
     """
 
     def __init__(self, x: Any, y: Any):
-        super().__init__()
         check_example_ids(x)
-        x, ids = split_example_ids(x)
-        lengths = {len(np.asarray(a)) for a in tree.flatten(x) + tree.flatten(y) if a is not None}
-        if len(lengths) != 1 or 0 in lengths:
-            raise ValueError(
-                "Expected targets as (x, y) with one row per target, at least one, in "
-                f"every array. Received lengths: {sorted(lengths)}"
-            )
-        (count,) = lengths
-        ids = np.arange(count, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
-        if len(ids) != count or len(np.unique(ids)) != count:
-            raise ValueError(
-                f"Expected one distinct `{EXAMPLE_ID_KEY}` per target ({count} targets). "
-                f"Received: {len(np.unique(ids))} distinct ids in {len(ids)}"
-            )
-        self.x = tree.map_structure(_as_tensor, x)
-        self.y = tree.map_structure(_as_tensor, y)
-        self.example_ids = ids
-
-    @classmethod
-    def from_argument(cls, targets: Any) -> TargetSet:
-        """A `TargetSet` from `(x, y)` (or one already made).
-
-        Raises:
-            ValueError: unless `targets` is an `(x, y)` pair (or as `TargetSet` says).
-        """
-        if isinstance(targets, TargetSet):
-            return targets
-        if not isinstance(targets, (tuple, list)) or len(targets) != 2:
-            raise ValueError(
-                "Expected targets=(x, y): the targets' inputs (a dict may hold "
-                f"'{EXAMPLE_ID_KEY}') and labels. Received: {type(targets).__name__}"
-            )
-        return cls(*targets)
-
-    def __len__(self) -> int:
-        return len(self.example_ids)
+        super().__init__(x, y)
+        self.x = tree.map_structure(_as_tensor, self.x)
+        self.y = tree.map_structure(_as_tensor, self.y)
 
     def rows(self, batch: BatchGradients) -> tf.Tensor:
         target_calls, target_factor = target_pass(
@@ -213,9 +179,4 @@ def _ignored(*args: Any, **kwargs: Any) -> None:
 
 
 def _as_tensor(array: Any) -> Any:
-    if array is None:
-        return None
-    array = np.asarray(array)
-    if array.dtype.kind == "f":
-        array = array.astype(keras.backend.floatx())
-    return tf.constant(array)
+    return None if array is None else tf.constant(array)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h5py
+import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
@@ -21,12 +22,18 @@ from keras_gradtrack.callbacks.base import (
     refuse_square_statistics,
     require_tracking_model,
 )
-from keras_gradtrack.engine.device_rows import deferred
+from keras_gradtrack.engine.attribution_requests import (
+    AttributionRequest,
+    SketchRequest,
+    TargetExamples,
+)
+from keras_gradtrack.engine.device_rows import ScaledRows, deferred
 from keras_gradtrack.engine.schedule import StepReport
 from keras_gradtrack.io.checkpoints import (
     check_checkpoints,
     checkpoint_path,
     remove_checkpoints,
+    save_checkpoint,
     write_privacy_history,
 )
 from keras_gradtrack.io.checks import check_flush_seconds
@@ -41,8 +48,17 @@ from keras_gradtrack.io.schema import (
 from keras_gradtrack.io.writer import LogWriter
 from keras_gradtrack.statistics import Statistic
 
-if TYPE_CHECKING:
-    from keras_gradtrack.engine.requests import AttributionRequest
+
+def attribution_classes() -> tuple[type[TargetExamples], type[SketchRequest]]:
+    """The classes of the targets' and the sketches' requests on the Keras backend: the
+    TensorFlow engine's (imported only when asked for), or on JAX the requests as data,
+    which the JAX engine computes itself (`backends/jax/attribution.py`)."""
+    if keras.backend.backend() == "jax":
+        return TargetExamples, SketchRequest
+    from keras_gradtrack.attribution.sketches import GradientSketch
+    from keras_gradtrack.attribution.targets import TargetSet
+
+    return TargetSet, GradientSketch
 
 
 def privacy_of(model: Any) -> tuple[list[Statistic], dict[str, Any]]:
@@ -169,21 +185,14 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self.compression = compression
-        # Attribution is the TensorFlow engine's: imported only when asked for.
-        self.targets = None
-        if targets is not None:
-            from keras_gradtrack.attribution.targets import TargetSet
-
-            self.targets = TargetSet.from_argument(targets)
-        self.sketch = None
-        if sketch_dim is not None:
-            from keras_gradtrack.attribution.sketches import GradientSketch
-
-            self.sketch = GradientSketch(sketch_dim, sketch_seed)
+        target_class, sketch_class = attribution_classes()
+        self.targets = None if targets is None else target_class.from_argument(targets)
+        self.sketch = None if sketch_dim is None else sketch_class(sketch_dim, sketch_seed)
         self.checkpoint_every = checkpoint_every
         # Sketches are only of use with weights to sketch targets at.
         self._checkpoints = checkpoint_every is not None or sketch_dim is not None
         self._first_step = 0
+        self._tracking: Any = None
         self._epoch = 0
         self._epoch_position = 0
         self._writes = True
@@ -226,7 +235,10 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         private, _ = privacy_of(self.model)
         names = {statistic.name for statistic in private}
         self.statistics = [s for s in self.statistics if s.name not in names] + private
-        self._first_step = self.model.gradient_tracking.step
+        # Read without `self.model`, which on JAX copies the training state into the
+        # model's variables each time: once per checkpoint, not once per step.
+        self._tracking = self.model.gradient_tracking
+        self._first_step = self._tracking.step
         self._created_file, self._steps_written, self._saved_checkpoints = False, 0, []
         # Called only when the fit raises (`on_train_end` ends the subscription first).
         self.subscribe(self._consume, finish=self._close_after_error, requests=requests)
@@ -242,7 +254,7 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not (self._checkpoints and self._writes):
             return
-        step = self.model.gradient_tracking.step - self._first_step
+        step = self._tracking.step - self._first_step
         due = step % self.checkpoint_every == 0 if self.checkpoint_every else batch == 0
         if not due or not self.model.built:
             return
@@ -252,8 +264,6 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         path = checkpoint_path(self.path, self.writer.step_offset + step)
         path.parent.mkdir(exist_ok=True)
         # Before the step runs: the weights of its gradients, as the log's rows use them.
-        from keras_gradtrack.attribution.sketches import save_checkpoint
-
         save_checkpoint(self.model, path)
         self._saved_checkpoints.append(path)
         if getattr(self.model, "privacy_settings", None) is not None:
@@ -366,7 +376,9 @@ class HDF5GradientLogger(StatisticsCallback, FileLogger):
         per_example = {s.name: deferred(values, s.name) for s in self.statistics if s.per_example}
         if self.targets is not None:
             # TracIn's term of this step: the products times the rate the step used.
-            per_example[TARGET_INFLUENCE] = values[self.targets.key] * values[LEARNING_RATE]
+            per_example[TARGET_INFLUENCE] = ScaledRows(
+                deferred(values, self.targets.key), deferred(values, LEARNING_RATE)
+            )
         if self.sketch is not None:
             per_example[GRADIENT_SKETCH] = deferred(values, self.sketch.key)
         self.writer.write_step(

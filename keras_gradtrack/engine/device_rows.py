@@ -92,3 +92,23 @@ class Deferred:
 def deferred(values: Mapping[str, Any], name: str) -> Any:
     """`values[name]`, left on the device when `values` are `DeviceRows`."""
     return values.deferred(name) if isinstance(values, DeviceRows) else values[name]
+
+
+class ScaledRows:
+    """`rows * scale`, computed when `np.asarray` converts it: of `deferred` values, with
+    the block that writes it (the step's values stay on the device until then).
+
+    Example:
+
+    ```python
+    np.asarray(ScaledRows(np.ones((2, 3)), 0.5))    # 0.5 everywhere
+    ```
+    """
+
+    def __init__(self, rows: Any, scale: Any):
+        self.rows = rows
+        self.scale = scale
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        product = np.asarray(self.rows) * np.asarray(self.scale)
+        return product if dtype is None else product.astype(dtype)

@@ -9,18 +9,18 @@ and gathers their rows over replicas.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack.engine import distribute
+from keras_gradtrack.engine.attribution_requests import AttributionRequest
 from keras_gradtrack.engine.backward import Backward, Calls
 from keras_gradtrack.engine.plan import COUPLED, Plan
 from keras_gradtrack.engine.tracking import TrackingContext
 
-_KEYS = itertools.count()
+__all__ = ["AttributionRequest", "BatchGradients", "attribution_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,21 +46,6 @@ class BatchGradients:
     factor: tf.Tensor
     loss_scale: tf.Tensor | None
     xla: bool = False
-
-
-class AttributionRequest:
-    """Per-example rows a logger asks the tracked step for, beside the statistics.
-
-    Attributes:
-        key: Where the step's payload holds the rows (unique per request).
-    """
-
-    def __init__(self) -> None:
-        self.key = f"attribution_{next(_KEYS)}"
-
-    def rows(self, batch: BatchGradients) -> tf.Tensor:
-        """`(B, W)` rows of this replica's examples, inside the compiled step."""
-        raise NotImplementedError
 
 
 def attribution_rows(

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack import rule_math
+from keras_gradtrack import attribution_math, rule_math
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.ops import (
     along_time,
@@ -179,11 +179,7 @@ def dense_2d_cross(
     a: tf.Tensor, d: tf.Tensor, a2: tf.Tensor, d2: tf.Tensor, has_kernel: bool, has_bias: bool
 ) -> tf.Tensor:
     """`(B, T)` `<g_i, h_j> = (a_i . a2_j (+ 1 with a bias)) (d_i . d2_j)`."""
-    cross_d = tf.matmul(d, d2, transpose_b=True)
-    cross_a = tf.matmul(a, a2, transpose_b=True) if has_kernel else tf.zeros_like(cross_d)
-    if has_bias:
-        cross_a += 1.0
-    return cross_a * cross_d
+    return attribution_math.dense_rows_cross(a, d, a2, d2, has_kernel, has_bias)
 
 
 def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
@@ -259,12 +255,11 @@ def dense_sketch(
     kernel, bias = trained_variables(layer)
     pairs = []
     if kernel is not None:
-        projected_a = tf.einsum("bti,ir->btr", a, projection.rows(kernel))
-        projected_d = tf.einsum("bto,os->bts", d, projection.columns(kernel))
-        pairs.append((kernel, tf.einsum("btr,bts->brs", projected_a, projected_d)))
+        rows, columns = projection.rows(kernel), projection.columns(kernel)
+        pairs.append((kernel, attribution_math.factor_sketches(a, d, rows, columns)))
     if bias is not None:
-        projected_d = tf.einsum("bto,os->bs", d, projection.columns(bias))
-        pairs.append((bias, projected_d[:, None, :] * projection.rows(bias)[0, 0]))
+        rows, columns = projection.rows(bias), projection.columns(bias)
+        pairs.append((bias, attribution_math.bias_sketches(d, rows, columns)))
     return pairs
 
 

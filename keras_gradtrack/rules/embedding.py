@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack import rule_math
+from keras_gradtrack import attribution_math, rule_math
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.ops import as_token_sequences, has_plain_weights, token_sq_norms
 
@@ -56,9 +56,7 @@ def embedding_cross(
     """
     ids, d = as_token_sequences(layer, calls)
     target_ids, target_d = as_token_sequences(layer, target_calls)
-    same_id = tf.equal(ids[:, :, None, None], target_ids[None, None, :, :])
-    products = tf.einsum("btd,jsd->btjs", d, target_d)
-    return tf.reduce_sum(tf.where(same_id, products, 0.0), axis=[1, 3])
+    return attribution_math.token_cross(ids, d, target_ids, target_d)
 
 
 def embedding_sketch(
@@ -66,9 +64,8 @@ def embedding_sketch(
 ) -> list[tuple[Any, tf.Tensor]]:
     """The sketch `sum_t R[id_t]^T (C^T d_t)` (rows of R looked up, no one-hot rows)."""
     ids, d = as_token_sequences(layer, calls)
-    rows = tf.gather(projection.rows(layer.embeddings), ids)
-    projected_d = tf.einsum("btd,ds->bts", d, projection.columns(layer.embeddings))
-    return [(layer.embeddings, tf.einsum("btr,bts->brs", rows, projected_d))]
+    rows, columns = projection.rows(layer.embeddings), projection.columns(layer.embeddings)
+    return [(layer.embeddings, attribution_math.token_sketches(ids, d, rows, columns))]
 
 
 EMBEDDING = Rule(

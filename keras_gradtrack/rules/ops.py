@@ -8,7 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack import rule_math
+from keras_gradtrack import attribution_math, rule_math
 from keras_gradtrack.rule_math import EinsumRoles
 from keras_gradtrack.rules.contract import (
     LayerCall,
@@ -85,7 +85,7 @@ def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
 
 def cross_of(per_example: Sequence[tf.Tensor], targets: Sequence[tf.Tensor]) -> tf.Tensor:
     """`(B, T)` `<g_i, h_j>` summed over paired per-example gradients `(B, n)` and `(T, n)`."""
-    return tf.add_n([tf.matmul(g, h, transpose_b=True) for g, h in zip(per_example, targets)])
+    return attribution_math.paired_products(per_example, targets)
 
 
 def sketch_of(variable: Any, per_example: tf.Tensor, projection: Projection) -> tf.Tensor:
@@ -93,8 +93,9 @@ def sketch_of(variable: Any, per_example: tf.Tensor, projection: Projection) -> 
     `Projection`): the gradients as `(B, rows, cols)` matrices, projected on both sides."""
     columns = variable.shape[-1] if len(variable.shape) else 1
     matrices = reshape_per_example(per_example, [-1, columns])
-    projected = tf.einsum("brc,cs->brs", matrices, projection.columns(variable))
-    return tf.einsum("brs,rq->bqs", projected, projection.rows(variable))
+    return attribution_math.projected_gradients(
+        matrices, projection.rows(variable), projection.columns(variable)
+    )
 
 
 def zero_primitives(like: tf.Tensor, reference: Reference | None) -> LayerPrimitives:

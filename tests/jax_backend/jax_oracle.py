@@ -72,6 +72,31 @@ def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None)
     return {"loss": np.asarray(losses), "g": g, "G": G}
 
 
+def target_gradients(model: Any, x: Any, y: Any) -> np.ndarray:
+    """`(T, P)` each target's gradient over all variables (in the order of
+    `per_example_gradients`' layers): `l_j` the compiled loss on target j alone, in
+    inference mode, without sample weight or penalties."""
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss(values: Any, xj: Any, yj: Any) -> Any:
+        kwargs = (
+            {"training": False} if "training" in inspect.signature(model.call).parameters else {}
+        )
+        y_pred, _ = model.stateless_call(values, non_trainable, xj, **kwargs)
+        return _loss_function(model)(yj, y_pred)
+
+    def take(data: Any, j: int) -> Any:
+        return keras.tree.map_structure(lambda a: np.asarray(a)[j : j + 1], data)
+
+    rows = []
+    for j in range(len(keras.tree.flatten(x)[0])):
+        grads = jax.grad(loss)(trainable, take(x, j), take(y, j))
+        flat = [np.asarray(g, np.float64).ravel() for g in grads]
+        rows.append(np.concatenate([flat[p] for ps in layer_columns(model) for p in ps]))
+    return np.stack(rows)
+
+
 def oracle_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
     """Every built-in statistic by its definition."""
     found = per_example_gradients(model, x, y, sample_weight)

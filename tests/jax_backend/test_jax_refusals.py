@@ -51,13 +51,6 @@ def test_opt_in_statistics_are_refused_on_jax() -> None:
         fit_tracked(model_with(keras.layers.Dense(3)), ["pairwise_cosine"])
 
 
-def test_attribution_targets_are_refused_on_jax(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    model = model_with(keras.layers.Dense(3))
-    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", targets=(X[:2], Y[:2]))
-    with pytest.raises(NotImplementedError, match="JAX backend"):
-        model.fit(X, Y, batch_size=8, verbose=0, callbacks=[logger])
-
-
 def test_untracked_fit_is_plain_keras() -> None:
     model = model_with(keras.layers.Dense(3))
     model.fit(X, Y, batch_size=4, verbose=0)

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from keras_gradtrack import statistics as statistics_module
+from keras_gradtrack.backends.jax.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.distribution import (
     refuse_untracked_distribution,
@@ -79,9 +80,8 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers other than SimpleRNN, LSTM and GRU, BatchNormalization in training,
-    attribution targets and sketches, `keras.distribution` over several processes, loss
-    scaling, adaptive clipping in private training, opt-in statistics
-    (`pairwise_cosine`, `input_grad_norm`).
+    `keras.distribution` over several processes, loss scaling, adaptive clipping in
+    private training, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
 
@@ -287,8 +287,7 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
         return step
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
-        if requests:
-            raise unsupported("Attribution (`targets=`, `sketch_dim=`)")
+        refuse_unknown_requests(requests)
         opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
         if opt_in:
             raise unsupported(f"The statistics {opt_in}")
@@ -334,7 +333,10 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
             if private and not private_training.step_allowed(self):
                 return self.__dict__.get("_last_private_logs", {}), state  # the budget's end
             statistics, requests = tracking.statistics(due), tracking.requests(due)
-            key = (tuple(statistic.name for statistic in statistics), private)
+            key = (
+                tuple(s.name for s in statistics) + tuple(r.key for r in requests),
+                private,
+            )
             try:
                 self._check_independence_once(state, data)
             except Exception:
@@ -361,7 +363,7 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
                     tracked_step = self._private_train_step()
 
                 def step(state: Any, data: Any) -> Any:
-                    logs, state = tracked_step(self, plan, statistics, state, data)
+                    logs, state = tracked_step(self, plan, statistics, state, data, requests)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
                     layouts.record(data, layout)  # when traced

@@ -49,6 +49,7 @@ from keras_gradtrack.backends.jax.step import (
     ProbedPass,
     batch_size_of,
     learning_rate,
+    requested_rows,
     statistics_payload,
     tracked_train_step,
 )
@@ -71,13 +72,16 @@ class OwnStepTracking:
         statistics: The statistics asked for.
         state: The step's state (the non-trainable values the rules read).
         batch: The batch size.
-        payload: The statistics, once `tracked_value_and_grad` has run.
+        requests: The loggers' attribution requests.
+        payload: The statistics (and the requests' rows), once
+            `tracked_value_and_grad` has run.
     """
 
     plan: Sequence[TrackedLayer]
     statistics: Sequence[Statistic]
     state: Any
     batch: int
+    requests: Sequence[Any] = ()
     payload: dict[str, Any] | None = None
 
 
@@ -87,15 +91,17 @@ def own_tracked_step(
     statistics: Sequence[Statistic],
     state: Any,
     data: Any,
+    requests: Sequence[Any] = (),
 ) -> tuple[dict[str, Any], Any]:
-    """The model's own `train_step`, whose logs also carry the statistics under
-    `PAYLOAD_KEY` (from its call of `tracked_value_and_grad`).
+    """The model's own `train_step`, whose logs also carry the statistics (and the
+    rows of the attribution `requests`) under `PAYLOAD_KEY` (from its call of
+    `tracked_value_and_grad`).
 
     Raises:
         NotImplementedError: When the step did not call `tracked_value_and_grad`.
     """
     x = keras.utils.unpack_x_y_sample_weight(data)[0]
-    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x))
+    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests)
     model.__dict__[TRACKING_KEY] = tracking
     try:
         logs, state = model.train_step(state, data)
@@ -129,7 +135,7 @@ def keras_step(
             "tracked step; the step's statistics come from one differentiation of the loss."
         )
     step = keras_tracked_step(model)
-    logs, state = step(model, tracking.plan, tracking.statistics, state, data)
+    logs, state = step(model, tracking.plan, tracking.statistics, state, data, tracking.requests)
     logs = dict(logs)
     tracking.payload = logs.pop(PAYLOAD_KEY)
     return logs, state
@@ -247,6 +253,7 @@ def tracked_call(
     payload = statistics_payload(
         model, tracking.plan, tracking.statistics, probed, losses, factor, None, tracking.batch
     )
+    payload.update(requested_rows(model, tracking.plan, tracking.requests, probed, factor))
     payload[LEARNING_RATE] = learning_rate(model, tracking.state[2])
     result = ((value, aux) if has_aux else value), grads
     return result, payload
@@ -258,6 +265,7 @@ def recorded_losses_step(
     statistics: Sequence[Statistic],
     state: Any,
     data: Any,
+    requests: Sequence[Any] = (),
 ) -> tuple[dict[str, Any], Any]:
     """Keras' JAX `train_step` with `tracked_value_and_grad` in place of
     `jax.value_and_grad`: the per-example losses are those of the Keras losses the
@@ -265,7 +273,7 @@ def recorded_losses_step(
     its own (keras-io's knowledge distillation, say)."""
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x))
+    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests)
 
     def arguments_of(data: Any) -> tuple[Any, ...]:
         return (non_trainable, metrics_variables, *keras.utils.unpack_x_y_sample_weight(data))

@@ -30,6 +30,7 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
@@ -168,9 +169,11 @@ def tracked_train_step(
     statistics: Sequence[Statistic],
     state: Any,
     data: Any,
+    requests: Sequence[Any] = (),
     private: Any = None,
 ) -> tuple[dict[str, Any], Any]:
-    """Keras' JAX `train_step`, whose logs also carry the statistics under `PAYLOAD_KEY`.
+    """Keras' JAX `train_step`, whose logs also carry the statistics (and the rows of
+    the attribution `requests`, by key) under `PAYLOAD_KEY`.
 
     `data` holds no example ids (`split_example_ids` takes them off first, outside
     the compiled step, so that int64 ids stay exact). `private`, for a private
@@ -240,6 +243,7 @@ def tracked_train_step(
         model, new_metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
     payload = columns_payload(statistics, columns, losses, batch)
+    payload.update(requested_rows(model, plan, requests, probed, factor))
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
     return {**logs, **rows, PAYLOAD_KEY: payload}, state
@@ -295,24 +299,14 @@ def layer_columns(
 ) -> Columns:
     """Per tracked layer, its primitives and `||G^(k)||^2` (`layer_primitives`), from
     the probed pass and the loss's factor `c` (see `statistics_payload`)."""
+    lookup_value = value_lookup(model, probed)
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-
-    def lookup_value(variable: Any) -> Any:
-        if id(variable) in position:
-            return probed.trainable[position[id(variable)]]
-        return probed.non_trainable[others[id(variable)]]
 
     def lookup_gradient(variable: Any) -> Any:
         return probed.grads[position[id(variable)]]
 
     columns = []
-    for index, tracked in enumerate(plan):
-        layer_calls = [
-            ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
-            for n, (owner, kwargs) in enumerate(probed.calls)
-            if owner == index
-        ]
+    for layer_calls, tracked in zip(probed_calls(probed, factor, len(plan)), plan):
         if exact_factor is not None and len(layer_calls) == 1:
             layer_calls = [dataclasses.replace(layer_calls[0], reference_factor=exact_factor)]
         columns.append(
@@ -334,6 +328,56 @@ def columns_payload(
         batch_size=jnp.asarray(batch, jnp.float32),
     )
     return {s.name: f32(s.compute(primitives)) for s in statistics}
+
+
+def value_lookup(model: keras.Model, probed: ProbedPass) -> Any:
+    """variable -> its value in the probed pass (trainable or not)."""
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+    def lookup_value(variable: Any) -> Any:
+        if id(variable) in position:
+            return probed.trainable[position[id(variable)]]
+        return probed.non_trainable[others[id(variable)]]
+
+    return lookup_value
+
+
+def probed_calls(probed: ProbedPass, factor: Any, layers: int) -> list[list[ProbedCall]]:
+    """Per tracked layer, its calls with the output gradients `d l_i / d z_i` (the
+    probes' gradients divided by the loss's factor `c`)."""
+    calls: list[list[ProbedCall]] = [[] for _ in range(layers)]
+    for n, (owner, kwargs) in enumerate(probed.calls):
+        calls[owner].append(
+            ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
+        )
+    return calls
+
+
+def requested_rows(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    requests: Sequence[Any],
+    probed: ProbedPass,
+    factor: Any,
+) -> dict[str, Any]:
+    """The rows of the loggers' attribution requests (`attribution.py`), by key."""
+    if not requests:
+        return {}
+
+    def target_losses(y: Any, y_pred: Any) -> Any:
+        return per_example_losses(model, y, y_pred, None)[0]
+
+    return attribution_rows(
+        model,
+        plan,
+        requests,
+        probed_calls(probed, factor, len(plan)),
+        value_lookup(model, probed),
+        probed.trainable,
+        probed.non_trainable,
+        target_losses,
+    )
 
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
