@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ from keras import tree
 from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.batchless import batchless_calls
+from keras_gradtrack.backends.jax.coupled import coupled_columns, coupled_positions
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import (
@@ -229,8 +230,16 @@ def tracked_train_step(
     probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
     exact_factor = factor if added_losses == [0] else None
+    coupled = coupled_columns(
+        model,
+        plan,
+        coupled_positions(model, plan, lambda t: forward(t, None), trainable),
+        lambda t: per_example_losses(model, y, forward(t, None)[1][0][1], sample_weight)[0],
+        trainable,
+        grads,
+    )
     payload = statistics_payload(
-        model, plan, statistics, probed, losses, factor, exact_factor, batch
+        model, plan, statistics, probed, losses, factor, exact_factor, batch, coupled
     )
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
@@ -267,10 +276,12 @@ def statistics_payload(
     factor: Any,
     exact_factor: Any,
     batch: int,
+    coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
 ) -> dict[str, Any]:
     """Each statistic of the step, from its probed pass, the per-example losses `l_i`
     `(B,)` and the factor `c` (`loss = c sum_i l_i`, plus penalties unless
-    `exact_factor`, which is then `c`)."""
+    `exact_factor`, which is then `c`); the columns in `coupled` (by position in the
+    plan) are given (`coupled.py`)."""
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
@@ -284,6 +295,9 @@ def statistics_payload(
 
     columns = []
     for index, tracked in enumerate(plan):
+        if coupled and index in coupled:
+            columns.append(coupled[index])
+            continue
         layer_calls = [
             ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
             for n, (owner, kwargs) in enumerate(probed.calls)

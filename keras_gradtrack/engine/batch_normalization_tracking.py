@@ -3,11 +3,14 @@
 In training mode BatchNormalization normalizes with the batch's statistics, so
 example i's loss depends on the other examples. Unless the model opts in, the
 first tracked step is refused with the choices (see docs/batch_normalization.md).
+Both engines' mixins read these settings (TensorFlow: `engine/coupled.py`; JAX:
+`backends/jax/coupled.py`).
 """
 
 from __future__ import annotations
 
-from keras_gradtrack.engine.coupled import DEFAULT_CHUNK_SIZE
+# Examples per vectorized chunk unless the model says otherwise.
+DEFAULT_CHUNK_SIZE = 8
 
 
 class BatchNormalizationTracking:

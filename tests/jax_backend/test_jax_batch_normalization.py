@@ -1,0 +1,157 @@
+"""BatchNormalization in training on JAX, opted in: exact through the batch statistics.
+
+`g_i = d l_i / d theta` holds the other examples fixed (the TensorFlow engine's
+definition); the oracle is `jax.jacrev` of the per-example losses of the full
+batch's forward pass (`oracle_statistics(..., full_batch=True)`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+from jax_oracle import assert_matches_oracle, assert_trains_as_plain, oracle_statistics
+
+import keras_gradtrack as kgt
+
+layers = keras.layers
+rng = np.random.default_rng(77)
+X = rng.normal(size=(6, 8, 8, 2)).astype("float32")
+Y = rng.integers(0, 3, 6)
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def small_cnn(model_class: type = kgt.GradientTrackingModel) -> Any:
+    """Two (Conv2D, BatchNormalization, ReLU) blocks, then a Dense head beside none."""
+    inputs = keras.Input((8, 8, 2))
+    hidden = inputs
+    for block in range(2):
+        hidden = layers.Conv2D(3, 3, padding="same", name=f"conv{block}")(hidden)
+        hidden = layers.BatchNormalization(name=f"bn{block}")(hidden)
+        hidden = layers.ReLU()(hidden)
+    hidden = layers.GlobalAveragePooling2D()(hidden)
+    return model_class(inputs, layers.Dense(3, name="head")(hidden))
+
+
+def applications_block(model_class: type = kgt.GradientTrackingModel) -> Any:
+    """A keras.applications-style stem: Conv (no bias), BN, ReLU, pooling, Dense head."""
+    inputs = keras.Input((8, 8, 2))
+    hidden = layers.Conv2D(4, 3, strides=2, padding="same", use_bias=False, name="stem_conv")(
+        inputs
+    )
+    hidden = layers.BatchNormalization(axis=-1, epsilon=1.001e-5, name="stem_bn")(hidden)
+    hidden = layers.Activation("relu", name="stem_relu")(hidden)
+    hidden = layers.Conv2D(4, 1, use_bias=False, name="block_conv")(hidden)
+    hidden = layers.BatchNormalization(momentum=0.9, name="block_bn")(hidden)
+    hidden = layers.ReLU()(hidden)
+    hidden = layers.GlobalAveragePooling2D(name="avg_pool")(hidden)
+    hidden = layers.Dense(5, activation="relu", name="fc")(hidden)
+    return model_class(inputs, layers.Dense(3, name="predictions")(hidden))
+
+
+def compiled(model: Any, loss: Any = LOSS, chunk_size: int | None = 4) -> Any:
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=["accuracy"])
+    if chunk_size is not None:
+        model.track_batch_normalization = True
+        model.batch_normalization_chunk_size = chunk_size
+    return model
+
+
+def matches_full_batch_oracle(model: Any, x: Any = X, y: Any = Y, **kwargs: Any) -> dict:
+    stats = model.gradient_statistics(x, y, **kwargs)
+    expected = oracle_statistics(model, x, y, kwargs.get("sample_weight"), full_batch=True)
+    assert_matches_oracle(stats, expected)
+    return stats
+
+
+# 6 examples: chunks of 4 end with a partial one, a chunk of 8 holds them all.
+@pytest.mark.parametrize("chunk_size", [1, 4, 8])
+@pytest.mark.parametrize("build", [small_cnn, applications_block])
+def test_training_mode_matches_the_full_batch_oracle(build: Any, chunk_size: int) -> None:
+    matches_full_batch_oracle(compiled(build(), chunk_size=chunk_size))
+
+
+def test_sample_weights_and_a_summed_loss() -> None:
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    model = compiled(small_cnn(), loss=loss)
+    weights = rng.uniform(0.5, 2.0, 6).astype("float32")
+    matches_full_batch_oracle(model, sample_weight=weights)
+
+
+def test_per_example_gradients_sum_to_the_batch_gradient() -> None:
+    model = compiled(applications_block())
+    stats = matches_full_batch_oracle(model)
+    # Without penalties, sum_i g_i = G / c: the diversity's denominator is ||G / c||^2.
+    expected = oracle_statistics(model, X, Y, full_batch=True)
+    np.testing.assert_allclose(
+        stats["gradient_diversity"], expected["gradient_diversity"], rtol=1e-4
+    )
+
+
+def test_a_regularized_dense_network_with_batch_normalization_on_another_axis() -> None:
+    # G includes the penalty's gradient, the coupled g_i do not (as for every layer).
+    inputs = keras.Input((6, 3))
+    regularizer = keras.regularizers.L2(0.1)
+    hidden = layers.Dense(4, kernel_regularizer=regularizer, name="dense")(inputs)
+    hidden = layers.BatchNormalization(axis=1, name="bn_positions")(hidden)
+    hidden = layers.Dense(4, activation="relu", name="dense2")(layers.Flatten()(hidden))
+    hidden = layers.BatchNormalization(name="bn_features")(hidden)
+    model = compiled(kgt.GradientTrackingModel(inputs, layers.Dense(3, name="head")(hidden)))
+    x = rng.normal(size=(5, 6, 3)).astype("float32")
+    matches_full_batch_oracle(model, x, Y[:5])
+
+
+def test_the_summary_names_the_coupled_layers() -> None:
+    model = compiled(small_cnn())
+    matches_full_batch_oracle(model)
+    lines = model.gradient_tracking_summary(print_fn=lambda _: None).splitlines()[2:]
+    coupled = {line.split()[1] for line in lines if "coupled" in line}
+    # The last BatchNormalization's own gamma and beta are coupled too on JAX (it has
+    # no rule here); the head after it keeps its rule.
+    assert coupled == {"conv0", "bn0", "conv1", "bn1"}
+
+
+def test_frozen_batch_normalization_couples_nothing() -> None:
+    model = compiled(small_cnn())
+    for layer in model.layers:
+        if isinstance(layer, layers.BatchNormalization):
+            layer.trainable = False
+    model.compile(optimizer="sgd", loss=LOSS)
+    stats = model.gradient_statistics(X, Y)
+    assert_matches_oracle(stats, oracle_statistics(model, X, Y))
+    summary = model.gradient_tracking_summary(print_fn=lambda _: None)
+    assert "coupled" not in summary
+
+
+@pytest.mark.parametrize("build", [small_cnn, applications_block])
+def test_a_tracked_step_trains_as_keras_does(build: Any) -> None:
+    # The same weights, moving statistics (non-trainable weights) and metrics.
+    x = rng.normal(size=(12, 8, 8, 2)).astype("float32")
+    y = rng.integers(0, 3, 12)
+    tracked, plain = compiled(build()), compiled(build(keras.Model), chunk_size=None)
+    history = assert_trains_as_plain(tracked, plain, x, y, batch_size=6)
+    assert "accuracy" in history
+    moving = [v for v in tracked.non_trainable_variables if "moving" in v.path]
+    assert moving and all(np.any(v.numpy() != 0) for v in moving)
+
+
+def test_without_the_opt_in_the_refusal_names_it() -> None:
+    model = compiled(small_cnn(), chunk_size=None)
+    with pytest.raises(ValueError, match="track_batch_normalization = True"):
+        model.gradient_statistics(X, Y)
+
+
+def test_a_compute_loss_of_the_models_own_is_refused() -> None:
+    inputs = keras.Input((8, 8, 2))
+    hidden = layers.BatchNormalization(name="bn")(layers.Conv2D(3, 3, name="conv")(inputs))
+    outputs = layers.Dense(3)(layers.GlobalAveragePooling2D()(hidden))
+
+    class OwnLoss(kgt.GradientTrackingModel):
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            return super().compute_loss(*args, **kwargs)
+
+    model = compiled(OwnLoss(inputs, outputs))
+    with pytest.raises(ValueError, match="Keras' own train_step"):
+        model.gradient_statistics(X, Y)
