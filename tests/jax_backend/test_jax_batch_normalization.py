@@ -7,16 +7,22 @@ batch's forward pass (`oracle_statistics(..., full_batch=True)`).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
+import patience
 import pytest
 from jax_oracle import assert_matches_oracle, assert_trains_as_plain, oracle_statistics
 
 import keras_gradtrack as kgt
 
 layers = keras.layers
+ROOT = Path(__file__).resolve().parents[2]
 rng = np.random.default_rng(77)
 X = rng.normal(size=(6, 8, 8, 2)).astype("float32")
 Y = rng.integers(0, 3, 6)
@@ -155,3 +161,37 @@ def test_a_compute_loss_of_the_models_own_is_refused() -> None:
     model = compiled(OwnLoss(inputs, outputs))
     with pytest.raises(ValueError, match="Keras' own train_step"):
         model.gradient_statistics(X, Y)
+
+
+@pytest.mark.parametrize("build", [small_cnn, applications_block])
+def test_tensorflow_gives_the_same_numbers(build: Any, tmp_path: Path) -> None:
+    # The same model, weights and batch through the TensorFlow engine, in its own process.
+    model = compiled(build())
+    stats = model.gradient_statistics(X, Y)
+    arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    np.savez(tmp_path / "inputs.npz", x=X, y=Y, **arrays)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path[:0] = [{str(ROOT / "tests" / "jax_backend")!r}, {str(ROOT / "tests")!r}]
+        import numpy as np
+        import test_jax_batch_normalization as case
+
+        inputs = np.load(sys.argv[1])
+        model = case.compiled(case.{build.__name__}())
+        model.set_weights([inputs[f"w{{i}}"] for i in range(len(model.get_weights()))])
+        stats = model.gradient_statistics(inputs["x"], inputs["y"])
+        np.savez(sys.argv[2], **stats)
+        """
+    )
+    env = {"KERAS_BACKEND": "tensorflow", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "inputs.npz"), str(tmp_path / "tf.npz")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patience.seconds(3),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tensorflow = dict(np.load(tmp_path / "tf.npz"))
+    assert_matches_oracle(stats, tensorflow)
