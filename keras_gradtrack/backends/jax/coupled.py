@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import keras
 from jax.extend.core import Var
 
-from keras_gradtrack._keras_seam import flatten_layers
+from keras_gradtrack._keras_seam import flatten_layers, functional_inputs
 from keras_gradtrack._patching import patched_each
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.rules import LayerPrimitives, f32
@@ -101,6 +101,7 @@ def coupled_positions(
     """
     layers = mixing_layers(model) if getattr(model, "track_batch_normalization", False) else []
     if not layers:
+        model.__dict__[_COUPLED_NAMES_KEY] = frozenset()
         return []
     mixing: set[int] = set()
 
@@ -124,10 +125,32 @@ def coupled_positions(
 
 
 def coupled_path(model: Any, tracked: TrackedLayer) -> str:
-    """The summary's path of a layer: coupled in the model's last traced step, else its own."""
-    if tracked.name in model.__dict__.get(_COUPLED_NAMES_KEY, frozenset()):
-        return COUPLED_PATH
-    return tracked.path
+    """The summary's path of a layer: `COUPLED_PATH` where the model's last traced step
+    coupled it (before any, where a trace on its functional inputs does), else its own."""
+    names = model.__dict__.get(_COUPLED_NAMES_KEY)
+    if names is None:
+        names = functional_coupling(model)
+    return COUPLED_PATH if tracked.name in names else tracked.path
+
+
+def functional_coupling(model: Any) -> frozenset[str]:
+    """The names of the coupled layers, from an abstract trace of the model on zeros shaped
+    as its functional inputs (two examples where the batch size is unknown); empty for a
+    model without such inputs, or not opted in."""
+    inputs = functional_inputs(model)
+    if inputs is None or not getattr(model, "track_batch_normalization", False):
+        return frozenset()
+    x = keras.tree.map_structure(
+        lambda t: jnp.zeros([2 if d is None else d for d in t.shape], t.dtype), inputs
+    )
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def forward(trainable: Any) -> Any:
+        return model.stateless_call(trainable, non_trainable, x, training=True)
+
+    plan = model.gradient_tracking_plan()
+    coupled = coupled_positions(model, plan, forward, [v.value for v in model.trainable_variables])
+    return frozenset(plan[index].name for index in coupled)
 
 
 def refuse_coupling_in_own_step(model: Any) -> None:
