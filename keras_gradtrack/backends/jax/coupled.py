@@ -8,13 +8,16 @@ batch statistics (`sum_i g_i = G` without penalties), as on TensorFlow
 (`engine/coupled.py`, the definition both engines share). Which layers this touches:
 
 * a layer whose variables reach the input of a BatchNormalization call in training
-  mode, and that BatchNormalization itself, is *coupled*: its gradient for example
-  i collects every example's share. Its rows are those of the Jacobian of the
+  mode is *coupled* (and so is a BatchNormalization in training without a rule, batch
+  renormalization, or called with a mask): its gradient for example i collects every
+  example's share. Its rows are those of the Jacobian of the
   per-example loss vector `l` of the full-batch forward: one `jax.vjp` of `l` with
   respect to the coupled variables, pulled back along each example's unit vector,
   vectorized `batch_normalization_chunk_size` examples at a time and reduced to
   `sq_norm` and `dot` inside each chunk (memory: chunk x the coupled parameters).
-* every other layer keeps its rule: its output gradient is example i's alone.
+* every other layer keeps its rule: its output gradient is example i's alone. That
+  includes a BatchNormalization's own gamma and beta when no other one follows
+  (`batch_normalization.py`).
 
 Which variables reach a BatchNormalization's input is read from the traced
 forward pass (`jax.make_jaxpr`), an over-approximation at worst (a layer counted
@@ -61,14 +64,16 @@ def mixing_layers(model: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def recording_mixing_calls(layers: Sequence[Any]) -> Iterator[list[tuple[Any, Any]]]:
-    """Records `(layer, input)` of each call of `layers` that uses the batch's moments."""
-    calls: list[tuple[Any, Any]] = []
+def recording_mixing_calls(layers: Sequence[Any]) -> Iterator[list[tuple[Any, Any, bool]]]:
+    """Records `(layer, input, masked)` of each call of `layers` that uses the batch's
+    moments."""
+    calls: list[tuple[Any, Any, bool]] = []
 
     def recording(layer: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         def recording_call(*args: Any, **kwargs: Any) -> Any:
             if uses_batch_statistics(layer, args, kwargs):
-                calls.append((layer, args[0] if args else kwargs["inputs"]))
+                masked = (args[2] if len(args) > 2 else kwargs.get("mask")) is not None
+                calls.append((layer, args[0] if args else kwargs["inputs"], masked))
             return call(*args, **kwargs)
 
         return recording_call
@@ -103,13 +108,19 @@ def coupled_positions(
     if not layers:
         model.__dict__[_COUPLED_NAMES_KEY] = frozenset()
         return []
-    mixing: set[int] = set()
+    # The mixing layers whose own gamma and beta are rows too: those without a rule,
+    # and those called with a mask (the probes keep a call's keyword arguments from a
+    # first trace, so the rule would not see the step's mask).
+    rows: set[int] = set()
 
     def mixing_inputs(trainable: Any) -> list[Any]:
         with recording_mixing_calls(layers) as calls:
             forward(trainable)
-        mixing.update(id(layer) for layer, _ in calls)
-        return [inputs for _, inputs in calls]
+        rules = {id(tracked.layer): tracked.rule for tracked in plan}
+        rows.update(
+            id(layer) for layer, _, masked in calls if masked or rules.get(id(layer)) is None
+        )
+        return [inputs for _, inputs, _ in calls]
 
     specs = [jax.ShapeDtypeStruct(jnp.shape(t), jnp.result_type(t)) for t in trainable]
     reaching = reaching_inputs(jax.make_jaxpr(mixing_inputs)(specs).jaxpr)
@@ -117,8 +128,7 @@ def coupled_positions(
     coupled = [
         index
         for index, tracked in enumerate(plan)
-        if id(tracked.layer) in mixing
-        or any(position[id(v)] in reaching for v in tracked.variables)
+        if id(tracked.layer) in rows or any(position[id(v)] in reaching for v in tracked.variables)
     ]
     model.__dict__[_COUPLED_NAMES_KEY] = frozenset(plan[index].name for index in coupled)
     return coupled
@@ -160,8 +170,8 @@ def refuse_coupling_in_own_step(model: Any) -> None:
             "On the JAX backend, per-example gradients through BatchNormalization's batch "
             "statistics (`track_batch_normalization`) are computed in Keras' own "
             "train_step with Keras' compute_loss; this model's step or loss is its own. "
-            f"Freeze the BatchNormalization layers ({[layer.name for layer in mixing_layers(model)]}) "
-            f"or train with KERAS_BACKEND=tensorflow. Backend: {BACKEND}"
+            f"Freeze the BatchNormalization layers or train with KERAS_BACKEND=tensorflow. "
+            f"Received: {BACKEND} backend, layers {[layer.name for layer in mixing_layers(model)]}"
         )
 
 
