@@ -79,8 +79,8 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
 
     Raises:
         ValueError: For a layer the JAX engine refuses (recurrent, BatchNormalization
-            in training unless the model opts in, activity regularizers), trainable variables of the model
-            itself, or a model without trainable variables.
+            in training unless the model opts in, activity regularizers), trainable
+            variables of the model itself, or a model without trainable variables.
     """
     if own_trainable_variables(model):
         raise ValueError(

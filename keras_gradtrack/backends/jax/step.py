@@ -230,6 +230,8 @@ def tracked_train_step(
     probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
     exact_factor = factor if added_losses == [0] else None
+    # Through BatchNormalization in training (opted in): the rows of the losses' Jacobian,
+    # from the step's own forward pass (its aux: the unscaled loss, then `y_pred`).
     coupled = coupled_columns(
         model,
         plan,
