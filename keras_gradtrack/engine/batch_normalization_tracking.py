@@ -9,6 +9,8 @@ Both engines' mixins read these settings (TensorFlow: `engine/coupled.py`; JAX:
 
 from __future__ import annotations
 
+from typing import Any
+
 # Examples per vectorized chunk unless the model says otherwise.
 DEFAULT_CHUNK_SIZE = 8
 
@@ -18,6 +20,9 @@ class BatchNormalizationTracking:
 
     Both are read when a tracked step is traced; changing one traces it again.
     """
+
+    # Keras' trainer's compiled step (None until made), which the settings reset.
+    train_function: Any
 
     @property
     def track_batch_normalization(self) -> bool:

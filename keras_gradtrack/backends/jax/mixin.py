@@ -327,7 +327,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients, BatchNor
         tracking = self.gradient_tracking
         # Under keras.distribution, the state keeps its shardings, as in Keras' trainer.
         out_shardings = step_out_shardings(self)
-        untracked = self._compiled(self.train_step, out_shardings)  # type: ignore[attr-defined]
+        untracked = self._compiled(self.train_step, out_shardings)
         tracked_by_statistics: dict[tuple[str, ...], Any] = {}
 
         def one_step(state: Any, batch: Any) -> Any:
