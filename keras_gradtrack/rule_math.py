@@ -24,7 +24,7 @@ import dataclasses
 import math
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
@@ -374,6 +374,14 @@ def spans_trailing_axes(layer: Any) -> bool:
         return sorted(axes) == list(range(-len(axes), 0))
     resolved = sorted(a % rank for a in axes)
     return 0 not in resolved and resolved == list(range(rank - len(resolved), rank))
+
+
+def uses_batch_statistics(layer: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call of BatchNormalization's `call(inputs, training=None, mask=None)`
+    normalizes with the batch's moments: Keras' condition, `training and self.trainable`
+    (the one call that mixes examples: both engines couple the layers before it)."""
+    training = args[1] if len(args) > 1 else kwargs.get("training")
+    return bool(training) and bool(layer.trainable)
 
 
 def epsilon_of(layer: Any) -> float:

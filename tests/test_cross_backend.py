@@ -52,7 +52,6 @@ def differs(reason: str) -> Any:
 
 EXPECTED_FAILURES = {
     "several_outputs": refused("a model compiled with one loss per output"),
-    "batch_normalization": refused("track_batch_normalization"),
     "dropout_in_training": differs(
         "Keras draws dropout masks with each backend's own random generator, seeds alike"
     ),

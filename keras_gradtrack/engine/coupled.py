@@ -38,13 +38,11 @@ import tensorflow as tf
 
 from keras_gradtrack._keras_seam import flatten_layers
 from keras_gradtrack._patching import patched_each
+from keras_gradtrack.engine.batch_normalization_tracking import DEFAULT_CHUNK_SIZE
 from keras_gradtrack.engine.checks import captured_handle
 from keras_gradtrack.engine.plan import EXAMPLE_MIXING_LAYERS, TrackedLayer
 from keras_gradtrack.rules.batch_normalization import uses_batch_statistics
 from keras_gradtrack.rules.contract import LayerPrimitives, Reference
-
-# Examples per vectorized chunk unless the model says otherwise.
-DEFAULT_CHUNK_SIZE = 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,8 @@
   decision, `gradient_statistics`, `make_private`.
 * `GradientTrackingModel`, `GradientTrackingSequential` (`model.py`): the mixin on
   `keras.Model` and `keras.Sequential`, registered for `keras.models.load_model`.
-* `BatchNormalizationTracking` (`batch_normalization_tracking.py`): the opt-in
-  settings of BatchNormalization in training.
+* `BatchNormalizationTracking` (`engine/batch_normalization_tracking.py`, shared
+  with the JAX engine): the opt-in settings of BatchNormalization in training.
 * `convert_to_group_normalization` (`convert.py`): a model with BatchNormalization
   replaced, for exact per-example statistics.
 
@@ -18,7 +18,7 @@ model = GradientTrackingModel(inputs, outputs)
 ```
 """
 
-from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
+from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.models.convert import convert_to_group_normalization
 from keras_gradtrack.models.model import GradientTrackingModel, GradientTrackingSequential
 from keras_gradtrack.models.trainer import GradientTrackingMixin

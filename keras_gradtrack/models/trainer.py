@@ -21,6 +21,7 @@ from keras_gradtrack.engine import (
     private_training,
     tracking,
 )
+from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
@@ -36,7 +37,6 @@ from keras_gradtrack.engine.plan import Plan, build_plan
 from keras_gradtrack.engine.private_model import PrivateTraining
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients, first_data_batch
 from keras_gradtrack.engine.step import tracked_gradient
-from keras_gradtrack.models.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.statistics import Statistic
 
 

@@ -16,12 +16,12 @@ also multiply gamma; such a layer is computed that way too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from keras_gradtrack._keras_seam import batch_moments
+from keras_gradtrack.rule_math import uses_batch_statistics
 from keras_gradtrack.rules.contract import LayerCall, Rule
 from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example, scale_of_moments
 
@@ -29,13 +29,6 @@ from keras_gradtrack.rules.ops import StatisticsFn, normalization_per_example, s
 def batch_normalization_applies(layer: Any) -> bool:
     """The rule covers BatchNormalization without batch renormalization."""
     return not getattr(layer, "renorm", False)
-
-
-def uses_batch_statistics(layer: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call of `layer.call(inputs, training=None, mask=None)` normalizes with the
-    batch's moments: Keras' condition, `training and self.trainable`."""
-    training = args[1] if len(args) > 1 else kwargs.get("training")
-    return bool(training) and bool(layer.trainable)
 
 
 def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:

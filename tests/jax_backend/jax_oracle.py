@@ -50,21 +50,46 @@ def _loss(
     return value + sum(losses) if penalties else value
 
 
-def per_example_gradients(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-    """`l` (B,), `g` per layer (B, n_k) and `G` per layer, from one `jax.grad` per example."""
+def take(data: Any, i: int) -> Any:
+    return keras.tree.map_structure(lambda a: np.asarray(a)[i : i + 1], data)
+
+
+def full_batch_losses(model: Any, trainable: Any, x: Any, y: Any, sample_weight: Any) -> Any:
+    """`(B,)`: each example's compiled loss on its row of the full batch's forward pass
+    (in training mode, where BatchNormalization normalizes with the batch's moments)."""
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+    loss = _loss_function(model)
+    batch = len(keras.tree.flatten(x)[0])
+    values = []
+    for i in range(batch):
+        weight = None if sample_weight is None else take(sample_weight, i)
+        values.append(loss(take(y, i), y_pred[i : i + 1], sample_weight=weight))
+    return jax.numpy.stack(values)
+
+
+def per_example_gradients(
+    model: Any, x: Any, y: Any, sample_weight: Any = None, full_batch: bool = False
+) -> dict[str, Any]:
+    """`l` (B,), `g` per layer (B, n_k) and `G` per layer, from one `jax.grad` per example
+    (`full_batch`: the rows of `jax.jacrev` of the full batch's per-example losses, the
+    other examples held fixed)."""
     trainable = [v.value for v in model.trainable_variables]
     batch = len(keras.tree.flatten(x)[0])
 
-    def take(data: Any, i: int) -> Any:
-        return keras.tree.map_structure(lambda a: np.asarray(a)[i : i + 1], data)
-
     losses, rows = [], []
-    value_and_grad = jax.value_and_grad(lambda t, xi, yi, wi: _loss(model, t, xi, yi, wi))
-    for i in range(batch):
-        weight = None if sample_weight is None else take(sample_weight, i)
-        loss, grads = value_and_grad(trainable, take(x, i), take(y, i), weight)
-        losses.append(float(loss))
-        rows.append([np.asarray(g, np.float64).ravel() for g in grads])
+    if full_batch:
+        values = full_batch_losses(model, trainable, x, y, sample_weight)
+        jacobian = jax.jacrev(lambda t: full_batch_losses(model, t, x, y, sample_weight))(trainable)
+        losses = [float(v) for v in values]
+        rows = [[np.asarray(j[i], np.float64).ravel() for j in jacobian] for i in range(batch)]
+    else:
+        value_and_grad = jax.value_and_grad(lambda t, xi, yi, wi: _loss(model, t, xi, yi, wi))
+        for i in range(batch):
+            weight = None if sample_weight is None else take(sample_weight, i)
+            loss, grads = value_and_grad(trainable, take(x, i), take(y, i), weight)
+            losses.append(float(loss))
+            rows.append([np.asarray(g, np.float64).ravel() for g in grads])
     full = jax.grad(lambda t: _loss(model, t, x, y, sample_weight, penalties=True))(trainable)
     columns = layer_columns(model)
     g = [np.stack([np.concatenate([row[p] for p in ps]) for row in rows]) for ps in columns]
@@ -97,9 +122,12 @@ def target_gradients(model: Any, x: Any, y: Any) -> np.ndarray:
     return np.stack(rows)
 
 
-def oracle_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-    """Every built-in statistic by its definition."""
-    found = per_example_gradients(model, x, y, sample_weight)
+def oracle_statistics(
+    model: Any, x: Any, y: Any, sample_weight: Any = None, full_batch: bool = False
+) -> dict[str, Any]:
+    """Every built-in statistic by its definition (`full_batch`: see
+    `per_example_gradients`)."""
+    found = per_example_gradients(model, x, y, sample_weight, full_batch)
     g, G = np.concatenate(found["g"], axis=1), np.concatenate(found["G"])
     batch = g.shape[0]
     with np.errstate(invalid="ignore", divide="ignore"):

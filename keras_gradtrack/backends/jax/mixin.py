@@ -13,6 +13,7 @@ import numpy as np
 from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
+from keras_gradtrack.backends.jax.coupled import coupled_path
 from keras_gradtrack.backends.jax.distribution import (
     refuse_untracked_distribution,
     step_out_shardings,
@@ -35,6 +36,7 @@ from keras_gradtrack.backends.jax.step import (
     unpacked,
 )
 from keras_gradtrack.engine import private_training
+from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine.device_rows import DeviceRows
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
@@ -53,7 +55,9 @@ def unsupported(what: str) -> NotImplementedError:
     )
 
 
-class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, TracksGradients):
+class GradientTrackingMixin(
+    JaxPrivateTraining, ExampleIndependenceChecks, TracksGradients, BatchNormalizationTracking
+):
     """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -77,11 +81,13 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
     log is the one a single device writes (`distribution.py`).
 
     After `make_private(...)`, every step is a DP-SGD step (`private_step.py`).
+    BatchNormalization in training is tracked with the model's opt-in,
+    `track_batch_normalization` (`coupled.py`), in Keras' own step.
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
-    layers other than SimpleRNN, LSTM and GRU, BatchNormalization in training,
-    `keras.distribution` over several processes, loss scaling, adaptive clipping in
-    private training, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
+    layers other than SimpleRNN, LSTM and GRU, `keras.distribution` over several
+    processes, loss scaling, adaptive clipping in private training, opt-in statistics
+    (`pairwise_cosine`, `input_grad_norm`).
 
     Example:
 
@@ -161,8 +167,9 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Track
         rows = [("column", "layer", "class", "params", "path")]
         for column, tracked in enumerate(self.gradient_tracking_plan()):
             params = sum(math.prod(v.shape) for v in tracked.variables)
+            path = coupled_path(self, tracked)
             rows.append(
-                (str(column), tracked.name, type(tracked.layer).__name__, str(params), tracked.path)
+                (str(column), tracked.name, type(tracked.layer).__name__, str(params), path)
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

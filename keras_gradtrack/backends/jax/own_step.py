@@ -37,6 +37,7 @@ import keras
 
 from keras_gradtrack._keras_seam import update_metrics_variables
 from keras_gradtrack.backends.jax.batchless import batchless_calls
+from keras_gradtrack.backends.jax.coupled import refuse_coupling_in_own_step
 from keras_gradtrack.backends.jax.losses import (
     LossRecorder,
     loss_factor,
@@ -185,6 +186,7 @@ def tracked_call(
     With the step's `data` and `arguments_of` (data -> `args` without the first),
     layer calls on values that do not depend on the batch are made on them broadcast
     to it (`batchless.py`)."""
+    refuse_coupling_in_own_step(model)
     trainable, rest = args[0], args[1:]
     expected = [tuple(v.shape) for v in model.trainable_variables]
     if not isinstance(trainable, (list, tuple)) or [tuple(t.shape) for t in trainable] != expected:

@@ -45,18 +45,23 @@ class TrackedLayer:
         return f"rule:{self.rule.name}" if self.rule else FALLBACK_PATH
 
 
-def refusal(layer: Any) -> str:
-    """Why the JAX engine cannot track the layer yet (empty when it can)."""
+def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
+    """Why the JAX engine cannot track the layer yet (empty when it can; a trainable
+    BatchNormalization can be, when the model opts in: `backends/jax/coupled.py`)."""
     name = f"Layer {layer.name!r} ({type(layer).__name__})"
     if isinstance(layer, keras.layers.RNN):
         return recurrent_refusal(layer)
     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+        if track_batch_normalization:
+            return ""
         return (
             f"{name} normalizes with statistics of the whole batch in training, so example "
-            "i's loss depends on the other examples; its tracking "
-            "(`track_batch_normalization`) runs on the TensorFlow backend only. On the JAX "
-            "backend, freeze it (`layer.trainable = False`: exact and cheap) or replace it "
-            "with GroupNormalization."
+            "i's loss depends on the other examples. For exact per-example gradients "
+            "through the batch statistics (the other examples held fixed), set "
+            "`model.track_batch_normalization = True` (about one extra backward pass per "
+            "example through the layers before the last BatchNormalization); or freeze it "
+            "(`layer.trainable = False`: exact and cheap), or replace it with "
+            "GroupNormalization (`kgt.convert_to_group_normalization`)."
         )
     if getattr(layer, "activity_regularizer", None) is not None and own_trainable_variables(layer):
         return (
@@ -71,7 +76,8 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
 
     Raises:
         ValueError: For a layer the JAX engine refuses (recurrent layers off their
-            rule, BatchNormalization in training, activity regularizers), trainable
+            rule, BatchNormalization in training unless the model opts in, activity
+            regularizers), trainable
             variables of the model itself, or a model without trainable variables.
     """
     if own_trainable_variables(model):
@@ -82,8 +88,9 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     groups = []
     cells: set[int] = set()  # those whose variables their recurrent layer's column holds
+    opted_in = bool(getattr(model, "track_batch_normalization", False))
     for layer in flatten_layers(model, include_self=False):
-        reason = refusal(layer)
+        reason = refusal(layer, opted_in)
         if reason:
             raise ValueError(reason)
         if id(layer) in cells:

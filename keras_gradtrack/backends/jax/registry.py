@@ -29,6 +29,7 @@ from typing import Any
 
 import keras
 
+from keras_gradtrack.backends.jax.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.backends.jax.conv import CONV, DEPTHWISE_CONV, SEPARABLE_CONV
 from keras_gradtrack.backends.jax.normalization import (
     GROUP_NORMALIZATION,
@@ -67,6 +68,7 @@ REGISTRY: dict[type, JaxRule] = {
     keras.layers.LSTM: RECURRENT,
     keras.layers.GRU: RECURRENT,
     keras.layers.RNN: RECURRENT,
+    keras.layers.BatchNormalization: BATCH_NORMALIZATION,
 }
 
 # Rules for configurations the class's own rule leaves out: LoRA (`enable_lora`).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +32,7 @@ from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_vari
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
+from keras_gradtrack.backends.jax.coupled import coupled_columns, coupled_positions
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import (
@@ -230,7 +231,17 @@ def tracked_train_step(
     probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
     exact_factor = factor if added_losses == [0] else None
-    columns = layer_columns(model, plan, probed, factor, exact_factor)
+    # Through BatchNormalization in training (opted in): the rows of the losses' Jacobian,
+    # from the step's own forward pass (its aux: the unscaled loss, then `y_pred`).
+    coupled = coupled_columns(
+        model,
+        plan,
+        coupled_positions(model, plan, lambda t: forward(t, None), trainable),
+        lambda t: per_example_losses(model, y, forward(t, None)[1][0][1], sample_weight)[0],
+        trainable,
+        grads,
+    )
+    columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
     rows: dict[str, Any] = {}
     if private is not None:
         grads, rows = private(
@@ -243,7 +254,7 @@ def tracked_train_step(
         model, new_metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
     payload = columns_payload(statistics, columns, losses, batch)
-    payload.update(requested_rows(model, plan, requests, probed, factor))
+    payload.update(requested_rows(model, plan, requests, probed, factor, coupled))
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
     return {**logs, **rows, PAYLOAD_KEY: payload}, state
@@ -279,11 +290,13 @@ def statistics_payload(
     factor: Any,
     exact_factor: Any,
     batch: int,
+    coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
 ) -> dict[str, Any]:
     """Each statistic of the step, from its probed pass, the per-example losses `l_i`
     `(B,)` and the factor `c` (`loss = c sum_i l_i`, plus penalties unless
-    `exact_factor`, which is then `c`)."""
-    columns = layer_columns(model, plan, probed, factor, exact_factor)
+    `exact_factor`, which is then `c`); the columns in `coupled` (by position in the
+    plan) are given (`coupled.py`)."""
+    columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
     return columns_payload(statistics, columns, losses, batch)
 
 
@@ -296,9 +309,11 @@ def layer_columns(
     probed: ProbedPass,
     factor: Any,
     exact_factor: Any,
+    coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
 ) -> Columns:
     """Per tracked layer, its primitives and `||G^(k)||^2` (`layer_primitives`), from
-    the probed pass and the loss's factor `c` (see `statistics_payload`)."""
+    the probed pass and the loss's factor `c` (see `statistics_payload`); the columns
+    in `coupled` (by position in the plan) are given (`coupled.py`)."""
     lookup_value = value_lookup(model, probed)
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
 
@@ -306,7 +321,12 @@ def layer_columns(
         return probed.grads[position[id(variable)]]
 
     columns = []
-    for layer_calls, tracked in zip(probed_calls(probed, factor, len(plan)), plan):
+    for index, (layer_calls, tracked) in enumerate(
+        zip(probed_calls(probed, factor, len(plan)), plan)
+    ):
+        if coupled and index in coupled:
+            columns.append(coupled[index])
+            continue
         if exact_factor is not None and len(layer_calls) == 1:
             layer_calls = [dataclasses.replace(layer_calls[0], reference_factor=exact_factor)]
         columns.append(
@@ -360,10 +380,25 @@ def requested_rows(
     requests: Sequence[Any],
     probed: ProbedPass,
     factor: Any,
+    coupled: Mapping[int, Any] | None = None,
 ) -> dict[str, Any]:
-    """The rows of the loggers' attribution requests (`attribution.py`), by key."""
+    """The rows of the loggers' attribution requests (`attribution.py`), by key.
+
+    Raises:
+        ValueError: When a tracked layer's gradients run through a
+            BatchNormalization's batch statistics (`coupled`), as on TensorFlow.
+    """
     if not requests:
         return {}
+    if coupled:
+        names = [plan[index].name for index in sorted(coupled)]
+        raise ValueError(
+            "Targets and gradient sketches pair each example's gradient of a layer with "
+            "the targets' gradients of that layer alone, but the gradients of layers "
+            f"{names} run through a BatchNormalization's batch statistics "
+            "(model.track_batch_normalization). Freeze the BatchNormalization layers or "
+            "use kgt.convert_to_group_normalization(model) to log targets or sketches."
+        )
 
     def target_losses(y: Any, y_pred: Any) -> Any:
         return per_example_losses(model, y, y_pred, None)[0]

@@ -3,11 +3,16 @@
 In training mode BatchNormalization normalizes with the batch's statistics, so
 example i's loss depends on the other examples. Unless the model opts in, the
 first tracked step is refused with the choices (see docs/batch_normalization.md).
+Both engines' mixins read these settings (TensorFlow: `engine/coupled.py`; JAX:
+`backends/jax/coupled.py`).
 """
 
 from __future__ import annotations
 
-from keras_gradtrack.engine.coupled import DEFAULT_CHUNK_SIZE
+from typing import Any
+
+# Examples per vectorized chunk unless the model says otherwise.
+DEFAULT_CHUNK_SIZE = 8
 
 
 class BatchNormalizationTracking:
@@ -15,6 +20,9 @@ class BatchNormalizationTracking:
 
     Both are read when a tracked step is traced; changing one traces it again.
     """
+
+    # Keras' trainer's compiled step (None until made), which the settings reset.
+    train_function: Any
 
     @property
     def track_batch_normalization(self) -> bool:

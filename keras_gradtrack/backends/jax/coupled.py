@@ -1,0 +1,236 @@
+"""Exact per-example gradients on JAX where BatchNormalization in training couples examples.
+
+In training mode BatchNormalization normalizes with the batch's mean and variance,
+so example i's loss depends on the outputs of every example at the layers before
+it. With the model's opt-in (`model.track_batch_normalization = True`), `g_i = d
+l_i / d theta` holds the other examples fixed and includes the terms through the
+batch statistics (`sum_i g_i = G` without penalties), as on TensorFlow
+(`engine/coupled.py`, the definition both engines share). Which layers this touches:
+
+* a layer whose variables reach the input of a BatchNormalization call in training
+  mode is *coupled* (and so is a BatchNormalization in training without a rule, batch
+  renormalization, or called with a mask): its gradient for example i collects every
+  example's share. Its rows are those of the Jacobian of the
+  per-example loss vector `l` of the full-batch forward: one `jax.vjp` of `l` with
+  respect to the coupled variables, pulled back along each example's unit vector,
+  vectorized `batch_normalization_chunk_size` examples at a time and reduced to
+  `sq_norm` and `dot` inside each chunk (memory: chunk x the coupled parameters).
+* every other layer keeps its rule: its output gradient is example i's alone. That
+  includes a BatchNormalization's own gamma and beta when no other one follows
+  (`batch_normalization.py`).
+
+Which variables reach a BatchNormalization's input is read from the traced
+forward pass (`jax.make_jaxpr`), an over-approximation at worst (a layer counted
+coupled is still exact, only slower).
+
+Example:
+
+```python
+model.track_batch_normalization = True
+model.gradient_tracking_summary()   # conv0 ... coupled (per-example vjp through ...)
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.extend.core import Var
+
+from keras_gradtrack._keras_seam import flatten_layers, functional_inputs
+from keras_gradtrack._patching import patched_each
+from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.rules import LayerPrimitives, f32
+from keras_gradtrack.engine.batch_normalization_tracking import DEFAULT_CHUNK_SIZE
+from keras_gradtrack.rule_math import uses_batch_statistics
+
+COUPLED_PATH = "coupled (per-example vjp through BatchNormalization's batch statistics)"
+# Where the model keeps the names of the layers its last traced step coupled.
+_COUPLED_NAMES_KEY = "_coupled_layer_names"
+
+
+def mixing_layers(model: Any) -> list[Any]:
+    """The model's trainable BatchNormalization layers (they mix examples in training)."""
+    return [
+        layer
+        for layer in flatten_layers(model, include_self=False)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+    ]
+
+
+@contextlib.contextmanager
+def recording_mixing_calls(layers: Sequence[Any]) -> Iterator[list[tuple[Any, Any, bool]]]:
+    """Records `(layer, input, masked)` of each call of `layers` that uses the batch's
+    moments."""
+    calls: list[tuple[Any, Any, bool]] = []
+
+    def recording(layer: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+        def recording_call(*args: Any, **kwargs: Any) -> Any:
+            if uses_batch_statistics(layer, args, kwargs):
+                masked = (args[2] if len(args) > 2 else kwargs.get("mask")) is not None
+                calls.append((layer, args[0] if args else kwargs["inputs"], masked))
+            return call(*args, **kwargs)
+
+        return recording_call
+
+    # An instance attribute shadows the class's `call` (as the probes do).
+    with patched_each([(layer, "call", recording(layer, layer.call)) for layer in layers]):
+        yield calls
+
+
+def reaching_inputs(jaxpr: Any) -> set[int]:
+    """Positions of the jaxpr's inputs that some of its outputs depend on (an equation's
+    outputs depend on all of its inputs: nested jaxprs are not looked into)."""
+    depends: dict[Any, frozenset[int]] = {v: frozenset([i]) for i, v in enumerate(jaxpr.invars)}
+    for equation in jaxpr.eqns:
+        sources = frozenset().union(
+            *(depends.get(v, frozenset()) for v in equation.invars if isinstance(v, Var))
+        )
+        for out in equation.outvars:
+            depends[out] = sources
+    return set().union(*(depends.get(v, frozenset()) for v in jaxpr.outvars if isinstance(v, Var)))
+
+
+def coupled_positions(
+    model: Any, plan: Sequence[TrackedLayer], forward: Callable[[Any], Any], trainable: Any
+) -> list[int]:
+    """Positions in `plan` of the layers that BatchNormalization in training couples.
+
+    `forward(trainable)` runs the step's forward pass (its outputs are not used).
+    Empty unless the model opted in; the names are kept for the summary.
+    """
+    layers = mixing_layers(model) if getattr(model, "track_batch_normalization", False) else []
+    if not layers:
+        model.__dict__[_COUPLED_NAMES_KEY] = frozenset()
+        return []
+    # The mixing layers whose own gamma and beta are rows too: those without a rule,
+    # and those called with a mask (the probes keep a call's keyword arguments from a
+    # first trace, so the rule would not see the step's mask).
+    rows: set[int] = set()
+
+    def mixing_inputs(trainable: Any) -> list[Any]:
+        with recording_mixing_calls(layers) as calls:
+            forward(trainable)
+        rules = {id(tracked.layer): tracked.rule for tracked in plan}
+        rows.update(
+            id(layer) for layer, _, masked in calls if masked or rules.get(id(layer)) is None
+        )
+        return [inputs for _, inputs, _ in calls]
+
+    specs = [jax.ShapeDtypeStruct(jnp.shape(t), jnp.result_type(t)) for t in trainable]
+    reaching = reaching_inputs(jax.make_jaxpr(mixing_inputs)(specs).jaxpr)
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    coupled = [
+        index
+        for index, tracked in enumerate(plan)
+        if id(tracked.layer) in rows or any(position[id(v)] in reaching for v in tracked.variables)
+    ]
+    model.__dict__[_COUPLED_NAMES_KEY] = frozenset(plan[index].name for index in coupled)
+    return coupled
+
+
+def coupled_path(model: Any, tracked: TrackedLayer) -> str:
+    """The summary's path of a layer: `COUPLED_PATH` where the model's last traced step
+    coupled it (before any, where a trace on its functional inputs does), else its own."""
+    names = model.__dict__.get(_COUPLED_NAMES_KEY)
+    if names is None:
+        names = functional_coupling(model)
+    return COUPLED_PATH if tracked.name in names else tracked.path
+
+
+def functional_coupling(model: Any) -> frozenset[str]:
+    """The names of the coupled layers, from an abstract trace of the model on zeros shaped
+    as its functional inputs (two examples where the batch size is unknown); empty for a
+    model without such inputs, or not opted in."""
+    inputs = functional_inputs(model)
+    if inputs is None or not getattr(model, "track_batch_normalization", False):
+        return frozenset()
+    x = keras.tree.map_structure(
+        lambda t: jnp.zeros([2 if d is None else d for d in t.shape], t.dtype), inputs
+    )
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def forward(trainable: Any) -> Any:
+        return model.stateless_call(trainable, non_trainable, x, training=True)
+
+    plan = model.gradient_tracking_plan()
+    coupled = coupled_positions(model, plan, forward, [v.value for v in model.trainable_variables])
+    return frozenset(plan[index].name for index in coupled)
+
+
+def refuse_coupling_in_own_step(model: Any) -> None:
+    """Raises for a model opted in to BatchNormalization tracking whose step is its own."""
+    if getattr(model, "track_batch_normalization", False) and mixing_layers(model):
+        raise ValueError(
+            "On the JAX backend, per-example gradients through BatchNormalization's batch "
+            "statistics (`track_batch_normalization`) are computed in Keras' own "
+            "train_step with Keras' compute_loss; this model's step or loss is its own. "
+            f"Freeze the BatchNormalization layers or train with KERAS_BACKEND=tensorflow. "
+            f"Received: {BACKEND} backend, layers {[layer.name for layer in mixing_layers(model)]}"
+        )
+
+
+def coupled_columns(
+    model: Any,
+    plan: Sequence[TrackedLayer],
+    coupled: Sequence[int],
+    per_example_losses: Callable[[Any], Any],
+    trainable: Sequence[Any],
+    grads: Sequence[Any],
+) -> dict[int, tuple[LayerPrimitives, Any]]:
+    """`{position in plan: (primitives, ||G^(k)||^2)}` of the coupled layers.
+
+    Args:
+        model: The model.
+        plan: The tracked layers.
+        coupled: Positions in `plan` of the coupled layers (`coupled_positions`).
+        per_example_losses: The step's `(B,)` losses `l` as a function of the
+            trainable values (the step's own forward pass, the same random draws).
+        trainable: The values of `model.trainable_variables`.
+        grads: The batch gradient `G`, per trainable variable.
+    """
+    if not coupled:
+        return {}
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    slots = [[position[id(v)] for v in plan[index].variables] for index in coupled]
+    flat_slots = [slot for layer_slots in slots for slot in layer_slots]
+
+    def losses_of(values: Sequence[Any]) -> Any:
+        current = list(trainable)
+        for slot, value in zip(flat_slots, values):
+            current[slot] = value
+        return f32(per_example_losses(current))
+
+    losses, pullback = jax.vjp(losses_of, [trainable[slot] for slot in flat_slots])
+    batch = losses.shape[0]
+    references = [[f32(grads[slot]) for slot in layer_slots] for layer_slots in slots]
+
+    def by_layer(gradients: Sequence[Any]) -> list[list[Any]]:
+        found = iter(gradients)
+        return [[f32(next(found)) for _ in layer_slots] for layer_slots in slots]
+
+    def example_columns(index: Any) -> Any:
+        (gradients,) = pullback(jax.nn.one_hot(index, batch, dtype=losses.dtype))
+        columns = []
+        for layer_gradients, layer_references in zip(by_layer(gradients), references):
+            columns.append(sum(jnp.sum(g**2) for g in layer_gradients))
+            columns.append(sum(jnp.sum(g * r) for g, r in zip(layer_gradients, layer_references)))
+        return jnp.stack(columns)
+
+    chunk = int(getattr(model, "batch_normalization_chunk_size", DEFAULT_CHUNK_SIZE))
+    values = jax.lax.map(example_columns, jnp.arange(batch), batch_size=min(chunk, batch))
+    (summed,) = pullback(jnp.ones_like(losses))
+    found = {}
+    for k, (index, layer_summed) in enumerate(zip(coupled, by_layer(summed))):
+        primitives = LayerPrimitives(
+            sq_norm=values[:, 2 * k],
+            dot=values[:, 2 * k + 1],
+            sum_sq_norm=sum(jnp.sum(g**2) for g in layer_summed),
+        )
+        found[index] = (primitives, sum(jnp.sum(r**2) for r in references[k]))
+    return found
