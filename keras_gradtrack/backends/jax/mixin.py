@@ -75,8 +75,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers, BatchNormalization in training, attribution targets and sketches,
-    `keras.distribution` over several processes, loss scaling,
-    `make_private`, opt-in statistics (`pairwise_cosine`, `input_grad_norm`).
+    `keras.distribution` over several processes, `make_private`.
 
     Example:
 
@@ -291,12 +290,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, TracksGradients):
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         if requests:
             raise unsupported("Attribution (`targets=`, `sketch_dim=`)")
-        opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
-        if opt_in:
-            raise unsupported(f"The statistics {opt_in}")
         refuse_untracked_distribution()
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
-            raise unsupported("Tracking with a LossScaleOptimizer")
 
     def _refuse_batchless_rows_mixing(
         self, plan: Sequence[TrackedLayer], state: Any, data: Any

@@ -31,13 +31,21 @@ from keras import tree
 from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.batchless import batchless_calls
+from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
+from keras_gradtrack.backends.jax.opt_in import (
+    InputProbes,
+    input_sq_norm,
+    layer_gram,
+    needs_gram,
+    needs_input_gradients,
+)
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import (
     LayerPrimitives,
     ProbedCall,
     f32,
-    fallback_per_example,
+    summed_per_example,
 )
 from keras_gradtrack.engine.reductions import MEAN_REDUCTIONS
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
@@ -145,14 +153,7 @@ def _layer_primitives(
             return direct, reference_sq_norm
     values = [lookup_value(v) for v in all_variables]
     others = [lookup_value(v) for v in layer.non_trainable_variables]
-    summed: list[Any] | None = None
-    for call in calls:
-        if rule is not None and rule.per_example is not None:
-            grads = rule.per_example(layer, values, call, others)
-        else:
-            grads = fallback_per_example(layer, values, call, others)
-        summed = grads if summed is None else [s + g for s, g in zip(summed, grads)]
-    assert summed is not None
+    summed = summed_per_example(layer, rule, values, calls, others)
     batch = summed[0].shape[0]
     flat = jnp.concatenate([summed[i].reshape(batch, -1) for i in own], axis=1)
     reference = jnp.concatenate([references[i].reshape(-1) for i in own])
@@ -177,13 +178,19 @@ def tracked_train_step(
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     probes = Probes([tracked.layer for tracked in plan])
+    input_probes = InputProbes(model, needs_input_gradients(statistics))
 
     batch = batch_size_of(x)
     batchless: frozenset[int] = frozenset()
 
     def forward(trainable: Any, probe_values: Any, data: Any = data) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with probes.installed(probe_values, batchless, batch):
+        layer_values, input_values = probe_values or (None, None)
+        with (
+            probes.installed(layer_values, batchless, batch),
+            input_probes.installed(input_values),
+            recording_loss_scale(model.optimizer) as scales,
+        ):
             loss, aux = model.compute_loss_and_updates(
                 trainable,
                 non_trainable,
@@ -195,7 +202,8 @@ def tracked_train_step(
                 optimizer_variables=optimizer_variables,
             )
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
-        return loss, (aux, inputs, list(probes.probed))
+        probed = (list(probes.probed), list(input_probes.probed))
+        return loss, (aux, inputs, probed, loss_scale_of(scales))
 
     # Calls on values that do not depend on the batch are made on them broadcast to it.
     batchless = batchless_calls(lambda data: forward(trainable, None, data)[1][1], data)
@@ -213,8 +221,8 @@ def tracked_train_step(
     with patched(model, "stateless_call", recording_stateless_call):
         shapes = jax.eval_shape(lambda t: forward(t, None), trainable)[1][2]
     calls = [(index, kwargs) for index, _, kwargs in probes.calls]
-    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-    (_, (aux, inputs, _)), (grads, probe_grads) = jax.value_and_grad(
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (_, (aux, inputs, _, scale)), (grads, (probe_grads, input_grads)) = jax.value_and_grad(
         forward, argnums=(0, 1), has_aux=True
     )(trainable, zeros)
     unscaled_loss, y_pred, new_non_trainable, new_metrics_variables = aux
@@ -226,7 +234,16 @@ def tracked_train_step(
     )
 
     losses, factor = per_example_losses(model, y, y_pred, sample_weight)
-    probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
+    # The statistics are the unscaled loss's; the optimizer received `grads` as Keras' step.
+    probed = ProbedPass(
+        calls,
+        inputs,
+        unscaled(probe_grads, scale),
+        trainable,
+        non_trainable,
+        unscaled(grads, scale),
+        unscaled(input_grads, scale),
+    )
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
     exact_factor = factor if added_losses == [0] else None
     payload = statistics_payload(
@@ -248,6 +265,8 @@ class ProbedPass:
         trainable: The values of `model.trainable_variables` differentiated at.
         non_trainable: The values of `model.non_trainable_variables`.
         grads: The gradients of the loss with respect to `trainable` (`G`).
+        input_grads: Per probed float input of the model, its probe's gradient
+            (`c d l_i / d x_i`), when a statistic asks for them.
     """
 
     calls: Sequence[tuple[int, dict[str, Any]]]
@@ -256,6 +275,7 @@ class ProbedPass:
     trainable: Sequence[Any]
     non_trainable: Sequence[Any]
     grads: Sequence[Any]
+    input_grads: Sequence[Any] = ()
 
 
 def statistics_payload(
@@ -282,7 +302,7 @@ def statistics_payload(
     def lookup_gradient(variable: Any) -> Any:
         return probed.grads[position[id(variable)]]
 
-    columns = []
+    columns, grams = [], []
     for index, tracked in enumerate(plan):
         layer_calls = [
             ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
@@ -294,6 +314,8 @@ def statistics_payload(
         columns.append(
             layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient, exact_factor)
         )
+        if needs_gram(statistics):
+            grams.append(layer_gram(tracked, layer_calls, lookup_value))
     primitives = StepPrimitives(
         loss=losses,
         sq_norm=jnp.stack([c.sq_norm for c, _ in columns], axis=1),
@@ -301,6 +323,8 @@ def statistics_payload(
         reference_sq_norm=jnp.stack([r for _, r in columns]),
         sum_sq_norm=jnp.stack([c.sum_sq_norm for c, _ in columns]),
         batch_size=jnp.asarray(batch, jnp.float32),
+        gram=sum(grams[1:], grams[0]) if grams else None,
+        input_sq_norm=input_sq_norm(probed.input_grads, factor) if probed.input_grads else None,
     )
     return {s.name: f32(s.compute(primitives)) for s in statistics}
 
