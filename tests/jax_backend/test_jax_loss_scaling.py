@@ -17,9 +17,11 @@ from jax_models import MODELS
 from jax_oracle import (
     assert_matches_oracle,
     assert_trains_as_plain,
+    input_grad_norms,
     oracle_statistics,
     tracked_statistics,
 )
+from test_jax_own_train_step import keras_step_class
 
 import keras_gradtrack as kgt
 
@@ -114,3 +116,20 @@ def test_mixed_float16_statistics_are_close_to_the_float32_oracle() -> None:
 def test_mixed_float16_trains_as_keras_does() -> None:
     tracked, plain = build_mixed(kgt.GradientTrackingModel), build_mixed(keras.Model)
     assert_trains_as_plain(tracked, plain, X, Y, BATCH)
+
+
+def test_an_own_train_step_with_a_loss_scale_optimizer_and_input_gradients() -> None:
+    """A `train_step` of one's own: `tracked_value_and_grad` finds the scale where its
+    function calls `scale_loss` (Keras' `compute_loss_and_updates`)."""
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model_class = keras_step_class(kgt.GradientTrackingModel, tracked=True)
+    model = compiled_with(
+        model_class(inputs, keras.layers.Dense(3)(hidden)), OPTIMIZERS["loss_scale_optimizer"]()
+    )
+    x, y = X[:BATCH], Y[:BATCH]
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    expected["input_grad_norm"] = input_grad_norms(model, x, y)
+    names = ["loss", "grad_norm", "cosine", "batch_grad_norm", "input_grad_norm"]
+    assert_matches_oracle(tracked_statistics(model, x, y, names=names), expected)

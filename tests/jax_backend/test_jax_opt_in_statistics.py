@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -104,3 +105,18 @@ def test_pairwise_cosine_with_integer_inputs() -> None:
     expected = oracle_statistics(model, ids, y)
     stats = model.gradient_statistics(ids, y, statistics=["pairwise_cosine"])
     assert_matches_oracle(stats, expected)
+
+
+def test_the_logger_writes_input_grad_norm(tmp_path: Path) -> None:
+    build, shape = MODELS["mlp"]
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(BATCH, *shape)).astype("float32")
+    y = rng.integers(0, 3, BATCH)
+    model = compiled(build(kgt.GradientTrackingModel))
+    model(x[:1])
+    expected = input_grad_norms(model, x, y)
+    logger = kgt.HDF5GradientLogger(tmp_path / "run.h5", statistics=["loss", "input_grad_norm"])
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[logger])
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        written = log.per_example("input_grad_norm")
+    assert_matches_oracle({"input_grad_norm": written}, {"input_grad_norm": expected})

@@ -70,6 +70,13 @@ class InputProbes:
             return
         with patched(self.model, "call", self._probing_call(self.model.call, probes)):
             yield self
+        if not self.probed:
+            raise ValueError(
+                f"input_grad_norm probes the inputs of model {self.model.name!r}'s call, and "
+                "the differentiated function did not call the model: differentiate a "
+                "function that runs it (`self.stateless_call` or "
+                "`self.compute_loss_and_updates`)."
+            )
 
     def _probing_call(self, original: Callable[..., Any], probes: Any) -> Callable[..., Any]:
         def probing_call(*args: Any, **kwargs: Any) -> Any:

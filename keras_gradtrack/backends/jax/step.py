@@ -4,8 +4,10 @@
 to the trainable variables and to a zero probe on each tracked layer's
 (pre-activation) output (`probes.py`); the layers' inputs come back as auxiliary
 outputs. The optimizer receives the variables' gradients, exactly as in Keras'
-`train_step`; the probes' gradients, divided by the loss's reduction factor, are
-the per-example output gradients the rules need.
+`train_step`; the probes' gradients, divided by the loss's reduction factor (and
+by the loss scale, `loss_scale.py`), are the per-example output gradients the rules
+need. The opt-in statistics add a probe on the model's inputs and Gram matrices
+(`opt_in.py`).
 
 Example:
 
