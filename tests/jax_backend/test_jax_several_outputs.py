@@ -135,3 +135,13 @@ def test_a_tracked_step_of_several_outputs_trains_as_keras_does(optimizer: str) 
     plain = compiled(two_outputs(keras.Model), make())
     history = assert_trains_as_plain(tracked, plain, X, TARGETS, BATCH)
     assert "label_accuracy" in history
+
+
+def test_one_output_in_a_dict() -> None:
+    inputs = keras.Input((5,))
+    model = kgt.GradientTrackingModel(inputs, {"value": keras.layers.Dense(2)(inputs)})
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = X[:BATCH], {"value": TARGETS["value"][:BATCH]}
+    model(x[:1])
+    expected = oracle_statistics(model, x, y, loss=lambda y, p, w: mse(y["value"], p["value"], w))
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)

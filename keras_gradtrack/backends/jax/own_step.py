@@ -337,8 +337,9 @@ def keras_tracked_step(model: keras.Model) -> Callable[..., Any]:
 
 def one_loss_of_one_output(model: keras.Model, data: Any) -> bool:
     """Whether the compiled loss is one loss (not a list or dict of them), without loss
-    weights, and the batch's targets are one tensor (or none)."""
+    weights, and the batch's targets are one tensor (or none; not a list or dict, even
+    of one)."""
     y = keras.utils.unpack_x_y_sample_weight(data)[1]
-    if isinstance(model.loss, (dict, list, tuple)) or len(keras.tree.flatten(y)) > 1:
+    if isinstance(model.loss, (dict, list, tuple)) or keras.tree.is_nested(y):
         return False
     return compiled_loss_weights(model) is None
