@@ -85,6 +85,11 @@ def compiled_loss(model: Any) -> Any:
     return getattr(model, "_compile_loss", None)
 
 
+def compiled_loss_weights(model: Any) -> Any:
+    """The `loss_weights` a model was compiled with (None without them, or uncompiled)."""
+    return getattr(compiled_loss(model), "_user_loss_weights", None)
+
+
 def batch_moments(layer: Any, x: Any, mask: Any) -> tuple[Any, Any]:
     """BatchNormalization's `(mean, variance)` of `x` as its call computes them."""
     return layer._moments(x, mask)
@@ -264,6 +269,9 @@ PRIVATE_NAMES: dict[str, Callable[[], Any]] = {
     "Layer._trainable_variables": _probe_attribute("_trainable_variables"),
     "Layer._losses": _probe_attribute("_losses"),
     "Model._compile_loss": _probe_attribute("_compile_loss"),
+    "CompileLoss._user_loss_weights": _attributes(
+        lambda: compiled_loss(_probe_model()), "_user_loss_weights"
+    ),
     "Functional._inputs_struct": _probe_attribute("_inputs_struct"),
     "Sequential._functional": _attributes(
         lambda: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), "_functional"

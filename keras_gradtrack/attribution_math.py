@@ -9,7 +9,7 @@ sketched as `R^T M C` (`engine.attribution_requests.projection_matrices`). Like
 Example:
 
 ```python
-products = dense_rows_cross(a, d, a_targets, d_targets, with_kernel=True, with_bias=True)
+products = rule_math.dense_cross(a, d, a_targets, d_targets, True, True)   # Dense
 sketch = factor_sketches(a, d, rows, columns)    # (B, r_in, r_out), no (B, in, out)
 ```
 """
@@ -36,24 +36,6 @@ def paired_products(per_example: Sequence[Any], targets: Sequence[Any]) -> Any:
     for product in products[1:]:
         total = total + product
     return total
-
-
-def dense_rows_cross(a: Any, d: Any, a2: Any, d2: Any, with_kernel: bool, with_bias: bool) -> Any:
-    """`(B, T)` `<g_i, h_j> = (a_i . a2_j (+ 1 with a bias)) (d_i . d2_j)` of a Dense layer
-    on 2-D inputs `a` (B, in), `a2` (T, in) and output gradients `d` (B, out), `d2`
-    (T, out): no gradient built.
-
-    Example:
-
-    ```python
-    dense_rows_cross(a, d, a, d, True, True)    # the (B, B) Gram matrix
-    ```
-    """
-    cross_d = ops.matmul(d, ops.transpose(d2))
-    cross_a = ops.matmul(a, ops.transpose(a2)) if with_kernel else ops.zeros_like(cross_d)
-    if with_bias:
-        cross_a = cross_a + 1.0
-    return cross_a * cross_d
 
 
 def token_cross(ids: Any, d: Any, ids2: Any, d2: Any) -> Any:

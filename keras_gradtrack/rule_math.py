@@ -84,6 +84,12 @@ def gram_sq_norms(a: Any, d: Any) -> Any:
     return ops.sum(gram_a * gram_d, axis=(1, 2))
 
 
+def per_example_gram(per_example: Sequence[Any]) -> Any:
+    """`(B, B)` `<g_i, g_j>` summed over the given flat per-example gradients `(B, n)`."""
+    grams = [ops.matmul(g, ops.transpose(g)) for g in per_example]
+    return sum(grams[1:], grams[0])
+
+
 # -- Dense, Embedding ----------------------------------------------------------
 
 
@@ -91,6 +97,18 @@ def dense_kernel_gradients(a: Any, d: Any) -> Any:
     """`(B, in, out)` per-example kernel gradients `A_i^T D_i` of a Dense layer, for its
     input `a` (B, T, in) and output gradient `d` (B, T, out) (T: the positions)."""
     return ops.einsum("bti,bto->bio", a, d)
+
+
+def dense_cross(a: Any, d: Any, a2: Any, d2: Any, has_kernel: bool, has_bias: bool) -> Any:
+    """`(B, T)` `<g_i, h_j> = (a_i . a2_j (+ 1 with a bias)) (d_i . d2_j)`: the products of
+    a Dense layer's per-example gradients on 2-D inputs, `g_i = a_i d_i^T` (and `d_i` for
+    the bias), with `h_j = a2_j d2_j^T`, never building them (`a2, d2 = a, d`: the Gram
+    matrix)."""
+    cross_d = ops.matmul(d, ops.transpose(d2))
+    cross_a = ops.matmul(a, ops.transpose(a2)) if has_kernel else ops.zeros_like(cross_d)
+    if has_bias:
+        cross_a = cross_a + 1.0
+    return cross_a * cross_d
 
 
 def bias_gradients(output_grad: Any, bias_shape: Sequence[int]) -> Any:

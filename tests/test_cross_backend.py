@@ -51,7 +51,6 @@ def differs(reason: str) -> Any:
 
 
 EXPECTED_FAILURES = {
-    "several_outputs": refused("a model compiled with one loss per output"),
     "dropout_in_training": differs(
         "Keras draws dropout masks with each backend's own random generator, seeds alike"
     ),

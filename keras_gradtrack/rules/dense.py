@@ -179,7 +179,7 @@ def dense_2d_cross(
     a: tf.Tensor, d: tf.Tensor, a2: tf.Tensor, d2: tf.Tensor, has_kernel: bool, has_bias: bool
 ) -> tf.Tensor:
     """`(B, T)` `<g_i, h_j> = (a_i . a2_j (+ 1 with a bias)) (d_i . d2_j)`."""
-    return attribution_math.dense_rows_cross(a, d, a2, d2, has_kernel, has_bias)
+    return rule_math.dense_cross(a, d, a2, d2, has_kernel, has_bias)
 
 
 def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:

@@ -80,7 +80,7 @@ def primitives_of(per_example: PerExampleFn) -> RuleFn:
 
 def gram_of(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
     """`(B, B)` `<g_i, g_j>` summed over the given per-example gradients `(B, n)`."""
-    return tf.add_n([tf.matmul(g, g, transpose_b=True) for g in per_example])
+    return rule_math.per_example_gram(per_example)
 
 
 def cross_of(per_example: Sequence[tf.Tensor], targets: Sequence[tf.Tensor]) -> tf.Tensor:

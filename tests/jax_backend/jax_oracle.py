@@ -5,7 +5,9 @@ For example i, `l_i` is the compiled loss on that example alone (with its sample
 weight) and `g_i = d l_i / d theta`; the layers are the owners of
 `model.trainable_variables` (read from the variables' paths, not from the
 engine's plan). `G` is the gradient of the compiled loss on the whole batch, plus
-the model's weight penalties: the gradient the optimizer receives.
+the model's weight penalties: the gradient the optimizer receives (unscaled). A model
+compiled with several losses or loss weights gives its loss as a function
+(`loss=`, `(y, y_pred, sample_weight) -> scalar`, written out by the test).
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ def _loss_function(model: Any) -> Any:
 
 
 def _loss(
-    model: Any, trainable: Any, x: Any, y: Any, sample_weight: Any, penalties: bool = False
+    model: Any,
+    trainable: Any,
+    x: Any,
+    y: Any,
+    sample_weight: Any,
+    penalties: bool = False,
+    loss: Any = None,
 ) -> Any:
     """The compiled loss of the batch; with `penalties`, plus the model's own losses
     (weight regularization: the loss whose gradient the optimizer receives)."""
@@ -42,6 +50,9 @@ def _loss(
     y_pred, _, losses = model.stateless_call(
         trainable, non_trainable, x, return_losses=True, **kwargs
     )
+    if loss is not None:
+        value = loss(y, y_pred, sample_weight)
+        return value + sum(losses) if penalties else value
     loss = _loss_function(model)
     if sample_weight is None:
         value = loss(y, y_pred)
@@ -69,7 +80,12 @@ def full_batch_losses(model: Any, trainable: Any, x: Any, y: Any, sample_weight:
 
 
 def per_example_gradients(
-    model: Any, x: Any, y: Any, sample_weight: Any = None, full_batch: bool = False
+    model: Any,
+    x: Any,
+    y: Any,
+    sample_weight: Any = None,
+    full_batch: bool = False,
+    loss: Any = None,
 ) -> dict[str, Any]:
     """`l` (B,), `g` per layer (B, n_k) and `G` per layer, from one `jax.grad` per example
     (`full_batch`: the rows of `jax.jacrev` of the full batch's per-example losses, the
@@ -84,13 +100,17 @@ def per_example_gradients(
         losses = [float(v) for v in values]
         rows = [[np.asarray(j[i], np.float64).ravel() for j in jacobian] for i in range(batch)]
     else:
-        value_and_grad = jax.value_and_grad(lambda t, xi, yi, wi: _loss(model, t, xi, yi, wi))
+        value_and_grad = jax.value_and_grad(
+            lambda t, xi, yi, wi: _loss(model, t, xi, yi, wi, loss=loss)
+        )
         for i in range(batch):
             weight = None if sample_weight is None else take(sample_weight, i)
-            loss, grads = value_and_grad(trainable, take(x, i), take(y, i), weight)
-            losses.append(float(loss))
+            value, grads = value_and_grad(trainable, take(x, i), take(y, i), weight)
+            losses.append(float(value))
             rows.append([np.asarray(g, np.float64).ravel() for g in grads])
-    full = jax.grad(lambda t: _loss(model, t, x, y, sample_weight, penalties=True))(trainable)
+    full = jax.grad(lambda t: _loss(model, t, x, y, sample_weight, penalties=True, loss=loss))(
+        trainable
+    )
     columns = layer_columns(model)
     g = [np.stack([np.concatenate([row[p] for p in ps]) for row in rows]) for ps in columns]
     G = [np.concatenate([np.asarray(full[p], np.float64).ravel() for p in ps]) for ps in columns]
@@ -122,12 +142,32 @@ def target_gradients(model: Any, x: Any, y: Any) -> np.ndarray:
     return np.stack(rows)
 
 
+def input_grad_norms(
+    model: Any, x: Any, y: Any, sample_weight: Any = None, loss: Any = None
+) -> np.ndarray:
+    """`(B,)` `||d l_i / d x_i||` over the float inputs, one `jax.grad` per example."""
+    trainable = [v.value for v in model.trainable_variables]
+    batch = len(keras.tree.flatten(x)[0])
+    grad = jax.grad(lambda xi, yi, wi: _loss(model, trainable, xi, yi, wi, loss=loss))
+    norms = []
+    for i in range(batch):
+        weight = None if sample_weight is None else take(sample_weight, i)
+        grads = keras.tree.flatten(grad(take(x, i), take(y, i), weight))
+        norms.append(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads)))
+    return np.asarray(norms)
+
+
 def oracle_statistics(
-    model: Any, x: Any, y: Any, sample_weight: Any = None, full_batch: bool = False
+    model: Any,
+    x: Any,
+    y: Any,
+    sample_weight: Any = None,
+    full_batch: bool = False,
+    loss: Any = None,
 ) -> dict[str, Any]:
-    """Every built-in statistic by its definition (`full_batch`: see
-    `per_example_gradients`)."""
-    found = per_example_gradients(model, x, y, sample_weight, full_batch)
+    """Every built-in statistic by its definition, and `pairwise_cosine` (`full_batch`:
+    see `per_example_gradients`)."""
+    found = per_example_gradients(model, x, y, sample_weight, full_batch, loss)
     g, G = np.concatenate(found["g"], axis=1), np.concatenate(found["G"])
     batch = g.shape[0]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -153,15 +193,19 @@ def oracle_statistics(
             "noise_scale": trace / (mean**2).sum(),
             "mean_cosine": np.nanmean(cosine),
             "frac_negative_cosine": np.mean(cosine < 0),
+            "pairwise_cosine": g @ g.T / (norms[:, None] * norms[None, :]),
         }
 
 
-def tracked_statistics(model: Any, x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-    """The statistics of one tracked `fit` step on the whole batch (default statistics)."""
+def tracked_statistics(
+    model: Any, x: Any, y: Any, sample_weight: Any = None, names: Any = None
+) -> dict[str, Any]:
+    """The statistics of one tracked `fit` step on the whole batch (`names`, default: the
+    default statistics)."""
     from keras_gradtrack import statistics
 
     reports: list[Any] = []
-    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, reports.append)
+    model.gradient_tracking.subscribe("test", statistics.resolve(names), 1, reports.append)
     batch = len(keras.tree.flatten(x)[0])
     model.fit(x, y, sample_weight=sample_weight, batch_size=batch, shuffle=False, verbose=0)
     (report,) = reports

@@ -46,30 +46,7 @@ def test_layers_refused_on_jax(layer: keras.layers.Layer, match: str) -> None:
         np.testing.assert_array_equal(got, want)
 
 
-def test_opt_in_statistics_are_refused_on_jax() -> None:
-    with pytest.raises(NotImplementedError, match="JAX backend"):
-        fit_tracked(model_with(keras.layers.Dense(3)), ["pairwise_cosine"])
-
-
 def test_untracked_fit_is_plain_keras() -> None:
     model = model_with(keras.layers.Dense(3))
     model.fit(X, Y, batch_size=4, verbose=0)
     assert model.gradient_tracking.step == 2
-
-
-def test_a_loss_of_several_outputs_is_refused_before_any_weight_changes() -> None:
-    inputs = keras.Input((3, 4))
-    flat = keras.layers.Flatten()(inputs)
-    outputs = {
-        "a": keras.layers.Dense(2, name="a")(flat),
-        "b": keras.layers.Dense(2, name="b")(flat),
-    }
-    model = kgt.GradientTrackingModel(inputs, outputs)
-    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
-    before = model.get_weights()
-    model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
-    targets = {"a": np.zeros((8, 2), "float32"), "b": np.zeros((8, 2), "float32")}
-    with pytest.raises(ValueError, match=r"JAX backend.*one loss"):
-        model.fit(X, targets, batch_size=8, verbose=0)
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)

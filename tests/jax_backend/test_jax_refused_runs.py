@@ -15,25 +15,38 @@ import keras_gradtrack as kgt
 X, Y = np.ones((8, 4), "float32"), np.zeros(8, "int32")
 
 
-def model() -> Any:
+def model() -> tuple[Any, np.ndarray]:
     inputs = keras.Input((4,))
     tracked = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2, name="out")(inputs))
     tracked.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    return tracked
+    return tracked, X
+
+
+def token_model() -> tuple[Any, np.ndarray]:
+    inputs = keras.Input((4,), dtype="int32")
+    features = keras.layers.Flatten()(keras.layers.Embedding(3, 2)(inputs))
+    tracked = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2, name="out")(features))
+    tracked.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return tracked, X.astype("int32")
 
 
 @pytest.mark.parametrize(
-    "refused",
-    [{"targets": (X[:2], Y[:2])}, {"statistics": ["loss", "input_grad_norm"]}],
-    ids=["targets", "input_grad_norm"],
+    ("build", "refused", "error"),
+    [
+        (model, {"targets": (X[:2], Y[:2])}, NotImplementedError),
+        (token_model, {"statistics": ["loss", "input_grad_norm"]}, ValueError),
+    ],
+    ids=["targets", "input_grad_norm of token ids"],
 )
 def test_a_refused_fit_leaves_no_file_and_the_corrected_fit_writes_the_path(
-    tmp_path: Path, refused: dict[str, Any]
+    tmp_path: Path, build: Any, refused: dict[str, Any], error: type
 ) -> None:
     path = tmp_path / "run.h5"
-    with pytest.raises(NotImplementedError, match="JAX backend"):
-        model().fit(X, Y, verbose=0, callbacks=[kgt.HDF5GradientLogger(path, **refused)])
+    tracked, x = build()
+    with pytest.raises(error, match=r"JAX backend|float inputs"):
+        tracked.fit(x, Y, verbose=0, callbacks=[kgt.HDF5GradientLogger(path, **refused)])
     assert list(tmp_path.iterdir()) == []
-    model().fit(X, Y, verbose=0, callbacks=[kgt.HDF5GradientLogger(path)])
+    tracked, x = build()
+    tracked.fit(x, Y, verbose=0, callbacks=[kgt.HDF5GradientLogger(path)])
     with h5py.File(path, "r") as file:
         assert file["per_example/loss"].shape == (8,)

@@ -287,7 +287,7 @@ def dense_rows_cross(
     if a.shape[1] != 1 or a2.shape[1] != 1:
         return None
     kernel, bias = _dense_variables(tracked)
-    return attribution_math.dense_rows_cross(
+    return rule_math.dense_cross(
         a[:, 0], d[:, 0], a2[:, 0], d2[:, 0], kernel is not None, bias is not None
     )
 

@@ -25,7 +25,7 @@ from keras_gradtrack.backends.jax.own_step import (
     own_tracked_step,
     tracked_value_and_grad,
 )
-from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer, build_plan
+from keras_gradtrack.backends.jax.plan import TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.private_model import JaxPrivateTraining
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
@@ -45,14 +45,6 @@ from keras_gradtrack.engine.example_independence import (
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients, first_data_batch
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
-
-
-def unsupported(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{what} runs on the TensorFlow backend only; it is not available on the {BACKEND} "
-        "backend yet (keras.backend.backend() == 'jax'). Train with "
-        "KERAS_BACKEND=tensorflow for it."
-    )
 
 
 class GradientTrackingMixin(
@@ -86,8 +78,7 @@ class GradientTrackingMixin(
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers other than SimpleRNN, LSTM and GRU, `keras.distribution` over several
-    processes, loss scaling, adaptive clipping in private training, opt-in statistics
-    (`pairwise_cosine`, `input_grad_norm`).
+    processes, adaptive clipping in private training.
 
     Example:
 
@@ -295,12 +286,7 @@ class GradientTrackingMixin(
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         refuse_unknown_requests(requests)
-        opt_in = [s.name for s in statistics if s.needs_gram or s.needs_input_gradients]
-        if opt_in:
-            raise unsupported(f"The statistics {opt_in}")
         refuse_untracked_distribution()
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):  # type: ignore[attr-defined]
-            raise unsupported("Tracking with a LossScaleOptimizer")
 
     def _refuse_batchless_rows_mixing(
         self, plan: Sequence[TrackedLayer], state: Any, data: Any

@@ -35,15 +35,17 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_gradtrack._keras_seam import update_metrics_variables
+from keras_gradtrack._keras_seam import compiled_loss_weights, update_metrics_variables
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import refuse_coupling_in_own_step
+from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.jax.losses import (
     LossRecorder,
     loss_factor,
     per_example_shares,
     recording_losses,
 )
+from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
@@ -197,6 +199,7 @@ def tracked_call(
             f"Received: {type(trainable).__name__} {trainable!r:.200}"
         )
     probes = Probes([tracked.layer for tracked in tracking.plan])
+    input_probes = InputProbes(model, needs_input_gradients(tracking.statistics))
     recorders: list[LossRecorder] = []
 
     batchless: frozenset[int] = frozenset()
@@ -204,31 +207,36 @@ def tracked_call(
     def forward(
         trainable: Any, probe_values: Any, loss_probes: Any, rest: Sequence[Any] = rest
     ) -> Any:
+        layer_values, input_values = probe_values or (None, None)
         with (
-            probes.installed(probe_values, batchless, tracking.batch),
+            probes.installed(layer_values, batchless, tracking.batch),
+            input_probes.installed(input_values),
             recording_losses(loss_probes) as recorder,
+            recording_loss_scale(model.optimizer) as scales,
         ):
             outputs = fun(trainable, *rest, **kwargs)
         recorders.append(recorder)
         value, aux = outputs if has_aux else (outputs, None)
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
         recorded = [(r.values, r.weight_sum) for r in recorder.records]
-        return value, (aux, inputs, list(probes.probed), recorded)
+        probed = (list(probes.probed), list(input_probes.probed))
+        return value, (aux, inputs, probed, recorded, loss_scale_of(scales))
 
     if arguments_of is not None:
         batchless = batchless_calls(
             lambda data: forward(trainable, None, None, arguments_of(data))[1][1], data
         )
     # A first trace records the shapes of the probed outputs and of the loss values.
-    _, (_, _, probed_shapes, recorded_shapes) = jax.eval_shape(
+    _, (_, _, probed_shapes, recorded_shapes, _) = jax.eval_shape(
         lambda t: forward(t, None, None), trainable
     )
     calls = [(index, call_kwargs) for index, _, call_kwargs in probes.calls]
-    zeros = [jnp.zeros(s.shape, s.dtype) for s in probed_shapes]
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), probed_shapes)
     loss_zeros = [jnp.zeros(values.shape, values.dtype) for values, _ in recorded_shapes]
-    (value, (aux, inputs, _, recorded)), (grads, probe_grads, loss_grads) = jax.value_and_grad(
+    (value, (aux, inputs, _, recorded, scale)), gradients = jax.value_and_grad(
         forward, argnums=(0, 1, 2), has_aux=True
     )(trainable, zeros, loss_zeros)
+    grads, (probe_grads, input_grads), loss_grads = gradients
     uncalled = sorted(
         {tracked.name for tracked in tracking.plan}
         - {tracking.plan[index].name for index, _ in calls}
@@ -248,8 +256,17 @@ def tracked_call(
     factor = loss_factor(
         LossRecorder(records, recorder.refused, recorder.whole_batch), tracking.batch
     )
-    losses = per_example_shares(records, loss_grads) / factor
-    probed = ProbedPass(calls, inputs, probe_grads, trainable, tracking.state[1], grads)
+    # The statistics are the unscaled loss's; the optimizer receives `grads` as they are.
+    losses = per_example_shares(records, unscaled(loss_grads, scale)) / factor
+    probed = ProbedPass(
+        calls,
+        inputs,
+        unscaled(probe_grads, scale),
+        trainable,
+        tracking.state[1],
+        unscaled(grads, scale),
+        unscaled(input_grads, scale),
+    )
     # The function may add terms of its own (penalties) to `c sum_i l_i`: the rules
     # sum the per-example gradients rather than take `sum_i g_i` from `G`.
     payload = statistics_payload(
@@ -305,8 +322,34 @@ def recorded_losses_step(
 
 def keras_tracked_step(model: keras.Model) -> Callable[..., Any]:
     """The tracked version of Keras' own `train_step` for the model: with Keras'
-    `compute_loss`, `tracked_train_step` (the compiled loss split into examples);
-    with a `compute_loss` of the model's own, `recorded_losses_step`."""
-    if type(model).compute_loss is keras.Model.compute_loss:
-        return tracked_train_step
-    return recorded_losses_step
+    `compute_loss` and one unweighted loss of one output, `tracked_train_step` (the
+    compiled loss split into examples); with several outputs, several losses, loss
+    weights, or a `compute_loss` of the model's own, `recorded_losses_step` (the
+    Keras losses that `compute_loss` reduces, recorded: loss weights included)."""
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        return recorded_losses_step
+
+    def step(
+        model: keras.Model,
+        plan: Sequence[TrackedLayer],
+        statistics: Sequence[Statistic],
+        state: Any,
+        data: Any,
+        requests: Sequence[Any] = (),
+    ) -> tuple[dict[str, Any], Any]:
+        # Decided when traced: the targets show whether the batch has several outputs.
+        if one_loss_of_one_output(model, data):
+            return tracked_train_step(model, plan, statistics, state, data, requests)
+        return recorded_losses_step(model, plan, statistics, state, data, requests)
+
+    return step
+
+
+def one_loss_of_one_output(model: keras.Model, data: Any) -> bool:
+    """Whether the compiled loss is one loss (not a list or dict of them), without loss
+    weights, and the batch's targets are one tensor (or none; not a list or dict, even
+    of one)."""
+    y = keras.utils.unpack_x_y_sample_weight(data)[1]
+    if isinstance(model.loss, (dict, list, tuple)) or keras.tree.is_nested(y):
+        return False
+    return compiled_loss_weights(model) is None

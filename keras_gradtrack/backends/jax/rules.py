@@ -63,6 +63,9 @@ class LayerPrimitives:
 PerExample = Callable[[Any, Sequence[Any], ProbedCall, Sequence[Any]], list[Any]]
 # (layer, call, the batch gradient per variable) -> the primitives, or None (not applicable).
 Primitives = Callable[[Any, ProbedCall, Sequence[Any]], "LayerPrimitives | None"]
+# (layer, call) -> the `(B, B)` Gram matrix `<g_i, g_j>` of its per-example gradients, or
+# None (not applicable).
+Gram = Callable[[Any, ProbedCall], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +79,16 @@ class JaxRule:
             called once in the step (None, or returning None: from `per_example`).
         applies: Whether the rule covers a given layer of its class (None: every
             one); a layer it does not cover runs on the fallback, and its path says so.
+        gram: The Gram matrix of the per-example gradients in a factored form, for a
+            layer called once in the step (None, or returning None: from `per_example`;
+            `pairwise_cosine` asks for it).
     """
 
     name: str
     per_example: PerExample | None = None
     primitives: Primitives | None = None
     applies: Callable[[Any], bool] | None = None
+    gram: Gram | None = None
 
 
 def f32(value: Any) -> Any:
@@ -123,6 +130,26 @@ def fallback_per_example(
 
     grads = jax.vmap(one_example)(call.inputs, f32(call.output_grad))
     return [f32(g) for g in grads]
+
+
+def summed_per_example(
+    layer: Any,
+    rule: JaxRule | None,
+    values: Sequence[Any],
+    calls: Sequence[ProbedCall],
+    others: Sequence[Any] = (),
+) -> list[Any]:
+    """The layer's per-example gradients in the step, one `(B, *variable.shape)` per
+    trainable variable: its rule's (or the fallback's) per call, summed over its calls."""
+    summed: list[Any] | None = None
+    for call in calls:
+        if rule is not None and rule.per_example is not None:
+            grads = rule.per_example(layer, values, call, others)
+        else:
+            grads = fallback_per_example(layer, values, call, others)
+        summed = grads if summed is None else [s + g for s, g in zip(summed, grads)]
+    assert summed is not None, "a tracked layer is called at least once"
+    return summed
 
 
 # -- Dense ------------------------------------------------------------------
@@ -202,9 +229,27 @@ def dense_per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
+def dense_gram(layer: Any, call: ProbedCall) -> Any:
+    """Dense on 2-D inputs: `<g_i, g_j> = (a_i . a_j (+ 1 with a bias)) (d_i . d_j)`
+    (`rule_math.dense_cross`); None on sequences (from the per-example gradients)."""
+    if not plain_weights(layer):
+        return None
+    a, d = f32(call.inputs), f32(call.output_grad)
+    batch = a.shape[0]
+    a = a.reshape(batch, -1, a.shape[-1])
+    d = d.reshape(batch, -1, d.shape[-1])
+    if a.shape[1] != 1:
+        return None
+    names = {v.name for v in layer.trainable_variables}
+    rows, grads = a[:, 0], d[:, 0]
+    return rule_math.dense_cross(rows, grads, rows, grads, "kernel" in names, "bias" in names)
+
+
 # A layer with LoRA runs on `LORA_DENSE` (below), a quantized one on the fallback, and
 # its path says so.
-DENSE = JaxRule("dense", dense_per_example, dense_primitives, applies=plain_weights)
+DENSE = JaxRule(
+    "dense", dense_per_example, dense_primitives, applies=plain_weights, gram=dense_gram
+)
 
 
 # -- EinsumDense ------------------------------------------------------------

@@ -4,8 +4,10 @@
 to the trainable variables and to a zero probe on each tracked layer's
 (pre-activation) output (`probes.py`); the layers' inputs come back as auxiliary
 outputs. The optimizer receives the variables' gradients, exactly as in Keras'
-`train_step`; the probes' gradients, divided by the loss's reduction factor, are
-the per-example output gradients the rules need.
+`train_step`; the probes' gradients, divided by the loss's reduction factor (and
+by the loss scale, `loss_scale.py`), are the per-example output gradients the rules
+need. The opt-in statistics add a probe on the model's inputs and Gram matrices
+(`opt_in.py`).
 
 Example:
 
@@ -33,13 +35,21 @@ from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import coupled_columns, coupled_positions
+from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
+from keras_gradtrack.backends.jax.opt_in import (
+    InputProbes,
+    input_sq_norm,
+    layer_gram,
+    needs_gram,
+    needs_input_gradients,
+)
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import (
     LayerPrimitives,
     ProbedCall,
     f32,
-    fallback_per_example,
+    summed_per_example,
 )
 from keras_gradtrack.engine.reductions import MEAN_REDUCTIONS
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
@@ -147,14 +157,7 @@ def _layer_primitives(
             return direct, reference_sq_norm
     values = [lookup_value(v) for v in all_variables]
     others = [lookup_value(v) for v in layer.non_trainable_variables]
-    summed: list[Any] | None = None
-    for call in calls:
-        if rule is not None and rule.per_example is not None:
-            grads = rule.per_example(layer, values, call, others)
-        else:
-            grads = fallback_per_example(layer, values, call, others)
-        summed = grads if summed is None else [s + g for s, g in zip(summed, grads)]
-    assert summed is not None
+    summed = summed_per_example(layer, rule, values, calls, others)
     batch = summed[0].shape[0]
     flat = jnp.concatenate([summed[i].reshape(batch, -1) for i in own], axis=1)
     reference = jnp.concatenate([references[i].reshape(-1) for i in own])
@@ -186,13 +189,19 @@ def tracked_train_step(
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     probes = Probes([tracked.layer for tracked in plan])
+    input_probes = InputProbes(model, needs_input_gradients(statistics))
 
     batch = batch_size_of(x)
     batchless: frozenset[int] = frozenset()
 
     def forward(trainable: Any, probe_values: Any, data: Any = data) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with probes.installed(probe_values, batchless, batch):
+        layer_values, input_values = probe_values or (None, None)
+        with (
+            probes.installed(layer_values, batchless, batch),
+            input_probes.installed(input_values),
+            recording_loss_scale(model.optimizer) as scales,
+        ):
             loss, aux = model.compute_loss_and_updates(
                 trainable,
                 non_trainable,
@@ -204,7 +213,8 @@ def tracked_train_step(
                 optimizer_variables=optimizer_variables,
             )
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
-        return loss, (aux, inputs, list(probes.probed))
+        probed = (list(probes.probed), list(input_probes.probed))
+        return loss, (aux, inputs, probed, loss_scale_of(scales))
 
     # Calls on values that do not depend on the batch are made on them broadcast to it.
     batchless = batchless_calls(lambda data: forward(trainable, None, data)[1][1], data)
@@ -222,13 +232,22 @@ def tracked_train_step(
     with patched(model, "stateless_call", recording_stateless_call):
         shapes = jax.eval_shape(lambda t: forward(t, None), trainable)[1][2]
     calls = [(index, kwargs) for index, _, kwargs in probes.calls]
-    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-    (_, (aux, inputs, _)), (grads, probe_grads) = jax.value_and_grad(
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (_, (aux, inputs, _, scale)), (grads, (probe_grads, input_grads)) = jax.value_and_grad(
         forward, argnums=(0, 1), has_aux=True
     )(trainable, zeros)
     unscaled_loss, y_pred, new_non_trainable, new_metrics_variables = aux
     losses, factor = per_example_losses(model, y, y_pred, sample_weight)
-    probed = ProbedPass(calls, inputs, probe_grads, trainable, non_trainable, grads)
+    # The statistics are the unscaled loss's; the optimizer receives `grads` as Keras' step.
+    probed = ProbedPass(
+        calls,
+        inputs,
+        unscaled(probe_grads, scale),
+        trainable,
+        non_trainable,
+        unscaled(grads, scale),
+        unscaled(input_grads, scale),
+    )
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
     exact_factor = factor if added_losses == [0] else None
     # Through BatchNormalization in training (opted in): the rows of the losses' Jacobian,
@@ -253,7 +272,8 @@ def tracked_train_step(
     logs, new_metrics_variables = update_metrics_variables(
         model, new_metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
-    payload = columns_payload(statistics, columns, losses, batch)
+    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
+    payload = columns_payload(statistics, columns, losses, batch, opt_in)
     payload.update(requested_rows(model, plan, requests, probed, factor, coupled))
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
@@ -271,6 +291,8 @@ class ProbedPass:
         trainable: The values of `model.trainable_variables` differentiated at.
         non_trainable: The values of `model.non_trainable_variables`.
         grads: The gradients of the loss with respect to `trainable` (`G`).
+        input_grads: Per probed float input of the model, its probe's gradient
+            (`c d l_i / d x_i`), when a statistic asks for them.
     """
 
     calls: Sequence[tuple[int, dict[str, Any]]]
@@ -279,6 +301,7 @@ class ProbedPass:
     trainable: Sequence[Any]
     non_trainable: Sequence[Any]
     grads: Sequence[Any]
+    input_grads: Sequence[Any] = ()
 
 
 def statistics_payload(
@@ -297,7 +320,8 @@ def statistics_payload(
     `exact_factor`, which is then `c`); the columns in `coupled` (by position in the
     plan) are given (`coupled.py`)."""
     columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
-    return columns_payload(statistics, columns, losses, batch)
+    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
+    return columns_payload(statistics, columns, losses, batch, opt_in)
 
 
 Columns = list[tuple[LayerPrimitives, Any]]
@@ -335,10 +359,53 @@ def layer_columns(
     return columns
 
 
-def columns_payload(
-    statistics: Sequence[Statistic], columns: Columns, losses: Any, batch: int
+def opt_in_primitives(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    probed: ProbedPass,
+    factor: Any,
+    coupled: Mapping[int, Any] | None = None,
 ) -> dict[str, Any]:
-    """Each statistic of the step, from its layers' columns and the losses `l_i`."""
+    """What the opt-in statistics need (`opt_in.py`): the Gram matrix `(B, B)` summed
+    over the layers, and the input gradients' `(B,)` squared norms.
+
+    Raises:
+        ValueError: For the opt-in statistics with layers whose gradients run through
+            a BatchNormalization's batch statistics (`coupled`).
+    """
+    found: dict[str, Any] = {}
+    wanted = needs_gram(statistics) or bool(probed.input_grads)
+    if wanted and coupled:
+        names = [plan[index].name for index in sorted(coupled)]
+        raise ValueError(
+            "The opt-in statistics (pairwise_cosine, input_grad_norm) are not computed on "
+            f"the {BACKEND} backend through a BatchNormalization's batch statistics "
+            f"(model.track_batch_normalization; layers {names}). Freeze the "
+            "BatchNormalization layers or use kgt.convert_to_group_normalization(model)."
+        )
+    if needs_gram(statistics):
+        lookup_value = value_lookup(model, probed)
+        grams = [
+            layer_gram(tracked, layer_calls, lookup_value)
+            for layer_calls, tracked in zip(probed_calls(probed, factor, len(plan)), plan)
+        ]
+        found["gram"] = sum(grams[1:], grams[0])
+    if probed.input_grads:
+        found["input_sq_norm"] = input_sq_norm(probed.input_grads, factor)
+    return found
+
+
+def columns_payload(
+    statistics: Sequence[Statistic],
+    columns: Columns,
+    losses: Any,
+    batch: int,
+    opt_in: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Each statistic of the step, from its layers' columns, the losses `l_i` and the
+    opt-in primitives (`opt_in_primitives`)."""
+    opt_in = opt_in or {}
     primitives = StepPrimitives(
         loss=losses,
         sq_norm=jnp.stack([c.sq_norm for c, _ in columns], axis=1),
@@ -346,6 +413,8 @@ def columns_payload(
         reference_sq_norm=jnp.stack([r for _, r in columns]),
         sum_sq_norm=jnp.stack([c.sum_sq_norm for c, _ in columns]),
         batch_size=jnp.asarray(batch, jnp.float32),
+        gram=opt_in.get("gram"),
+        input_sq_norm=opt_in.get("input_sq_norm"),
     )
     return {s.name: f32(s.compute(primitives)) for s in statistics}
 
