@@ -188,7 +188,8 @@ def lstm() -> Run:
     inputs = keras.Input((5,), dtype="int32")
     hidden = layers.LSTM(6)(layers.Embedding(10, 4)(inputs))
     tokens = np.random.default_rng(9).integers(0, 10, (EXAMPLES, 5)).astype("int32")
-    return Run(classifier(inputs, hidden, adam), tokens, labels(9))
+    # SGD: plain Keras' Adam updates an Embedding differently on each backend (`embedding_adam`).
+    return Run(classifier(inputs, hidden, sgd), tokens, labels(9))
 
 
 def batch_normalization() -> Run:

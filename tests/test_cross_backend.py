@@ -102,7 +102,8 @@ def assert_same_attributes(path: str, got: Any, want: Any) -> None:
     assert set(got.attrs) - ignored == names, f"{path}: attributes"
     for name in sorted(names):
         a, b = np.asarray(got.attrs[name]), np.asarray(want.attrs[name])
-        assert a.shape == b.shape and (a == b).all(), f"{path}.attrs[{name}]: {a} != {b}"
+        same = a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        assert same, f"{path}.attrs[{name}]: {a} != {b}"
 
 
 def assert_same_values(path: str, got: Any, want: Any, atol: float | None = None) -> None:
