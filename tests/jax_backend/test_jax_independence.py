@@ -155,9 +155,8 @@ def test_the_guard_leaves_states_and_metrics_as_they_were(tmp_path: Path) -> Non
 def test_the_guard_reads_the_metrics_of_several_losses_from_the_state(tmp_path: Path) -> None:
     """Two outputs with a loss each: Keras' compiled loss updates a metric per output
     (`kind_loss`, `size_loss`) as the guard computes the losses, and Keras' fit holds
-    those metrics' values in the step's state, not in the variables. The guard passes;
-    the step is then refused for its several losses (tests/jax_backend/test_jax_refusals.py),
-    with that refusal's words, before any weight changes."""
+    those metrics' values in the step's state, not in the variables. The guard passes
+    and the fit is tracked (its statistics: tests/jax_backend/test_jax_several_outputs.py)."""
     inputs = keras.Input((4,))
     hidden = layers.Dense(5, activation="relu")(inputs)
     model = kgt.GradientTrackingModel(
@@ -168,15 +167,14 @@ def test_the_guard_reads_the_metrics_of_several_losses_from_the_state(tmp_path: 
         loss={"kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "size": "mse"},
         loss_weights={"kind": 1.0, "size": 0.5},
     )
-    before = model.get_weights()
     x = rng.normal(size=(16, 4)).astype("float32")
     y = {"kind": rng.integers(0, 3, size=16), "size": rng.normal(size=(16, 1)).astype("float32")}
     logger = kgt.HDF5GradientLogger(tmp_path / "run.h5")
-    with pytest.raises(ValueError, match=r"JAX backend.*one loss"):
-        model.fit(x, y, batch_size=8, verbose=0, callbacks=[logger])
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[logger])
     assert model.__dict__.get("_examples_independent"), "the guard did not pass"
-    for got, want in zip(model.get_weights(), before):
-        np.testing.assert_array_equal(got, want)
+    with kgt.GradientLog(tmp_path / "run.h5") as log:
+        assert np.isfinite(log.per_example("grad_norm")).all()
+        assert len(log.per_example("grad_norm")) == 16
 
 
 def batch_centred_error(y_true: Any, y_pred: Any) -> Any:
