@@ -76,18 +76,8 @@ def layer_sketches(
 
 
 class GradientSketch(SketchRequest):
-    """A `SketchRequest` whose rows the TensorFlow engine computes in its tracked step:
-    each example's gradient sketch, `(B, K)` rows.
-
-    Args:
-        dim: The most dimensions each side of a variable's gradient matrix is
-            projected to (a `(rows, cols)` kernel gives `min(rows, dim) *
-            min(cols, dim)` numbers).
-        seed: The seed of the random projections.
-
-    Raises:
-        ValueError: for a `dim` or `seed` that is not a positive (non-negative) int.
-    """
+    """A `SketchRequest` (its arguments and checks) whose rows the TensorFlow engine
+    computes in its tracked step: each example's gradient sketch, `(B, K)` rows."""
 
     def widths(self, model: Any) -> list[tuple[str, int]]:
         """`(path, width)` of the sketched variables of `model` (every tracked layer's)."""

@@ -35,20 +35,8 @@ from keras_gradtrack.rules.ops import cross_of, flat_per_example
 
 
 class TargetSet(TargetExamples):
-    """`TargetExamples` whose products the TensorFlow engine computes in its tracked step.
-
-    The step's rows are `(B, T)`: `<g_i(theta_t), g_j'(theta_t)>`, with `g_j'` the
-    gradient of target j's loss (the compiled loss, without sample weight or
-    regularization) in inference mode (`training=False`: no dropout).
-
-    Args:
-        x: The targets' inputs (an array, or a dict of arrays; a dict may hold
-            `"example_id"`, one integer per target).
-        y: Their labels, as `fit` takes them.
-
-    Raises:
-        ValueError: for no targets, inputs and labels of different lengths, ids
-            that are not one integer per target, or repeated ids.
+    """`TargetExamples` (its arguments, rows and checks) whose products the TensorFlow
+    engine computes in its tracked step.
 
     Example:
 
