@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,19 +88,8 @@ def child(name: str, batch_size: int, rounds: int, seconds: float) -> dict[str, 
     memory_plain = peak_memory_bytes()
     warm["tracked"] = fit(tracked, 1)
     memory_tracked = peak_memory_bytes()
-    models = {"plain": plain, "tracked": tracked}
-    epochs = {}
-    for variant, model in models.items():
-        per_step = fit(model, 1) / NUM_BATCHES
-        epochs[variant] = max(1, int(seconds / max(per_step, 1e-6) / NUM_BATCHES))
-    per_step_ms: dict[str, list[float]] = {variant: [] for variant in models}
-    for round_index in range(rounds):
-        order = list(models) if round_index % 2 == 0 else list(models)[::-1]
-        for variant in order:
-            wall = fit(models[variant], epochs[variant])
-            per_step_ms[variant].append(1000 * wall / (epochs[variant] * NUM_BATCHES))
-    plain_ms = statistics.median(per_step_ms["plain"])
-    tracked_ms = statistics.median(per_step_ms["tracked"])
+    ms = timed_rounds({"plain": plain, "tracked": tracked}, fit, rounds, seconds)
+    plain_ms, tracked_ms = ms["plain"], ms["tracked"]
     return {
         "model": name,
         "batch_size": batch_size,
@@ -117,13 +107,39 @@ def child(name: str, batch_size: int, rounds: int, seconds: float) -> dict[str, 
     }
 
 
-def run_child(name: str, batch_size: int, args: argparse.Namespace) -> dict[str, Any]:
+def timed_rounds(
+    models: dict[str, Any], fit: Callable[[Any, int], float], rounds: int, seconds: float
+) -> dict[str, float]:
+    """Each variant's median milliseconds per step: one fit sizes its epochs to about
+    `seconds`, then `rounds` rounds time every variant, in alternating order."""
+    epochs = {}
+    for variant, model in models.items():
+        per_step = fit(model, 1) / NUM_BATCHES
+        epochs[variant] = max(1, int(seconds / max(per_step, 1e-6) / NUM_BATCHES))
+    per_step_ms: dict[str, list[float]] = {variant: [] for variant in models}
+    for round_index in range(rounds):
+        order = list(models) if round_index % 2 == 0 else list(models)[::-1]
+        for variant in order:
+            wall = fit(models[variant], epochs[variant])
+            per_step_ms[variant].append(1000 * wall / (epochs[variant] * NUM_BATCHES))
+    return {variant: statistics.median(found) for variant, found in per_step_ms.items()}
+
+
+def run_child(
+    name: str,
+    batch_size: int,
+    args: argparse.Namespace,
+    script: str = __file__,
+    prefix: str = MESSAGE_PREFIX,
+) -> dict[str, Any]:
+    """Runs `script --child name:batch_size` in a fresh JAX process; its row (the line
+    after `prefix`), or the error it printed."""
     env = {**os.environ, "KERAS_BACKEND": "jax", **MALLOC_SETTINGS}
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(script).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     command = [
         sys.executable,
-        __file__,
+        script,
         "--child",
         f"{name}:{batch_size}",
         f"--rounds={args.rounds}",
@@ -131,9 +147,41 @@ def run_child(name: str, batch_size: int, args: argparse.Namespace) -> dict[str,
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     for line in result.stdout.splitlines():
-        if line.startswith(MESSAGE_PREFIX):
-            return dict(json.loads(line[len(MESSAGE_PREFIX) :]))
+        if line.startswith(prefix):
+            return dict(json.loads(line[len(prefix) :]))
     return {"model": name, "batch_size": batch_size, "error": result.stderr[-2000:]}
+
+
+def arguments(description: str) -> argparse.Namespace:
+    """The command line both JAX benchmarks take."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", default=DEFAULT_MODELS)
+    parser.add_argument("--batch-sizes", default="128")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=1.0, help="wall time per timed fit")
+    parser.add_argument("--out", help="also write the table (markdown) to this file")
+    parser.add_argument("--quick", action="store_true", help="one round of short fits")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.seconds = 1, 0.2
+    return args
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, markdown: str, note: str) -> None:
+    """Prints the table under a header naming the device, CPU, settings and time
+    (`note`: what else the header says); also writes it to `args.out`."""
+    devices = sorted({f"{r['platform']}: {r['device']}" for r in rows if "device" in r})
+    header = (
+        f"JAX backend, {', '.join(devices) or 'no device'}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"rounds={args.rounds}, ~{args.seconds}s per timed fit; {note}"
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    text = f"{header}\n\n{markdown}\n"
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -177,17 +225,7 @@ class BlockReader:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=DEFAULT_MODELS)
-    parser.add_argument("--batch-sizes", default="128")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=1.0, help="wall time per timed fit")
-    parser.add_argument("--out", help="also write the table (markdown) to this file")
-    parser.add_argument("--quick", action="store_true", help="one round of short fits")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.seconds = 1, 0.2
+    args = arguments(__doc__.splitlines()[0])
     if args.child:
         name, batch_size = args.child.split(":")
         row = child(name, int(batch_size), args.rounds, args.seconds)
@@ -209,17 +247,7 @@ def main() -> None:
                     f"paths {row['paths']}",
                     flush=True,
                 )
-    devices = sorted({f"{r['platform']}: {r['device']}" for r in rows if "device" in r})
-    header = (
-        f"JAX backend, {', '.join(devices) or 'no device'}; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs; rounds={args.rounds}, ~{args.seconds}s per timed fit; "
-        "large buffers kept in the heap (MALLOC_MMAP_THRESHOLD_); "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-    )
-    text = f"{header}\n\n{table(rows)}\n"
-    print("\n" + text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(rows, args, table(rows), "large buffers kept in the heap (MALLOC_MMAP_THRESHOLD_); ")
 
 
 if __name__ == "__main__":

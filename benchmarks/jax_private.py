@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from jax_overhead import MALLOC_SETTINGS
+import jax_overhead
+from jax_overhead import arguments, report, timed_rounds
 
 MESSAGE_PREFIX = "@@jax_private "
 DEFAULT_MODELS = "mlp,cnn,transformer"
@@ -60,17 +56,7 @@ def child(name: str, batch_size: int, rounds: int, seconds: float) -> dict[str, 
 
     for model in models.values():
         fit(model, 1)  # traces and compiles
-    epochs = {}
-    for variant, model in models.items():
-        per_step = fit(model, 1) / NUM_BATCHES
-        epochs[variant] = max(1, int(seconds / max(per_step, 1e-6) / NUM_BATCHES))
-    per_step_ms: dict[str, list[float]] = {variant: [] for variant in models}
-    for round_index in range(rounds):
-        order = list(models) if round_index % 2 == 0 else list(models)[::-1]
-        for variant in order:
-            wall = fit(models[variant], epochs[variant])
-            per_step_ms[variant].append(1000 * wall / (epochs[variant] * NUM_BATCHES))
-    ms = {variant: statistics.median(found) for variant, found in per_step_ms.items()}
+    ms = timed_rounds(models, fit, rounds, seconds)
     return {
         "model": name,
         "batch_size": batch_size,
@@ -85,22 +71,7 @@ def child(name: str, batch_size: int, rounds: int, seconds: float) -> dict[str, 
 
 
 def run_child(name: str, batch_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "KERAS_BACKEND": "jax", **MALLOC_SETTINGS}
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    command = [
-        sys.executable,
-        __file__,
-        "--child",
-        f"{name}:{batch_size}",
-        f"--rounds={args.rounds}",
-        f"--seconds={args.seconds}",
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    for line in result.stdout.splitlines():
-        if line.startswith(MESSAGE_PREFIX):
-            return dict(json.loads(line[len(MESSAGE_PREFIX) :]))
-    return {"model": name, "batch_size": batch_size, "error": result.stderr[-2000:]}
+    return jax_overhead.run_child(name, batch_size, args, __file__, MESSAGE_PREFIX)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -123,17 +94,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=DEFAULT_MODELS)
-    parser.add_argument("--batch-sizes", default="128")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=1.0, help="wall time per timed fit")
-    parser.add_argument("--out", help="also write the table (markdown) to this file")
-    parser.add_argument("--quick", action="store_true", help="one round of short fits")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.seconds = 1, 0.2
+    args = arguments(__doc__.splitlines()[0])
     if args.child:
         name, batch_size = args.child.split(":")
         row = child(name, int(batch_size), args.rounds, args.seconds)
@@ -153,17 +114,7 @@ def main() -> None:
                     f"paths {row['paths']}",
                     flush=True,
                 )
-    devices = sorted({f"{r['platform']}: {r['device']}" for r in rows if "device" in r})
-    header = (
-        f"JAX backend, {', '.join(devices) or 'no device'}; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-        f"rounds={args.rounds}, ~{args.seconds}s per timed fit; "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-    )
-    text = f"{header}\n\n{table(rows)}\n"
-    print("\n" + text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(rows, args, table(rows), "")
 
 
 if __name__ == "__main__":
