@@ -20,8 +20,6 @@ from typing import Any
 
 import h5py
 
-from keras_gradtrack._keras_seam import saving_lib
-
 CHECKPOINT_SUFFIX = ".checkpoints"
 PRIVACY_HISTORY_ATTR = "privacy_history"
 _NAME = re.compile(r"^step_(\d+)\.weights\.h5$")
@@ -98,11 +96,15 @@ def privacy_history_of(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def save_checkpoint(model: Any, path: Path) -> None:
     """Saves the model's weights (not the optimizer's) as a Keras `.weights.h5` file."""
+    from keras_gradtrack._keras_seam import saving_lib  # Keras only here: reading logs needs none
+
     skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
     saving_lib.save_weights_only(model, path, objects_to_skip=skipped)
 
 
 def load_checkpoint(model: Any, path: Path) -> None:
     """Loads weights `save_checkpoint` saved; the model's optimizer is left as it is."""
+    from keras_gradtrack._keras_seam import saving_lib
+
     skipped = [model.optimizer] if getattr(model, "optimizer", None) is not None else None
     saving_lib.load_weights_only(model, path, objects_to_skip=skipped)
