@@ -8,26 +8,22 @@ with the projections of the log (the same definition as on TensorFlow).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
-import patience
 import pytest
 from jax_models import MODELS, head
 from jax_oracle import per_example_gradients, target_gradients
 from sketch_oracle import oracle_sketches
 from tolerance import RTOL
+from without_tensorflow import run_without_tensorflow
 
 import keras_gradtrack as kgt
 from keras_gradtrack.backends.jax import mixin
 from keras_gradtrack.engine.attribution_requests import projection_matrices
 
-ROOT = Path(__file__).resolve().parents[2]
 BATCH = 8
 TARGET_IDS = np.array([40, 41, 45])
 
@@ -175,21 +171,7 @@ def test_the_targets_change_neither_the_update_nor_the_metrics(tmp_path: Path) -
 
 def test_attribution_needs_no_tensorflow(tmp_path: Path) -> None:
     # As on a GPU machine without TensorFlow: any import of it fails.
-    script = textwrap.dedent(
-        """
-        import importlib.abc, sys
-
-        class NoTensorFlow(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name == "tensorflow" or name.startswith("tensorflow."):
-                    raise ImportError(f"TensorFlow is not installed here: {name}")
-
-        sys.meta_path.insert(0, NoTensorFlow())
-        import keras, numpy as np
-        import keras_gradtrack as kgt
-        inputs = keras.Input((4,))
-        model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(inputs))
-        model.compile(optimizer="sgd", loss="mse")
+    body = """
         path = sys.argv[1]
         targets = (np.ones((3, 4), "float32"), np.zeros((3, 2), "float32"))
         logger = kgt.HDF5GradientLogger(path, targets=targets, sketch_dim=2)
@@ -204,16 +186,7 @@ def test_attribution_needs_no_tensorflow(tmp_path: Path) -> None:
         assert estimate.scores.shape == (8, 3)
         assert "tensorflow" not in sys.modules
         """
-    )
-    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "run.h5")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=patience.seconds(2),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_without_tensorflow(body, tmp_path / "run.h5")
 
 
 def fit_logged(model: Any, x: Any, y: Any, path: Path, **logger: Any) -> WeightsAtEachStep:

@@ -14,6 +14,7 @@ import numpy as np
 import patience
 import pytest
 from jax_models import compiled, mlp
+from without_tensorflow import run_without_tensorflow
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics
@@ -78,21 +79,7 @@ def test_a_tracked_fit_imports_no_tensorflow() -> None:
 
 def test_the_logger_and_the_log_need_no_tensorflow(tmp_path: Path) -> None:
     # As on a GPU machine without TensorFlow: any import of it fails.
-    script = textwrap.dedent(
-        """
-        import importlib.abc, sys
-
-        class NoTensorFlow(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name == "tensorflow" or name.startswith("tensorflow."):
-                    raise ImportError(f"TensorFlow is not installed here: {name}")
-
-        sys.meta_path.insert(0, NoTensorFlow())
-        import keras, numpy as np
-        import keras_gradtrack as kgt
-        inputs = keras.Input((4,))
-        model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(inputs))
-        model.compile(optimizer="sgd", loss="mse")
+    body = """
         path = sys.argv[1]
         model.fit(
             np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0,
@@ -101,16 +88,7 @@ def test_the_logger_and_the_log_need_no_tensorflow(tmp_path: Path) -> None:
         log = kgt.GradientLog(path)
         assert log.per_example("cosine").shape == (8,), log.per_example("cosine").shape
         """
-    )
-    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "run.h5")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=patience.seconds(2),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_without_tensorflow(body, tmp_path / "run.h5")
     with h5py.File(tmp_path / "run.h5", "r") as f:
         assert f.attrs["backend"] == "jax"
         assert f["per_step/step"][:].tolist() == [0, 1]

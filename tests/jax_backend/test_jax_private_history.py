@@ -5,23 +5,18 @@ against the sampling rate, and a budget stops training before it is exceeded."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import dp_accounting
 import h5py
 import keras
 import numpy as np
-import patience
 import pytest
+from without_tensorflow import run_without_tensorflow
 
 import keras_gradtrack as kgt
 
 DELTA = 1e-5
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def phase(sigma: float, q: float, steps: int, sampling: str) -> Any:
@@ -155,21 +150,7 @@ def test_a_target_epsilon_stops_training_within_the_budget(tmp_path: Any) -> Non
 
 def test_private_training_and_its_log_need_no_tensorflow(tmp_path: Any) -> None:
     # As on a GPU machine without TensorFlow: any import of it fails.
-    script = textwrap.dedent(
-        """
-        import importlib.abc, sys
-
-        class NoTensorFlow(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name == "tensorflow" or name.startswith("tensorflow."):
-                    raise ImportError(f"TensorFlow is not installed here: {name}")
-
-        sys.meta_path.insert(0, NoTensorFlow())
-        import keras, numpy as np
-        import keras_gradtrack as kgt
-        inputs = keras.Input((4,))
-        model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(inputs))
-        model.compile(optimizer="sgd", loss="mse")
+    body = """
         model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0, dataset_size=8)
         model.fit(
             np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0,
@@ -179,13 +160,4 @@ def test_private_training_and_its_log_need_no_tensorflow(tmp_path: Any) -> None:
         assert model.epsilon(1e-5) > 0
         assert kgt.GradientLog(sys.argv[1]).per_example("dp_grad_norm").shape == (8,)
         """
-    )
-    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "run.h5")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=patience.seconds(2),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_without_tensorflow(body, tmp_path / "run.h5")
