@@ -25,7 +25,7 @@ import keras
 
 from keras_gradtrack.backends.jax.attribution import lazy_per_example, sketches, target_calls
 from keras_gradtrack.backends.jax.plan import TrackedLayer
-from keras_gradtrack.backends.jax.step import per_example_losses
+from keras_gradtrack.backends.jax.step import per_example_losses, variable_values
 from keras_gradtrack.engine.attribution_requests import SketchRequest, TargetExamples
 
 
@@ -40,19 +40,13 @@ def sketch_function(
     targets' pass and sketches, jitted once, run on the model's variables' values when
     it is called."""
     request = SketchRequest(dim, seed)
-    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
     def target_losses(y: Any, y_pred: Any) -> Any:
         return per_example_losses(model, y, y_pred, None)[0]
 
     @jax.jit
     def compute(trainable: Any, non_trainable: Any) -> Any:
-        def value(variable: Any) -> Any:
-            if id(variable) in position:
-                return trainable[position[id(variable)]]
-            return non_trainable[others[id(variable)]]
-
+        value = variable_values(model, trainable, non_trainable)
         calls = target_calls(model, plan, targets, trainable, non_trainable, target_losses)
         return sketches(plan, calls, request, value, lazy_per_example(plan, calls, value))
 
