@@ -26,9 +26,9 @@ from oracle import (
 
 import keras_gradtrack as kgt
 from keras_gradtrack import cli
-from keras_gradtrack.attribution.sketches import load_checkpoint, projection_matrices
+from keras_gradtrack.attribution.sketches import projection_matrices
 from keras_gradtrack.io import LogWriter
-from keras_gradtrack.io.checkpoints import checkpoint_path
+from keras_gradtrack.io.checkpoints import checkpoint_path, load_checkpoint
 
 rng = np.random.default_rng(7)
 BATCH = 8

@@ -7,14 +7,12 @@ import importlib
 import os
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from keras_gradtrack.io.schema import LEARNING_RATE, PER_EXAMPLE_GROUP, PER_STEP_GROUP, TABLES
-
-if TYPE_CHECKING:
-    from keras_gradtrack.io.reader import LogReader
+from keras_gradtrack.io.reader import LogReader, table_columns
+from keras_gradtrack.io.schema import LEARNING_RATE, PER_EXAMPLE_GROUP, PER_STEP_GROUP
 
 CSV_BLOCK_ROWS = 65536
 REDUCERS: dict[str, Callable[..., np.ndarray]] = {
@@ -184,30 +182,6 @@ def step_quantiles(
         if np.isfinite(values[rows]).any():
             bands[position] = np.nanquantile(values[rows], levels)
     return steps, bands
-
-
-def table_columns(log: LogReader, kind: str = "per_example") -> dict[str, np.ndarray]:
-    """One table as flat columns; 2-D ones become `"<name>/<label>"` columns (per layer,
-    per target, per sketch position: `layout.labels`).
-
-    Example:
-
-    ```python
-    columns = table_columns(log, "per_step")  # {"step": ..., "batch_grad_norm": ...}
-    ```
-    """
-    if kind not in TABLES:
-        raise ValueError(f"Expected kind in {list(TABLES)}. Received: kind={kind!r}")
-    columns: dict[str, np.ndarray] = {}
-    for name in log.layout.columns(kind):
-        values = log.read(kind, name)
-        labels = log.layout.labels(kind, name)
-        if labels is None:
-            columns[name] = values
-        else:
-            for label, column in zip(labels, values.T, strict=True):
-                columns[f"{name}/{label}"] = column
-    return columns
 
 
 def to_csv(log: LogReader, path: str | os.PathLike[str], kind: str = "per_example") -> str:

@@ -10,7 +10,8 @@ engine's) and pairs them with the rows of the steps after it.
 The subpackage holds the two requests a logger makes of the tracked step
 (`engine.requests.AttributionRequest`): `targets.py` (`TargetSet`, the exact
 products with targets given before training) and `sketches.py` (`GradientSketch`,
-and the checkpoints and the targets' sketches at them). Reading the scores back is
+and the targets' sketches at a model's weights); `checkpoint_sketches.py` runs either
+engine's sketches at each checkpoint. Reading the scores back is
 `analysis.influence`, which needs no TensorFlow.
 
 Example:
@@ -35,6 +36,7 @@ import keras
 
 from keras_gradtrack.analysis import GradientLog, Influence
 from keras_gradtrack.analysis.influence import influence_from_sketches, require_sketches
+from keras_gradtrack.attribution.checkpoint_sketches import checkpoint_sketches
 
 __all__ = ["estimate_influence"]
 
@@ -81,14 +83,23 @@ def estimate_influence(
         assert sketch is not None
         # Each engine sketches the targets itself, with the log's projections.
         if keras.backend.backend() == "jax":
-            from keras_gradtrack.backends.jax.target_sketches import checkpoint_sketches
+            from keras_gradtrack.backends.jax.plan import build_plan
+            from keras_gradtrack.backends.jax.target_sketches import sketch_function
             from keras_gradtrack.engine.attribution_requests import TargetExamples as TargetSet
         else:
-            from keras_gradtrack.attribution.sketches import checkpoint_sketches
+            from keras_gradtrack.attribution.sketches import sketch_function
             from keras_gradtrack.attribution.targets import TargetSet
+            from keras_gradtrack.engine.plan import build_plan
         target_set = TargetSet.from_argument(targets)
         sketches = checkpoint_sketches(
-            model, sketch.dim, sketch.seed, sketch.widths, reader.checkpoints(), target_set
+            model,
+            sketch.dim,
+            sketch.seed,
+            sketch.widths,
+            reader.checkpoints(),
+            target_set,
+            build_plan,
+            sketch_function,
         )
         return influence_from_sketches(reader, sketches, target_set.example_ids)
     finally:

@@ -5,8 +5,8 @@ weights, so the target must be known before training (`attribution.targets`). Fo
 target chosen afterwards, the log keeps a sketch of each example's gradient
 (`GradientSketch`), and the logger saves the weights at chosen steps; a
 target's sketch at a checkpoint then stands in for its gradient at the steps
-after it (`checkpoint_sketches`), and `<sketch_i, sketch_target>` for
-`<g_i, g_target>`.
+after it (`sketch_function`, run at each checkpoint by `checkpoint_sketches.py`),
+and `<sketch_i, sketch_target>` for `<g_i, g_target>`.
 
 A variable's gradient, seen as a (rows, cols) matrix `M` (cols its last axis),
 is sketched as `R^T M C` (LoGra's Kronecker-structured projection, Choe et al.
@@ -19,11 +19,9 @@ building `M`; other layers project their per-example gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from keras_gradtrack.attribution.targets import TargetSet, layer_per_example, target_pass
@@ -32,7 +30,6 @@ from keras_gradtrack.engine.attribution_requests import sketch_widths as variabl
 from keras_gradtrack.engine.backward import Calls
 from keras_gradtrack.engine.plan import DIRECT, MATERIALIZED, Plan, TrackedLayer, build_plan
 from keras_gradtrack.engine.requests import BatchGradients
-from keras_gradtrack.io.checkpoints import load_checkpoint
 from keras_gradtrack.rules import Projection
 from keras_gradtrack.rules.ops import reshape_per_example, sketch_of
 
@@ -100,38 +97,11 @@ class GradientSketch(SketchRequest):
 
 
 def sketch_function(
-    model: Any, dim: int, seed: int, widths: Sequence[int], targets: TargetSet
+    model: Any, plan: Plan, dim: int, seed: int, targets: TargetSet
 ) -> Callable[[], Any]:
-    """A compiled function giving the `(n, K)` sketches of `targets` at the model's
-    current weights (loading other weights needs no new trace).
-
-    The gradients are those of the compiled loss in inference mode, as for targets.
-
-    Args:
-        model: A built model of the log's architecture.
-        dim: The sketches' `dim`.
-        seed: The sketches' seed.
-        widths: The log's width of each sketched variable, to check the model with.
-        targets: The examples.
-
-    Raises:
-        ValueError: if the model is not built, or its tracked variables differ from
-            the log's in number or in shape (their names may differ: a model built
-            anew numbers its layers on).
-    """
-    if not model.built:
-        raise ValueError(
-            f"Expected a built model of the log's architecture. Received: model "
-            f"{model.name!r}, not built yet (call it on a batch first)."
-        )
-    plan = build_plan(model)
-    found = sketch_widths(plan, dim)
-    if [width for _, width in found] != list(widths):
-        raise ValueError(
-            "Expected a model of the architecture the log was written with: the sketched "
-            f"variables differ. Expected (in the log) widths {list(widths)}. Received: "
-            f"{found}"
-        )
+    """The TensorFlow engine's `SketchFunction` (`attribution/checkpoint_sketches.py`):
+    one `tf.function` giving the `(n, K)` sketches of `targets` at the model's current
+    weights, traced once."""
 
     @tf.function(autograph=False)
     def sketches() -> tf.Tensor:
@@ -143,40 +113,3 @@ def sketch_function(
         return tf.concat(columns, axis=1) / factor
 
     return sketches
-
-
-def checkpoint_sketches(
-    model: Any,
-    dim: int,
-    seed: int,
-    widths: Sequence[int],
-    checkpoints: Mapping[int, Path],
-    targets: TargetSet,
-) -> dict[int, np.ndarray]:
-    """`{step: (n, K) sketches}` of examples at each checkpoint's weights.
-
-    The model's own weights are put back afterwards.
-
-    Args:
-        model: A built model of the log's architecture.
-        dim: The sketches' `dim`.
-        seed: The sketches' seed.
-        widths: The log's width of each sketched variable.
-        checkpoints: `{step: weights file}`, as `io.checkpoints.checkpoints` lists them.
-        targets: The examples.
-    """
-    if not checkpoints:
-        raise ValueError(
-            "Sketched influence needs the weights saved during training; the log has no "
-            "checkpoint (HDF5GradientLogger(sketch_dim=..., checkpoint_every=...) saves them)."
-        )
-    compute = sketch_function(model, dim, seed, widths, targets)
-    original = [np.array(w) for w in model.get_weights()]
-    try:
-        sketches = {}
-        for step, path in sorted(checkpoints.items()):
-            load_checkpoint(model, path)
-            sketches[step] = compute().numpy()
-        return sketches
-    finally:
-        model.set_weights(original)

@@ -23,7 +23,7 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import compiled_loss
 from keras_gradtrack._patching import patched_each
-from keras_gradtrack.engine import losses
+from keras_gradtrack.engine import losses, reductions
 from keras_gradtrack.engine.attribution_requests import TargetExamples
 from keras_gradtrack.engine.backward import Calls, with_output_gradients
 from keras_gradtrack.engine.data import check_example_ids
@@ -104,7 +104,7 @@ def target_pass(
         loss = compiled_loss(model)(y, prediction)
         if loss_scale is not None:
             loss = loss * tf.cast(loss_scale, loss.dtype)
-    losses.refuse_unknown_reductions(recorder)
+    reductions.refuse_unknown_reductions(recorder)
     tapped = [t for tap in taps for recorded in tap.recorded for t in recorded.call.tapped]
     values = [record.values for record in recorder.records]
     gradients = tape.gradient(loss, [*tapped, *values])

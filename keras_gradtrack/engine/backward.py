@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine import losses
+from keras_gradtrack.engine import losses, reductions
 from keras_gradtrack.engine.chunked import (
     Calls,
     Chunked,
@@ -149,9 +149,9 @@ def loss_shares(
     if per_example_loss is not None:
         return user_loss_shares(per_example_loss, gradients[0])
     scale = context.loss_scale if context.loss_scale is not None else tf.constant(1.0)
-    losses.refuse_unknown_reductions(context.losses)
+    reductions.refuse_unknown_reductions(context.losses)
     connected = [r for r, g in zip(context.losses.records, gradients) if g is not None]
-    shares = losses.per_example_shares(context.losses.records, gradients)
+    shares = reductions.per_example_shares(context.losses.records, gradients)
     if shares is None:
         if context.losses.whole_batch:
             raise whole_batch_loss_error(context.model)

@@ -2,11 +2,11 @@
 
 The guard (`engine/independence.py` on TensorFlow, `backends/jax/independence.py`
 on JAX) runs the model in inference mode on a batch and on the same batch with
-its second half replaced by other examples; this module compares the first
-half's values of the two passes (`first_mixing`), words the refusal
-(`mixing_error`) and says whether a fit runs the guard (`IndependenceGuard`,
-`subscribes_to_gradients`). It imports no TensorFlow, so the JAX engine uses it
-where TensorFlow is not installed.
+its second half replaced by other examples; this module makes that variant and
+compares the first half's values of the two passes (`find_mixing`,
+`first_mixing`), words the refusal (`mixing_error`) and says whether a fit runs
+the guard (`IndependenceGuard`, `subscribes_to_gradients`). It imports no
+TensorFlow, so the JAX engine uses it where TensorFlow is not installed.
 
 Example:
 
@@ -20,7 +20,7 @@ if mixing is not None:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
@@ -53,6 +53,42 @@ class Mixing:
     scale: float
     kept: int
     batch: int
+
+
+# The batch `(x, y, sample_weight)` and its variant -> each pass's `{what: (B, ...) values}`.
+Passes = Callable[
+    [tuple[Any, Any, Any], tuple[Any, Any, Any]],
+    tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray]],
+]
+
+
+def find_mixing(x: Any, y: Any, sample_weight: Any, passes: Passes) -> Mixing | None:
+    """The guard on one batch, by the backend's two inference passes: `Mixing` where the
+    first half's values change when the other examples are replaced by the first
+    half's in reverse order (`others_replaced`), None where they do not (or where a
+    batch of one example leaves nothing to compare).
+
+    Args:
+        x: The batch's inputs (without example ids).
+        y: Its targets, or None.
+        sample_weight: Its sample weights, or None.
+        passes: `(batch, variant) -> (full, changed)`: the forward passes on the
+            batch and on its variant, each an `(x, y, sample_weight)`, giving
+            `{what: (B, ...) values}` each (`"output 0"`, `"loss 0"`, ...).
+
+    Example:
+
+    ```python
+    mixing = find_mixing(x, y, None, lambda batch, variant: (run(*batch), run(*variant)))
+    ```
+    """
+    size = leading_size(x)
+    if size is None or size < 2:
+        return None
+    kept = size // 2
+    variant = tuple(others_replaced(value, kept) for value in (x, y, sample_weight))
+    full, changed = passes((x, y, sample_weight), variant)
+    return first_mixing(full, changed, kept, size)
 
 
 def first_mixing(

@@ -35,11 +35,9 @@ from keras_gradtrack._keras_seam import compute_loss, flatten_layers
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
     Mixing,
+    find_mixing,
     first_batch,
-    first_mixing,
-    leading_size,
     mixing_error,
-    others_replaced,
     rows,
     subscribes_to_gradients,
 )
@@ -50,9 +48,7 @@ __all__ = [
     "find_example_mixing",
     "first_batch",
     "forward",
-    "leading_size",
     "mixing_error",
-    "others_replaced",
     "rows",
     "state_variables",
     "states_restored",
@@ -72,15 +68,14 @@ def find_example_mixing(
         y: Its targets; with a compiled loss, the per-example losses are compared too.
         sample_weight: Its sample weights, if any.
     """
-    size = leading_size(x)
-    if size is None or size < 2:
-        return None
-    kept = size // 2
-    with states_restored(model) as restore:
-        full = forward(model, x, y, sample_weight)
-        restore()  # both passes start from the same states (a stateful layer's)
-        variant = forward(model, *(others_replaced(value, kept) for value in (x, y, sample_weight)))
-    return first_mixing(full, variant, kept, size)
+
+    def passes(batch: tuple[Any, ...], variant: tuple[Any, ...]) -> Any:
+        with states_restored(model) as restore:
+            full = forward(model, *batch)
+            restore()  # both passes start from the same states (a stateful layer's)
+            return full, forward(model, *variant)
+
+    return find_mixing(x, y, sample_weight, passes)
 
 
 def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndarray]:

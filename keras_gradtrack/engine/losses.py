@@ -29,21 +29,9 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack.engine import distribute, reductions
-from keras_gradtrack.engine.reductions import (
-    LossRecord,
-    LossRecorder,
-    per_example_shares,
-    refuse_unknown_reductions,
-)
+from keras_gradtrack.engine.reductions import LossRecorder
 
-__all__ = [
-    "LossRecord",
-    "LossRecorder",
-    "loss_factor",
-    "per_example_shares",
-    "recording_losses",
-    "refuse_unknown_reductions",
-]
+__all__ = ["loss_factor", "recording_losses"]
 
 
 def recording_losses() -> contextlib.AbstractContextManager[LossRecorder]:

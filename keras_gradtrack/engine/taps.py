@@ -22,6 +22,7 @@ from keras import tree
 from keras_gradtrack._keras_seam import KERAS_MASK, get_tensor_attr, set_tensor_attr
 from keras_gradtrack._patching import patched
 from keras_gradtrack.engine.batchless import BatchDependence, broadcast_arguments
+from keras_gradtrack.engine.preactivation import marked_preactivation_call
 from keras_gradtrack.rules.contract import LayerCall, Rule, Tapped
 
 
@@ -140,23 +141,16 @@ class LayerTap:
     def _preactivation_call(
         self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Tapped]:
-        activation = self.layer.activation
-        preactivations: list[tf.Tensor] = []
-
-        def recording_activation(preactivation: tf.Tensor) -> tf.Tensor:
-            preactivations.append(preactivation)
-            return activation(preactivation)
-
-        with patched(self.layer, "activation", recording_activation):
-            outputs = original(*args, **kwargs)
-        if len(preactivations) != 1:
-            raise RuntimeError(
-                f"Layer {self.layer.name!r} ({type(self.layer).__name__}) applied its "
-                f"`activation` {len(preactivations)} times in `call` (expected once), so "
-                "its pre-activation output cannot be tapped. Register its class with a "
-                "rule of `split_activation=False` (keras_gradtrack.register_rule)."
-            )
-        return outputs, Tapped(outputs, (preactivations[0],))
+        outputs, preactivation = marked_preactivation_call(
+            self.layer,
+            original,
+            args,
+            kwargs,
+            lambda z: z,
+            "tapped. Register its class with a rule of `split_activation=False` "
+            "(keras_gradtrack.register_rule).",
+        )
+        return outputs, Tapped(outputs, (preactivation,))
 
 
 @contextlib.contextmanager

@@ -23,8 +23,9 @@ from keras_gradtrack._patching import patched, patched_each
 from keras_gradtrack.engine.batchless import BatchDependence
 from keras_gradtrack.engine.coupled import coupling_recorder
 from keras_gradtrack.engine.data import float_inputs
-from keras_gradtrack.engine.losses import LossRecorder, recording_losses
+from keras_gradtrack.engine.losses import recording_losses
 from keras_gradtrack.engine.plan import Plan
+from keras_gradtrack.engine.reductions import LossRecorder
 from keras_gradtrack.engine.taps import LayerTap, OpRange, graph_ops_recorded, installed
 from keras_gradtrack.statistics import Statistic
 

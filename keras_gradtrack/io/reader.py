@@ -198,16 +198,7 @@ class LogReader:
             raise ImportError(
                 "to_pandas() needs pandas. Install it with `pip install keras-gradtrack[pandas]`."
             ) from error
-        columns: dict[str, np.ndarray] = {}
-        for name in self._layout.columns(kind):
-            values = self.read(kind, name)
-            labels = self._layout.labels(kind, name)
-            if labels is None:
-                columns[name] = values
-            else:
-                for label, column in zip(labels, values.T, strict=True):
-                    columns[f"{name}/{label}"] = column
-        return pandas.DataFrame(columns)
+        return pandas.DataFrame(table_columns(self, kind))
 
     def close(self) -> None:
         """Closes the file. Calling it again does nothing."""
@@ -258,3 +249,27 @@ def _to_python(value: Any) -> Any:
     if isinstance(value, np.generic | np.ndarray):
         return value.tolist()
     return value
+
+
+def table_columns(log: LogReader, kind: str = "per_example") -> dict[str, np.ndarray]:
+    """One table as flat columns; 2-D ones become `"<name>/<label>"` columns (per layer,
+    per target, per sketch position: `layout.labels`).
+
+    Example:
+
+    ```python
+    columns = table_columns(log, "per_step")  # {"step": ..., "batch_grad_norm": ...}
+    ```
+    """
+    if kind not in schema.TABLES:
+        raise ValueError(f"Expected kind in {list(schema.TABLES)}. Received: kind={kind!r}")
+    columns: dict[str, np.ndarray] = {}
+    for name in log.layout.columns(kind):
+        values = log.read(kind, name)
+        labels = log.layout.labels(kind, name)
+        if labels is None:
+            columns[name] = values
+        else:
+            for label, column in zip(labels, values.T, strict=True):
+                columns[f"{name}/{label}"] = column
+    return columns

@@ -44,7 +44,7 @@ from keras_gradtrack.backends.jax.rules import (
     EMBEDDING,
     ProbedCall,
     f32,
-    fallback_per_example,
+    summed_per_example,
 )
 from keras_gradtrack.engine.attribution_requests import (
     SketchRequest,
@@ -131,15 +131,7 @@ def layer_per_example(
     all_variables = list(layer.trainable_variables)
     trainable = [values(v) for v in all_variables]
     others = [values(v) for v in layer.non_trainable_variables]
-    rule = tracked.rule
-    summed: list[Any] | None = None
-    for call in calls:
-        if rule is not None and rule.per_example is not None:
-            grads = rule.per_example(layer, trainable, call, others)
-        else:
-            grads = fallback_per_example(layer, trainable, call, others)
-        summed = grads if summed is None else [s + g for s, g in zip(summed, grads)]
-    assert summed is not None
+    summed = summed_per_example(layer, tracked.rule, trainable, calls, others)
     position = {id(v): i for i, v in enumerate(all_variables)}
     return [f32(summed[position[id(v)]]) for v in tracked.variables]
 

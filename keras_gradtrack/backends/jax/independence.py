@@ -37,9 +37,7 @@ from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
     Mixing,
     checked_once,
-    first_mixing,
-    leading_size,
-    others_replaced,
+    find_mixing,
 )
 
 
@@ -111,22 +109,18 @@ def find_example_mixing(
         y: Its targets; with a compiled loss, the per-example losses are compared too.
         sample_weight: Its sample weights, if any.
     """
-    size = leading_size(x)
-    if size is None or size < 2:
-        return None
-    kept = size // 2
-    # The metrics' values too: a compiled loss of several outputs updates a metric per
-    # output, and Keras' fit holds their values in the state, not in the variables.
-    mapping = [
-        *zip(model.trainable_variables, state[0]),
-        *zip(model.non_trainable_variables, state[1]),
-        *zip(model.metrics_variables, state[3]),
-    ]
-    full = forward(model, mapping, x, y, sample_weight)
-    variant = forward(
-        model, mapping, *(others_replaced(value, kept) for value in (x, y, sample_weight))
-    )
-    return first_mixing(full, variant, kept, size)
+
+    def passes(batch: tuple[Any, ...], variant: tuple[Any, ...]) -> Any:
+        # The metrics' values too: a compiled loss of several outputs updates a metric
+        # per output, and Keras' fit holds their values in the state, not the variables.
+        mapping = [
+            *zip(model.trainable_variables, state[0]),
+            *zip(model.non_trainable_variables, state[1]),
+            *zip(model.metrics_variables, state[3]),
+        ]
+        return forward(model, mapping, *batch), forward(model, mapping, *variant)
+
+    return find_mixing(x, y, sample_weight, passes)
 
 
 def forward(

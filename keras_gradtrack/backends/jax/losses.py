@@ -33,21 +33,9 @@ from typing import Any
 
 from keras_gradtrack.backends.jax.plan import BACKEND
 from keras_gradtrack.engine import reductions
-from keras_gradtrack.engine.reductions import (
-    LossRecord,
-    LossRecorder,
-    per_example_shares,
-    refuse_unknown_reductions,
-)
+from keras_gradtrack.engine.reductions import LossRecord, LossRecorder, refuse_unknown_reductions
 
-__all__ = [
-    "LossRecord",
-    "LossRecorder",
-    "loss_factor",
-    "per_example_shares",
-    "per_example_values",
-    "recording_losses",
-]
+__all__ = ["loss_factor", "per_example_values", "recording_losses"]
 
 
 def recording_losses(

@@ -39,12 +39,7 @@ from keras_gradtrack._keras_seam import compiled_loss_weights, update_metrics_va
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import refuse_coupling_in_own_step
 from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
-from keras_gradtrack.backends.jax.losses import (
-    LossRecorder,
-    loss_factor,
-    per_example_shares,
-    recording_losses,
-)
+from keras_gradtrack.backends.jax.losses import loss_factor, recording_losses
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
@@ -56,6 +51,7 @@ from keras_gradtrack.backends.jax.step import (
     statistics_payload,
     tracked_train_step,
 )
+from keras_gradtrack.engine.reductions import LossRecorder, per_example_shares
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
 from keras_gradtrack.statistics import Statistic

@@ -29,6 +29,7 @@ from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.batchless import broadcast_to_batch
 from keras_gradtrack.backends.jax.recurrent import cell_of, recurrent_call
 from keras_gradtrack.backends.jax.rules import splits_activation
+from keras_gradtrack.engine.preactivation import marked_preactivation_call
 
 
 class Probes:
@@ -89,21 +90,9 @@ class Probes:
                 self.calls[-1] = (index, saved, dict(kwargs))
                 return outputs
             if splits_activation(layer):
-                activation = layer.activation
-                applied = []
-
-                def probed_activation(z: Any) -> Any:
-                    applied.append(z)
-                    return activation(self._add_probe(z))
-
-                with patched(layer, "activation", probed_activation):
-                    outputs = original(*args, **kwargs)
-                if len(applied) != 1:
-                    raise RuntimeError(
-                        f"Layer {layer.name!r} ({type(layer).__name__}) applied its "
-                        f"`activation` {len(applied)} times in `call` (expected once), so "
-                        "its pre-activation output cannot be probed."
-                    )
+                outputs, _ = marked_preactivation_call(
+                    layer, original, args, kwargs, self._add_probe, "probed."
+                )
                 return outputs
             outputs = original(*args, **kwargs)
             if not hasattr(outputs, "shape") or not jnp.issubdtype(outputs.dtype, jnp.floating):

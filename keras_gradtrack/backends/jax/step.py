@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -421,13 +421,21 @@ def columns_payload(
 
 def value_lookup(model: keras.Model, probed: ProbedPass) -> Any:
     """variable -> its value in the probed pass (trainable or not)."""
+    return variable_values(model, probed.trainable, probed.non_trainable)
+
+
+def variable_values(
+    model: keras.Model, trainable: Sequence[Any], non_trainable: Sequence[Any]
+) -> Callable[[Any], Any]:
+    """variable -> its value among `trainable` and `non_trainable`, the values of
+    `model.trainable_variables` and `model.non_trainable_variables` in their order."""
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
     def lookup_value(variable: Any) -> Any:
         if id(variable) in position:
-            return probed.trainable[position[id(variable)]]
-        return probed.non_trainable[others[id(variable)]]
+            return trainable[position[id(variable)]]
+        return non_trainable[others[id(variable)]]
 
     return lookup_value
 

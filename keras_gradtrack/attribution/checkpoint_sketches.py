@@ -1,0 +1,109 @@
+"""The targets' gradient sketches at each checkpoint of a log, on either backend.
+
+`estimate_influence` needs the targets' sketches at the weights of every
+checkpoint the logger saved. The checks (a checkpoint to load, a built model of
+the log's architecture) and the walk over the checkpoints are the same on both
+backends; only the compiled sketch function is the engine's own
+(`attribution/sketches.py` on TensorFlow, `backends/jax/target_sketches.py` on
+JAX). No backend is imported here.
+
+Example:
+
+```python
+found = checkpoint_sketches(model, 16, 0, widths, log.checkpoints(), targets,
+                            build_plan, sketch_function)
+found[0]    # (T, K) at the weights of step 0
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from keras_gradtrack.engine.attribution_requests import sketch_widths
+from keras_gradtrack.io.checkpoints import load_checkpoint
+
+
+class SketchFunction(Protocol):
+    """An engine's compiled sketches of the targets (`attribution.sketches.sketch_function`
+    on TensorFlow, `backends.jax.target_sketches.sketch_function` on JAX)."""
+
+    def __call__(
+        self, model: Any, plan: Any, dim: int, seed: int, targets: Any
+    ) -> Callable[[], Any]:
+        """`compute`, whose `compute()` gives the `(T, K)` sketches of `targets` at the
+        model's weights when it is called (loading other weights needs no new trace).
+        The gradients are those of the compiled loss in inference mode.
+
+        Args:
+            model: A built model of the log's architecture.
+            plan: Its tracking plan, checked against the log.
+            dim: The sketches' `dim`.
+            seed: The sketches' seed.
+            targets: The examples (the engine's request of them).
+        """
+        ...
+
+
+def checkpoint_sketches(
+    model: Any,
+    dim: int,
+    seed: int,
+    widths: Sequence[int],
+    checkpoints: Mapping[int, Path],
+    targets: Any,
+    build_plan: Callable[[Any], Any],
+    sketch_function: SketchFunction,
+) -> dict[int, np.ndarray]:
+    """`{step: (T, K) sketches}` of the targets at each checkpoint's weights; the
+    model's own weights are put back afterwards.
+
+    Args:
+        model: A built model of the log's architecture.
+        dim: The sketches' `dim`.
+        seed: The sketches' seed.
+        widths: The log's width of each sketched variable, to check the model with.
+        checkpoints: `{step: weights file}`, as `io.checkpoints.checkpoints` lists them.
+        targets: The examples (the engine's request of them).
+        build_plan: The engine's tracking plan of the model (its tracked layers, each
+            with its `variables`).
+        sketch_function: The engine's compiled sketches of the targets (see
+            `SketchFunction`), built once and called at each checkpoint.
+
+    Raises:
+        ValueError: if there is no checkpoint, the model is not built, or its tracked
+            variables differ from the log's in number or in shape (their names may
+            differ: a model built anew numbers its layers on).
+    """
+    if not checkpoints:
+        raise ValueError(
+            "Sketched influence needs the weights saved during training; the log has no "
+            "checkpoint (HDF5GradientLogger(sketch_dim=..., checkpoint_every=...) saves them)."
+        )
+    if not model.built:
+        raise ValueError(
+            f"Expected a built model of the log's architecture. Received: model "
+            f"{model.name!r}, not built yet (call it on a batch first)."
+        )
+    plan = build_plan(model)
+    found = sketch_widths([v for tracked in plan for v in tracked.variables], dim)
+    if [width for _, width in found] != list(widths):
+        raise ValueError(
+            "Expected a model of the architecture the log was written with: the sketched "
+            f"variables differ. Expected (in the log) widths {list(widths)}. Received: "
+            f"{found}"
+        )
+    compute = sketch_function(model, plan, dim, seed, targets)
+    original = [np.array(w) for w in model.get_weights()]
+    try:
+        sketches = {}
+        for step, path in sorted(checkpoints.items()):
+            load_checkpoint(model, path)
+            sketches[step] = np.asarray(compute())
+        return sketches
+    finally:
+        model.set_weights(original)
