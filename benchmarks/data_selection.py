@@ -133,8 +133,10 @@ def make_data(args: argparse.Namespace) -> Data:
     source = np.repeat(np.arange(len(TASKS)), share)[order]
     pool = np.concatenate(parts)[order]
     targets = {
-        task: task_sequences(task, args.targets, args.length, args.vocabulary, 99 + index)
-        for index, task in enumerate(args.target_tasks)
+        task: task_sequences(
+            task, args.targets, args.length, args.vocabulary, 99 + TASKS.index(task)
+        )
+        for task in args.target_tasks
     }
     return Data(pool, source, targets)
 
@@ -328,7 +330,7 @@ def time_steps(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     def fit(variant: str, count: int) -> list[float]:
         timer = StepTimes()
         callbacks = [loggers[variant], timer] if variant in loggers else [timer]
-        ids = data.pool[: count * args.batch_size]
+        ids = np.resize(data.pool, (count * args.batch_size, args.length))  # repeats the pool
         example_ids = None if variant == "plain" else np.arange(len(ids))
         fit_on(models[variant], ids, example_ids, batch_size=args.batch_size, callbacks=callbacks)
         return timer.times[WARMUP_STEPS:]
@@ -386,8 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-epochs", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=1, help="logged epochs on the pool")
     parser.add_argument("--reduce", choices=("mean", "max"), default="mean")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--no-timing", action="store_true", help="the selection alone")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -432,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         for variant, found in cost.items():
             print(
                 f"| {names[variant]} | {found['seconds'] * 1e3:.1f} | {found['ratio']:.2f}x "
-                f"| {found['memory']:.0f} |"
+                f"| {found['memory']:.1f} |"
             )
 
 
