@@ -376,7 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-epochs", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=1, help="logged epochs on the pool")
     parser.add_argument("--reduce", choices=("mean", "max"), default="mean")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--no-timing", action="store_true", help="the selection alone")
     parser.add_argument("--seed", type=int, default=0)
