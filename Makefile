@@ -59,6 +59,11 @@ bench-backends: $(STAMP)
 bench-mislabeled: $(STAMP)
 	$(PY) benchmarks/mislabeled_digits.py
 
+# LESS-style data selection from LoRA gradient sketches (keras_hub GPT-2, about a minute).
+.PHONY: bench-data-selection
+bench-data-selection: $(STAMP)
+	$(PY) benchmarks/data_selection.py
+
 # What benchmarks/gpu/run.sh installs on a machine without network: the project's wheel
 # and the pure-Python (and cp312 manylinux) wheels of Keras and its dependencies that
 # a machine with JAX, h5py and numpy lacks, at the tested versions.

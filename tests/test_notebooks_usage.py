@@ -34,6 +34,7 @@ SMALL_SIZES = {
         "BATCH_SIZE = 4\nINPUT_DIM = 16\nHIDDEN_UNITS = 8\nREPEATS = 1"
     ),
     "private_training.ipynb": "EPOCHS = 1\nEPSILONS = [8.0]",
+    "data_selection_less.ipynb": "POOL = 64\nTARGETS = 8",
 }
 # What the last cells print, proving the notebook got to the end and computed something.
 EXPECTED_OUTPUT = {
@@ -46,6 +47,7 @@ EXPECTED_OUTPUT = {
     "autodiff_3_input_vjp_jvp.ipynb": "agree: True",
     "autodiff_4_grad_like_torch.ipynb": "agree: True",
     "private_training.ipynb": "text: DP-SGD at epsilon",
+    "data_selection_less.ipynb": "LESS precision@",
 }
 
 
