@@ -134,6 +134,25 @@ def test_the_count_noise_moves_the_bound() -> None:
     assert bound_of(model) != pytest.approx(noiseless, rel=1e-6)
 
 
+def test_the_secure_count_noise_is_not_seeded() -> None:
+    norms = np.linspace(0.5, 4.0, 20)
+    x, y = inputs_with_norms(norms), np.ones((20, 1), "float32")
+    clip = AdaptiveClip(target_quantile=0.5, learning_rate=0.2, clipped_count_stddev=5.0)
+    bounds = []
+    for _ in range(2):
+        model = norms_model(
+            l2_norm_clip=2.0,
+            noise_multiplier=1.0,
+            expected_batch_size=20,
+            adaptive_clip=clip,
+            secure_noise=True,
+        )
+        model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+        bounds.append(bound_of(model))
+    noiseless = next_bound(2.0, int(np.sum(norms <= 2.0)), 20, 0.0, 20, clip)
+    assert bounds[0] != bounds[1] and noiseless not in bounds
+
+
 def test_the_count_noise_has_deviation_clipped_count_stddev() -> None:
     """`b_t`'s noise is `N(0, sigma_b^2) / B_expected`: read back from the bounds of 60
     one-step runs with other seeds (5 standard errors of the sample deviation: 46%)."""

@@ -16,6 +16,7 @@ from test_jax_own_train_step import keras_step_class
 from test_jax_private import BATCH, RATE, assert_close, batch, clipped_sum, per_layer, update
 
 import keras_gradtrack as kgt
+from keras_gradtrack.privacy.adaptive_clip import next_bound
 
 
 class SuperStep(kgt.GradientTrackingModel):
@@ -130,3 +131,19 @@ def test_an_own_step_that_leaves_the_penalties_out_adds_none() -> None:
     model.make_private(l2_norm_clip=bound, noise_multiplier=0.0)
     found = per_layer(model, update(model, x, y))
     assert_close(found, [s / BATCH for s in clipped_sum(g, bound)])
+
+
+def test_an_own_train_step_moves_the_adaptive_bound() -> None:
+    """The bound's variable is read and updated through the model's own step too."""
+    model = built(keras_step_class(kgt.GradientTrackingModel, tracked=True))
+    x, y = batch("mlp")
+    oracle = per_example_gradients(model, x, y)["g"]
+    norms = np.sort(np.sqrt(sum((rows**2).sum(axis=1) for rows in oracle)))
+    bound = float(norms[7] + norms[8]) / 2  # between two norms: no tie with a norm
+    clip = kgt.privacy.AdaptiveClip(target_quantile=0.3, learning_rate=0.2)
+    model.make_private(l2_norm_clip=bound, noise_multiplier=0.0, adaptive_clip=clip)
+    found = per_layer(model, update(model, x, y))
+    assert_close(found, [s / BATCH for s in clipped_sum(oracle, bound)])
+    assert model.history.history["dp_l2_norm_clip"] == [pytest.approx(bound, rel=1e-6)]
+    expected = next_bound(bound, 8, BATCH, 0.0, BATCH, clip)
+    assert float(model.__dict__["_adaptive_clip_bound"].numpy()) == pytest.approx(expected)
