@@ -26,20 +26,21 @@ from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
   `B_expected / k` and the noise is drawn on the k-th alone;
   with `secure_noise=True` the draw is `secure_noise.py`'s (host, `os.urandom`);
 * weight penalties (`variable.regularizer`) do not depend on the data: their
-  gradient is added unclipped and without noise. Other added losses (`add_loss`,
+  gradient is added unclipped and without noise (in a function of one's own, with
+  the weight its loss gives each: `penalties.py`). Other added losses (`add_loss`,
   activity regularizers) are refused, as on TensorFlow;
-* with a loss scale `s` (a `LossScaleOptimizer`, `mixed_float16`), the norms and
-  weights are the unscaled gradients' (in float32), each layer's product runs on
-  the scaled output gradients `s w_i d_i` (as the backward pass holds them: float16
-  keeps its range) and is unscaled after, and the optimizer receives `s` times the
-  update, which it unscales (skipping a step whose gradients are not finite), as on
-  TensorFlow (`engine/clipping.py`);
+* with a loss scale `s` (a `LossScaleOptimizer`, `mixed_float16`, an optimizer's
+  `loss_scale_factor`), the norms and weights are the unscaled gradients' (in
+  float32), each layer's product runs on the scaled output gradients `s w_i d_i`
+  (as the backward pass holds them: float16 keeps its range) and is unscaled after,
+  and the optimizer receives `s` times the update, which it unscales (skipping a
+  step whose gradients are not finite), as on TensorFlow (`engine/clipping.py`);
 * with adaptive clipping (`privacy/adaptive_clip.py`) the bound `C_t` is the value
   of a non-trainable Keras variable of the model (`BOUND_KEY`), which the compiled
   step reads and updates in a `keras.StatelessScope` (its value goes in and out
-  with the step's state: `JaxPrivateTraining._compiled_private`); the count of
-  unclipped examples is noised with the draw after the variables' (position
-  `len(trainable)`), as on TensorFlow.
+  with the step's state: `JaxPrivateTraining._compiled_with_private_state`); the
+  count of unclipped examples is noised with the draw after the variables'
+  (position `len(trainable)`), as on TensorFlow.
 
 Example:
 
