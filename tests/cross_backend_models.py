@@ -209,6 +209,21 @@ def private() -> Run:
     return run
 
 
+def private_adaptive() -> Run:
+    """Adaptive clipping without noise: each step's bound and update are deterministic."""
+    run = mlp(sgd)
+    clip = kgt.privacy.AdaptiveClip(target_quantile=0.5, learning_rate=0.2)
+    run.model.make_private(l2_norm_clip=0.5, noise_multiplier=0.0, adaptive_clip=clip)
+    return run
+
+
+def private_loss_scale() -> Run:
+    """Clipping without noise through a LossScaleOptimizer."""
+    run = mlp(lambda: keras.optimizers.LossScaleOptimizer(sgd()))
+    run.model.make_private(l2_norm_clip=0.5, noise_multiplier=0.0)
+    return run
+
+
 def attribution() -> Run:
     targets = (normal((12,), 11)[:4], labels(11)[:4])
     return mlp(sgd, targets=targets)
@@ -231,6 +246,8 @@ CASES: dict[str, Callable[[], Run]] = {
     "lstm": lstm,
     "batch_normalization": batch_normalization,
     "private": private,
+    "private_adaptive": private_adaptive,
+    "private_loss_scale": private_loss_scale,
     "attribution": attribution,
 }
 

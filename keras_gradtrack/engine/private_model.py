@@ -5,8 +5,8 @@ arguments checked and the phase started (`private_training.make_private`), the
 settings, the history and its epsilon, and the settings and history in the
 model's saved compile config. Plain Python and Keras: each engine supplies the
 private step itself (TensorFlow: `engine/clipping.py`; JAX:
-`backends/jax/private_step.py`) and, through the two hooks, what it refuses and
-what it keeps for a new phase.
+`backends/jax/private_step.py`) and, through a hook, what it keeps for a new
+phase.
 """
 
 from __future__ import annotations
@@ -134,11 +134,6 @@ class PrivateTraining:
         model.fit(x, y, batch_size=256, epochs=10)
         ```
         """
-        self._refuse_private(
-            accumulation_steps=accumulation_steps,
-            secure_noise=secure_noise,
-            adaptive_clip=adaptive_clip,
-        )
         private_training.make_private(
             self,
             l2_norm_clip,
@@ -223,10 +218,6 @@ class PrivateTraining:
         else:
             private_training.set_history(self, phases_from(history))
 
-    def _refuse_private(self, **arguments: Any) -> None:
-        """Raises on the arguments of `make_private` the backend cannot train with
-        (before anything changes); none on TensorFlow."""
-
     def _started_private_phase(self) -> None:
-        """What the backend keeps for the phase `make_private` started (TensorFlow:
-        the adaptive bound's variable)."""
+        """What the backend keeps for the phase `make_private` started (the adaptive
+        bound's variable)."""

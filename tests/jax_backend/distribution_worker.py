@@ -14,7 +14,8 @@ MLP and a sequence model) the fit writes its log to `OUT/<model>/log.h5`, and
 model: how many times the example-independence guard ran, over how many devices the
 first kernel lies and whether it is sharded, and (under `DataParallel`, for the MLP)
 the errors of a plain Keras fit and of a tracked fit whose last batch the devices do
-not divide.
+not divide; for the MLP, the bounds and final weights of a private fit with adaptive
+clipping.
 """
 
 from __future__ import annotations
@@ -88,6 +89,23 @@ def ragged_fit_error(name: str, model_class: type, out: Path) -> str:
     return ""
 
 
+def adaptive_fit(name: str) -> dict[str, Any]:
+    """A private fit with adaptive clipping (no noise): each epoch's last bound, the
+    bound reached and the final weights."""
+    model = build(name)
+    x, y = data(name, 64)
+    clip = kgt.privacy.AdaptiveClip(0.5, 0.2)
+    model.make_private(
+        l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=BATCH, adaptive_clip=clip
+    )
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    return {
+        "bounds": history.history["dp_l2_norm_clip"],
+        "bound": float(model.__dict__["_adaptive_clip_bound"].numpy()),
+        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+    }
+
+
 def run(name: str, mode: str, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     model = build(name)
@@ -111,6 +129,8 @@ def run(name: str, mode: str, out: Path) -> dict[str, Any]:
     stats = model.gradient_statistics(x[:BATCH], y[:BATCH])
     weights = {f"weight_{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(out / "arrays.npz", **weights, **{f"stat_{k}": v for k, v in stats.items()})
+    if name == "mlp":
+        report["adaptive"] = adaptive_fit(name)
     if mode == "data_parallel" and name == "mlp":
         report["plain_ragged"] = ragged_fit_error(name, keras.Model, out)
         report["tracked_ragged"] = ragged_fit_error(name, kgt.GradientTrackingModel, out)

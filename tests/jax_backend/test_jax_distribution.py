@@ -6,7 +6,7 @@ starts with four virtual CPU devices: under `DataParallel` over the four, under
 distribution, with the same weights, data and seeds. The logs must hold the same
 rows (ids, steps, epochs, every per-example and per-step column) and the fits the
 same final weights: XLA computes the sharded step's statistics with the global
-batch's meaning. Several processes, and distribution classes of one's own, are refused.
+batch's meaning. So must a private fit with adaptive clipping (its bounds and weights). Several processes, and distribution classes of one's own, are refused.
 """
 
 from __future__ import annotations
@@ -95,6 +95,17 @@ def test_distributed_log_is_the_one_device_log(runs: Any, mode: str, model: str)
         np.testing.assert_allclose(
             sharded_arrays[name], single_arrays[name], RTOL, ATOL, err_msg=name
         )
+
+
+@pytest.mark.parametrize("mode", DISTRIBUTED)
+def test_adaptive_clipping_counts_the_global_batch(runs: Any, mode: str) -> None:
+    """A private fit with adaptive clipping: the same bounds and weights as on one device."""
+    sharded, single = runs[mode][1]["mlp"]["adaptive"], runs["one_device"][1]["mlp"]["adaptive"]
+    np.testing.assert_allclose(sharded["bounds"], single["bounds"], RTOL)
+    assert sharded["bound"] == pytest.approx(single["bound"], rel=RTOL)
+    assert single["bound"] != pytest.approx(0.5)  # the bound moved
+    for found, expected in zip(sharded["weights"], single["weights"]):
+        np.testing.assert_allclose(found, expected, RTOL, ATOL)
 
 
 def test_a_last_batch_the_devices_do_not_divide_fails_as_in_plain_keras(runs: Any) -> None:

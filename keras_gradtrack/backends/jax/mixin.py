@@ -78,7 +78,7 @@ class GradientTrackingMixin(
 
     Not on JAX yet (each refused with an error naming the backend): recurrent
     layers other than SimpleRNN, LSTM and GRU, `keras.distribution` over several
-    processes, adaptive clipping in private training.
+    processes.
 
     Example:
 
@@ -353,7 +353,7 @@ class GradientTrackingMixin(
                     own_tracked_step if self._has_own_step() else keras_tracked_step(self)
                 )
                 if private:
-                    tracked_step = self._private_train_step()
+                    tracked_step = self._private_train_step(tracked_step)
 
                 def step(state: Any, data: Any) -> Any:
                     logs, state = tracked_step(self, plan, statistics, state, data, requests)
@@ -362,7 +362,8 @@ class GradientTrackingMixin(
                     layouts.record(data, layout)  # when traced
                     return {**logs, PAYLOAD_KEY: vector}, state
 
-                tracked_by_statistics[key] = (self._compiled(step, out_shardings), layouts)
+                compiled = self._compiled_with_private_state(step, out_shardings)
+                tracked_by_statistics[key] = (compiled, layouts)
             compiled_step, layouts = tracked_by_statistics[key]
             iterations = self._private_iterations(state) if private else None
             try:

@@ -14,6 +14,13 @@ step that calls `super().train_step(state, data)` instead reaches Keras' step
 through the mixin (`keras_step`), which on a tracked step runs the engine's
 tracked version of it.
 
+On a private model's step (`private=`), the gradients `tracked_value_and_grad`
+returns (or that `super().train_step` applies) are the private ones
+(`private_step.py`, times the loss scale as the optimizer expects), and the step's
+logs gain `dp_fraction_clipped` (and the adaptive bound), as on TensorFlow, where
+`tracked_gradient` returns them. The weight penalties' part is read from the
+function's own loss (`penalties.py`).
+
 Example:
 
 ```python
@@ -41,14 +48,18 @@ from keras_gradtrack.backends.jax.coupled import refuse_coupling_in_own_step
 from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.jax.losses import loss_factor, recording_losses
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
+from keras_gradtrack.backends.jax.penalties import probing_penalties, regularized_variables
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
     ProbedPass,
     batch_size_of,
+    columns_payload,
+    layer_columns,
     learning_rate,
+    opt_in_primitives,
+    recording_added_losses,
     requested_rows,
-    statistics_payload,
     tracked_train_step,
 )
 from keras_gradtrack.engine.reductions import LossRecorder, per_example_shares
@@ -72,8 +83,11 @@ class OwnStepTracking:
         state: The step's state (the non-trainable values the rules read).
         batch: The batch size.
         requests: The loggers' attribution requests.
+        private: For a private model, the private step's gradients
+            (`private_step.private_gradients`), else None.
         payload: The statistics (and the requests' rows), once
             `tracked_value_and_grad` has run.
+        rows: The private step's values for the logs, once it has run.
     """
 
     plan: Sequence[TrackedLayer]
@@ -81,7 +95,9 @@ class OwnStepTracking:
     state: Any
     batch: int
     requests: Sequence[Any] = ()
+    private: Callable[..., Any] | None = None
     payload: dict[str, Any] | None = None
+    rows: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def own_tracked_step(
@@ -91,16 +107,17 @@ def own_tracked_step(
     state: Any,
     data: Any,
     requests: Sequence[Any] = (),
+    private: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """The model's own `train_step`, whose logs also carry the statistics (and the
     rows of the attribution `requests`) under `PAYLOAD_KEY` (from its call of
-    `tracked_value_and_grad`).
+    `tracked_value_and_grad`); with `private`, the private step's values too.
 
     Raises:
         NotImplementedError: When the step did not call `tracked_value_and_grad`.
     """
     x = keras.utils.unpack_x_y_sample_weight(data)[0]
-    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests)
+    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests, private)
     model.__dict__[TRACKING_KEY] = tracking
     try:
         logs, state = model.train_step(state, data)
@@ -115,7 +132,7 @@ def own_tracked_step(
             "calls `jax.value_and_grad(fun, ...)` (it returns the same values and "
             "gradients); see GradientTrackingMixin.tracked_value_and_grad."
         )
-    return {**logs, PAYLOAD_KEY: tracking.payload}, state
+    return {**logs, **tracking.rows, PAYLOAD_KEY: tracking.payload}, state
 
 
 def keras_step(
@@ -133,8 +150,17 @@ def keras_step(
             "`super().train_step` ran after `tracked_value_and_grad` (or twice) in one "
             "tracked step; the step's statistics come from one differentiation of the loss."
         )
+    private = None
+    if tracking.private is not None:
+
+        def private(*args: Any) -> Any:
+            gradients, tracking.rows = tracking.private(*args)
+            return gradients, tracking.rows
+
     step = keras_tracked_step(model)
-    logs, state = step(model, tracking.plan, tracking.statistics, state, data, tracking.requests)
+    logs, state = step(
+        model, tracking.plan, tracking.statistics, state, data, tracking.requests, private
+    )
     logs = dict(logs)
     tracking.payload = logs.pop(PAYLOAD_KEY)
     return logs, state
@@ -201,7 +227,11 @@ def tracked_call(
     batchless: frozenset[int] = frozenset()
 
     def forward(
-        trainable: Any, probe_values: Any, loss_probes: Any, rest: Sequence[Any] = rest
+        trainable: Any,
+        probe_values: Any,
+        loss_probes: Any,
+        penalty_probes: Any = None,
+        rest: Sequence[Any] = rest,
     ) -> Any:
         layer_values, input_values = probe_values or (None, None)
         with (
@@ -209,6 +239,7 @@ def tracked_call(
             input_probes.installed(input_values),
             recording_losses(loss_probes) as recorder,
             recording_loss_scale(model.optimizer) as scales,
+            probing_penalties(model, penalty_probes),
         ):
             outputs = fun(trainable, *rest, **kwargs)
         recorders.append(recorder)
@@ -220,19 +251,24 @@ def tracked_call(
 
     if arguments_of is not None:
         batchless = batchless_calls(
-            lambda data: forward(trainable, None, None, arguments_of(data))[1][1], data
+            lambda data: forward(trainable, None, None, None, arguments_of(data))[1][1], data
         )
-    # A first trace records the shapes of the probed outputs and of the loss values.
-    _, (_, _, probed_shapes, recorded_shapes, _) = jax.eval_shape(
-        lambda t: forward(t, None, None), trainable
-    )
+    # A first trace records the shapes of the probed outputs and of the loss values,
+    # and the losses the model's calls add (weight penalties, `add_loss`).
+    with recording_added_losses(model) as added_losses:
+        _, (_, _, probed_shapes, recorded_shapes, _) = jax.eval_shape(
+            lambda t: forward(t, None, None), trainable
+        )
     calls = [(index, call_kwargs) for index, _, call_kwargs in probes.calls]
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), probed_shapes)
     loss_zeros = [jnp.zeros(values.shape, values.dtype) for values, _ in recorded_shapes]
+    # A private step reads the weight with which the loss holds each penalty.
+    penalized = regularized_variables(model) if tracking.private is not None else []
+    penalty_zeros = [jnp.zeros((), jnp.float32) for _ in penalized]
     (value, (aux, inputs, _, recorded, scale)), gradients = jax.value_and_grad(
-        forward, argnums=(0, 1, 2), has_aux=True
-    )(trainable, zeros, loss_zeros)
-    grads, (probe_grads, input_grads), loss_grads = gradients
+        forward, argnums=(0, 1, 2, 3), has_aux=True
+    )(trainable, zeros, loss_zeros, penalty_zeros)
+    grads, (probe_grads, input_grads), loss_grads, penalty_weights = gradients
     uncalled = sorted(
         {tracked.name for tracked in tracking.plan}
         - {tracking.plan[index].name for index, _ in calls}
@@ -265,11 +301,19 @@ def tracked_call(
     )
     # The function may add terms of its own (penalties) to `c sum_i l_i`: the rules
     # sum the per-example gradients rather than take `sum_i g_i` from `G`.
-    payload = statistics_payload(
-        model, tracking.plan, tracking.statistics, probed, losses, factor, None, tracking.batch
-    )
-    payload.update(requested_rows(model, tracking.plan, tracking.requests, probed, factor))
+    plan, statistics = tracking.plan, tracking.statistics
+    columns = layer_columns(model, plan, probed, factor, None)
+    opt_in = opt_in_primitives(model, plan, statistics, probed, factor)
+    payload = columns_payload(statistics, columns, losses, tracking.batch, opt_in)
+    payload.update(requested_rows(model, plan, tracking.requests, probed, factor))
     payload[LEARNING_RATE] = learning_rate(model, tracking.state[2])
+    if tracking.private is not None:
+        # After the statistics: they read the step's adaptive bound before its update.
+        arguments = (columns, factor, added_losses, tracking.state[2], scale)
+        private_grads, tracking.rows = tracking.private(
+            model, plan, probed, *arguments, unscaled(penalty_weights, scale)
+        )
+        grads = type(grads)(private_grads)
     result = ((value, aux) if has_aux else value), grads
     return result, payload
 
@@ -281,6 +325,7 @@ def recorded_losses_step(
     state: Any,
     data: Any,
     requests: Sequence[Any] = (),
+    private: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Keras' JAX `train_step` with `tracked_value_and_grad` in place of
     `jax.value_and_grad`: the per-example losses are those of the Keras losses the
@@ -288,7 +333,7 @@ def recorded_losses_step(
     its own (keras-io's knowledge distillation, say)."""
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests)
+    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests, private)
 
     def arguments_of(data: Any) -> tuple[Any, ...]:
         return (non_trainable, metrics_variables, *keras.utils.unpack_x_y_sample_weight(data))
@@ -313,7 +358,7 @@ def recorded_losses_step(
         model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
     state = (trainable, non_trainable, optimizer_variables, metrics_variables)
-    return {**logs, PAYLOAD_KEY: payload}, state
+    return {**logs, **tracking.rows, PAYLOAD_KEY: payload}, state
 
 
 def keras_tracked_step(model: keras.Model) -> Callable[..., Any]:
@@ -332,11 +377,12 @@ def keras_tracked_step(model: keras.Model) -> Callable[..., Any]:
         state: Any,
         data: Any,
         requests: Sequence[Any] = (),
+        private: Callable[..., Any] | None = None,
     ) -> tuple[dict[str, Any], Any]:
         # Decided when traced: the targets show whether the batch has several outputs.
         if one_loss_of_one_output(model, data):
-            return tracked_train_step(model, plan, statistics, state, data, requests)
-        return recorded_losses_step(model, plan, statistics, state, data, requests)
+            return tracked_train_step(model, plan, statistics, state, data, requests, private)
+        return recorded_losses_step(model, plan, statistics, state, data, requests, private)
 
     return step
 

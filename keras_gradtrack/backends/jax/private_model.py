@@ -1,8 +1,13 @@
-"""Private training on the JAX backend: what `make_private` refuses, and `fit`'s checks.
+"""Private training on the JAX backend: `fit`'s checks, and the step's state of its own.
 
 The settings, the history, epsilon and saving are the shared `PrivateTraining`'s
 (`engine/private_model.py`); the budget and the batch checks are the shared
-`private_training`'s; the step is `private_step.py`'s.
+`private_training`'s; the step is `private_step.py`'s. With adaptive clipping the
+bound `C_t` is a non-trainable Keras variable of the model (not one of its weights,
+as on TensorFlow); the compiled step takes its value with the step's state, reads
+and updates it in a `keras.StatelessScope`, and returns `C_{t+1}`, which is assigned
+to the variable (`_compiled_with_private_state`). The saved settings hold the bound
+reached (`private_settings.config_of`), so a loaded model goes on from it.
 
 Example:
 
@@ -18,13 +23,17 @@ model.epsilon(1e-5)
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import keras
 
-from keras_gradtrack.backends.jax.plan import BACKEND
-from keras_gradtrack.backends.jax.private_step import logical_iterations, private_gradients
-from keras_gradtrack.backends.jax.step import batch_size_of, tracked_train_step
+from keras_gradtrack.backends.jax.private_step import (
+    BOUND_KEY,
+    logical_iterations,
+    private_gradients,
+)
+from keras_gradtrack.backends.jax.step import batch_size_of
 from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.private_model import PrivateTraining
 
@@ -32,29 +41,53 @@ from keras_gradtrack.engine.private_model import PrivateTraining
 FIT_DATA_KEY = "_private_fit_data"
 
 
-def not_on_jax(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{what} runs on the TensorFlow backend only; private training on the {BACKEND} "
-        "backend (keras.backend.backend() == 'jax') does not have it yet. Train with "
-        "KERAS_BACKEND=tensorflow for it."
-    )
-
-
 class JaxPrivateTraining(PrivateTraining):
-    """`make_private` on JAX: one bound or bounds per group, the noise, logical
-    batches, the history, the budget and the sampling checks; each refusal below
-    names the backend."""
+    """`make_private` on JAX: one bound or bounds per group, adaptive clipping, the
+    noise, logical batches, a loss scale, a model's own step, the history, the
+    budget and the sampling checks, as on TensorFlow."""
 
-    def _refuse_private(self, **arguments: Any) -> None:
-        optimizer = getattr(self, "optimizer", None)
-        if arguments.get("adaptive_clip") is not None:
-            raise not_on_jax("Adaptive clipping (`adaptive_clip=`)")
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise not_on_jax("Private training with a LossScaleOptimizer")
-        own_step = self._has_own_step()  # type: ignore[attr-defined]
-        own_loss = type(self).compute_loss is not keras.Model.compute_loss  # type: ignore[attr-defined]
-        if own_step or own_loss:
-            raise not_on_jax("Private training of a model with its own train_step or compute_loss")
+    _compiled: Callable[[Any, Any], Any]  # the mixin's jit of a step
+
+    def _started_private_phase(self) -> None:
+        settings = self.privacy_settings
+        if settings is not None and settings.adaptive_clip is not None:
+            # The bound C_t, updated by every step; in `__dict__`, not a weight.
+            self.__dict__[BOUND_KEY] = keras.Variable(
+                settings.sensitivity, dtype="float32", trainable=False, name="adaptive_clip_bound"
+            )
+
+    def _private_step_variables(self) -> list[Any]:
+        """The variables a private step updates besides Keras' state (the adaptive
+        bound), none for another model."""
+        settings = self.privacy_settings
+        if settings is None or settings.adaptive_clip is None:
+            return []
+        return [self.__dict__[BOUND_KEY]]
+
+    def _compiled_with_private_state(self, step: Any, out_shardings: Any) -> Any:
+        """`step(state, data) -> (logs, state)` compiled; with variables of the private
+        step's own (`_private_step_variables`), their values go into the compiled step,
+        which runs `step` in a `keras.StatelessScope` mapping them and returns their
+        new values, assigned after it (no wait for the step)."""
+        variables = self._private_step_variables()
+        if not variables:
+            return self._compiled(step, out_shardings)
+
+        def stateful(state: Any, data: Any, values: Any) -> Any:
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+                logs, state = step(state, data)
+            return logs, state, [scope.get_current_value(v) for v in variables]
+
+        shardings = None if out_shardings is None else (*out_shardings, None)
+        compiled = self._compiled(stateful, shardings)
+
+        def run(state: Any, data: Any) -> Any:
+            logs, state, values = compiled(state, data, [v.value for v in variables])
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+            return logs, state
+
+        return run
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         if self.privacy_settings is not None:
@@ -90,6 +123,7 @@ class JaxPrivateTraining(PrivateTraining):
             updates = int(logical_iterations(self, state[2]) or 0) - iterations_before
         private_training.record_steps(self, updates)
 
-    def _private_train_step(self) -> Any:
-        """The tracked step whose optimizer receives the private gradients."""
-        return functools.partial(tracked_train_step, private=private_gradients)
+    def _private_train_step(self, step: Any) -> Any:
+        """The tracked `step` (Keras' or the model's own) whose optimizer receives the
+        private gradients."""
+        return functools.partial(step, private=private_gradients)

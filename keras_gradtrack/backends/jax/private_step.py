@@ -26,8 +26,21 @@ from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
   `B_expected / k` and the noise is drawn on the k-th alone;
   with `secure_noise=True` the draw is `secure_noise.py`'s (host, `os.urandom`);
 * weight penalties (`variable.regularizer`) do not depend on the data: their
-  gradient is added unclipped and without noise. Other added losses (`add_loss`,
-  activity regularizers) are refused, as on TensorFlow.
+  gradient is added unclipped and without noise (in a function of one's own, with
+  the weight its loss gives each: `penalties.py`). Other added losses (`add_loss`,
+  activity regularizers) are refused, as on TensorFlow;
+* with a loss scale `s` (a `LossScaleOptimizer`, `mixed_float16`, an optimizer's
+  `loss_scale_factor`), the norms and weights are the unscaled gradients' (in
+  float32), each layer's product runs on the scaled output gradients `s w_i d_i`
+  (as the backward pass holds them: float16 keeps its range) and is unscaled after,
+  and the optimizer receives `s` times the update, which it unscales (skipping a
+  step whose gradients are not finite), as on TensorFlow (`engine/clipping.py`);
+* with adaptive clipping (`privacy/adaptive_clip.py`) the bound `C_t` is the value
+  of a non-trainable Keras variable of the model (`BOUND_KEY`), which the compiled
+  step reads and updates in a `keras.StatelessScope` (its value goes in and out
+  with the step's state: `JaxPrivateTraining._compiled_with_private_state`); the
+  count of unclipped examples is noised with the draw after the variables'
+  (position `len(trainable)`), as on TensorFlow.
 
 Example:
 
@@ -52,7 +65,12 @@ from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.rules import f32, preactivation_call
 from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
 from keras_gradtrack.engine.clip_weights import clip_weights
-from keras_gradtrack.engine.private_settings import settings_of
+from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
+from keras_gradtrack.privacy.adaptive_clip import next_bound
+
+# Where a model with adaptive clipping keeps its bound `C_t` (in its `__dict__`, as on
+# TensorFlow: not one of the model's weights).
+BOUND_KEY = "_adaptive_clip_bound"
 
 
 def private_gradients(
@@ -63,9 +81,14 @@ def private_gradients(
     factor: Any,
     added_losses: Sequence[int],
     optimizer_variables: Any,
+    loss_scale: Any = None,
+    penalty_weights: Sequence[Any] | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
     """`(gradients, rows)`: what the optimizer receives (aligned with
     `model.trainable_variables`) and the values for fit's logs.
+
+    With adaptive clipping, call it in a `keras.StatelessScope` mapping the bound's
+    variable (`BOUND_KEY`) to its value: it reads `C_t` there and assigns `C_{t+1}`.
 
     Args:
         model: The private model.
@@ -76,6 +99,9 @@ def private_gradients(
         added_losses: How many losses the forward pass added to the compiled loss
             (as the step's first trace saw them).
         optimizer_variables: The optimizer's values before the step (its step count).
+        loss_scale: `s`, the loss scale of the step's gradients (float32), or None.
+        penalty_weights: The weight of each penalty in the loss, for a function of
+            the model's own (`penalty_gradients`); None: Keras' step.
 
     Raises:
         ValueError: When the forward pass adds losses other than weight penalties
@@ -84,14 +110,15 @@ def private_gradients(
     """
     settings = settings_of(model)
     assert settings is not None
-    penalties = penalty_gradients(model, probed.trainable, added_losses)
+    penalties = penalty_gradients(model, probed.trainable, added_losses, penalty_weights)
     sq_norms = [jnp.maximum(f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
-    weights, clipped = clip_weights(settings, model, plan, sq_norms, settings.sensitivity)
-    sums = clipped_sums(model, plan, probed, weights, factor)
+    bound = step_bound(model, settings)  # this step's C (adaptive: before its update)
+    weights, clipped = clip_weights(settings, model, plan, sq_norms, bound)
+    sums = clipped_sums(model, plan, probed, weights, factor, loss_scale)
     batch = clipped.shape[0]
     divisor = settings.expected_batch_size or float(batch)
-    std = settings.noise_multiplier * settings.sensitivity
-    noise_factor = jnp.float32(std)
+    sigma = settings.gradient_noise_multiplier
+    noise_factor = sigma * jnp.asarray(bound, jnp.float32)
     k = settings.accumulation_steps
     if k > 1:
         # Keras' accumulation applies the mean of k physical batches' gradients: each
@@ -101,6 +128,7 @@ def private_gradients(
         applies = optimizer_value(model, optimizer_variables, optimizer_apply_count)
         noise_factor = jnp.where((applies + 1) % k == 0, noise_factor, 0.0)
     key = step_key(model, settings.seed, optimizer_variables)
+    scale = jnp.float32(1.0) if loss_scale is None else loss_scale
     gradients = []
     for position, (variable, value) in enumerate(zip(model.trainable_variables, probed.trainable)):
         if id(variable) not in sums:
@@ -109,24 +137,73 @@ def private_gradients(
                 f"layer. Received: {variable.path!r}"
             )
         gradient = sums[id(variable)]
-        if std > 0.0 and settings.secure_noise:
+        if sigma > 0.0 and settings.secure_noise:
             gradient = gradient + secure_standard_normal(tuple(value.shape), noise_factor)
-        elif std > 0.0:
+        elif sigma > 0.0:
             draw = jax.random.normal(jax.random.fold_in(key, position), value.shape, jnp.float32)
             gradient = gradient + noise_factor * draw
         gradient = gradient / divisor
         if penalties is not None:
             gradient = gradient + f32(penalties[position])
-        gradients.append(gradient.astype(value.dtype))
-    rows = {"dp_fraction_clipped": jnp.mean(clipped.astype(jnp.float32))}
+        # With a loss scale the optimizer receives the scaled gradient and unscales it.
+        gradients.append((gradient * scale).astype(value.dtype))
+    clipped_count = jnp.sum(clipped.astype(jnp.float32))
+    rows = {"dp_fraction_clipped": clipped_count / batch}
+    if settings.adaptive_clip is not None:
+        rows["dp_l2_norm_clip"] = bound
+        count_key = jax.random.fold_in(key, len(model.trainable_variables))
+        update_bound(model, settings, batch - clipped_count, batch, divisor, bound, count_key)
     return gradients, rows
 
 
+def step_bound(model: keras.Model, settings: PrivacySettings) -> Any:
+    """The step's one bound `C`: the settings' sensitivity (a float), or with adaptive
+    clipping the bound variable's value in the step's `keras.StatelessScope`."""
+    if settings.adaptive_clip is None:
+        return settings.sensitivity
+    return jnp.asarray(keras.ops.convert_to_tensor(model.__dict__[BOUND_KEY]), jnp.float32)
+
+
+def update_bound(
+    model: keras.Model,
+    settings: PrivacySettings,
+    unclipped_count: Any,
+    batch_size: int,
+    divisor: Any,
+    bound: Any,
+    key: Any,
+) -> None:
+    """Assigns `C_{t+1}` (`adaptive_clip.next_bound`) to the bound's variable (in the
+    step's `keras.StatelessScope`), the count of unclipped examples noised with
+    deviation `clipped_count_stddev` (drawn from `key`, or the secure draw)."""
+    clip = settings.adaptive_clip
+    assert clip is not None
+    count_noise: Any = jnp.float32(0.0)
+    if clip.clipped_count_stddev > 0 and settings.secure_noise:
+        count_noise = secure_standard_normal((), clip.clipped_count_stddev)
+    elif clip.clipped_count_stddev > 0:
+        count_noise = clip.clipped_count_stddev * jax.random.normal(key, (), jnp.float32)
+    found = next_bound(bound, unclipped_count, float(batch_size), count_noise, divisor, clip)
+    model.__dict__[BOUND_KEY].assign(found)
+
+
 def penalty_gradients(
-    model: keras.Model, trainable: Sequence[Any], added_losses: Sequence[int]
+    model: keras.Model,
+    trainable: Sequence[Any],
+    added_losses: Sequence[int],
+    weights: Sequence[Any] | None = None,
 ) -> list[Any] | None:
     """The gradient of the weight penalties (`variable.regularizer`), which do not
     depend on the data and are added unclipped and without noise; None without any.
+
+    Args:
+        model: The private model.
+        trainable: The values of its trainable variables.
+        added_losses: Per `stateless_call` of the step that returned its losses, how
+            many (as the step's first trace saw them).
+        weights: Per penalty (`penalties.regularized_variables`), the weight with
+            which the loss holds it (`penalties.probing_penalties`); None: Keras'
+            own step, which adds each once.
 
     Raises:
         ValueError: When the forward pass adds other losses (`add_loss`, activity
@@ -137,7 +214,8 @@ def penalty_gradients(
         for position, variable in enumerate(model.trainable_variables)
         if getattr(variable, "regularizer", None) is not None
     ]
-    if list(added_losses) != [len(regularized)]:
+    expected = [len(regularized)] if weights is None else [len(regularized)] * len(added_losses)
+    if list(added_losses) != expected:
         raise ValueError(
             f"Model {model.name!r} adds losses with `add_loss` (or an activity "
             "regularizer): such a term is not a sum of per-example terms, so it has no "
@@ -148,9 +226,14 @@ def penalty_gradients(
         )
     if not regularized:
         return None
+    if weights is None:
+        weights = [1.0] * len(regularized)
 
     def total(values: Sequence[Any]) -> Any:
-        return sum(f32(variable.regularizer(values[p])) for p, variable in regularized)
+        return sum(
+            weight * f32(variable.regularizer(values[p]))
+            for (p, variable), weight in zip(regularized, weights)
+        )
 
     return list(jax.grad(total)(list(trainable)))
 
@@ -161,12 +244,15 @@ def clipped_sums(
     probed: Any,
     weights: Sequence[Any],
     factor: Any,
+    loss_scale: Any = None,
 ) -> dict[int, Any]:
     """`{id(variable): sum_i w_i g_i}` (float32) of every tracked layer's own variables.
 
     A layer's clipped sum is `sum_calls d <z_c(theta), w * d_c> / d theta` at the
     recorded inputs of each call: its local VJP with the reweighted output
-    gradients (linear in them, so the sum over examples is taken by the VJP)."""
+    gradients (linear in them, so the sum over examples is taken by the VJP). With a
+    loss scale `s` the VJP takes `s w_i d_i` (the backward pass's scale, in the
+    layer's dtype) and its result is divided by `s` in float32."""
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
@@ -187,7 +273,11 @@ def clipped_sums(
                 continue
             inputs, grad = probed.inputs[n], f32(probed.probe_grads[n]) / factor
             reweighted = grad * weight.reshape((-1,) + (1,) * (grad.ndim - 1))
+            if loss_scale is not None:
+                reweighted = reweighted * loss_scale
             grads = local_vjp(layer, values, fixed, inputs, kwargs, reweighted)
+            if loss_scale is not None:
+                grads = [f32(g) / loss_scale for g in grads]
             total = grads if total is None else [t + g for t, g in zip(total, grads)]
         if total is None:
             raise ValueError(

@@ -19,9 +19,10 @@ logs[PAYLOAD_KEY]["cosine"]     # (B,)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -182,9 +183,9 @@ def tracked_train_step(
     `data` holds no example ids (`split_example_ids` takes them off first, outside
     the compiled step, so that int64 ids stay exact). `private`, for a private
     model: `(model, plan, probed, columns, factor, added_losses,
-    optimizer_variables) -> (gradients, rows)`, what the optimizer receives in
-    place of the batch gradient and the values it adds to the logs
-    (`private_step.py`).
+    optimizer_variables, loss_scale) -> (gradients, rows)`, what the optimizer
+    receives in place of the batch gradient (times the loss scale, which it
+    unscales) and the values it adds to the logs (`private_step.py`).
     """
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -220,16 +221,7 @@ def tracked_train_step(
     batchless = batchless_calls(lambda data: forward(trainable, None, data)[1][1], data)
     # A first trace records the probed shapes, and whether the forward pass adds
     # losses of its own (weight penalties, `add_loss`) to the examples' losses.
-    added_losses: list[int] = []
-
-    def recording_stateless_call(*args: Any, **kwargs: Any) -> Any:
-        outputs = stateless_call(*args, **kwargs)
-        if kwargs.get("return_losses"):
-            added_losses.append(len(outputs[-1]))
-        return outputs
-
-    stateless_call = model.stateless_call
-    with patched(model, "stateless_call", recording_stateless_call):
+    with recording_added_losses(model) as added_losses:
         shapes = jax.eval_shape(lambda t: forward(t, None), trainable)[1][2]
     calls = [(index, kwargs) for index, _, kwargs in probes.calls]
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -261,10 +253,15 @@ def tracked_train_step(
         grads,
     )
     columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
+    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
+    payload = columns_payload(statistics, columns, losses, batch, opt_in)
+    payload.update(requested_rows(model, plan, requests, probed, factor, coupled))
+    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     rows: dict[str, Any] = {}
     if private is not None:
+        # After the statistics: they read the step's adaptive bound before its update.
         grads, rows = private(
-            model, plan, probed, columns, factor, added_losses, optimizer_variables
+            model, plan, probed, columns, factor, added_losses, optimizer_variables, scale
         )
     new_trainable, new_optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
@@ -272,12 +269,25 @@ def tracked_train_step(
     logs, new_metrics_variables = update_metrics_variables(
         model, new_metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
-    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
-    payload = columns_payload(statistics, columns, losses, batch, opt_in)
-    payload.update(requested_rows(model, plan, requests, probed, factor, coupled))
-    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
     return {**logs, **rows, PAYLOAD_KEY: payload}, state
+
+
+@contextlib.contextmanager
+def recording_added_losses(model: keras.Model) -> Iterator[list[int]]:
+    """Records, per `model.stateless_call(..., return_losses=True)` in the block, how
+    many losses it returns (weight penalties, `add_loss` terms)."""
+    added_losses: list[int] = []
+    stateless_call = model.stateless_call
+
+    def recording_stateless_call(*args: Any, **kwargs: Any) -> Any:
+        outputs = stateless_call(*args, **kwargs)
+        if kwargs.get("return_losses"):
+            added_losses.append(len(outputs[-1]))
+        return outputs
+
+    with patched(model, "stateless_call", recording_stateless_call):
+        yield added_losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,26 +314,6 @@ class ProbedPass:
     input_grads: Sequence[Any] = ()
 
 
-def statistics_payload(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    statistics: Sequence[Statistic],
-    probed: ProbedPass,
-    losses: Any,
-    factor: Any,
-    exact_factor: Any,
-    batch: int,
-    coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
-) -> dict[str, Any]:
-    """Each statistic of the step, from its probed pass, the per-example losses `l_i`
-    `(B,)` and the factor `c` (`loss = c sum_i l_i`, plus penalties unless
-    `exact_factor`, which is then `c`); the columns in `coupled` (by position in the
-    plan) are given (`coupled.py`)."""
-    columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
-    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
-    return columns_payload(statistics, columns, losses, batch, opt_in)
-
-
 Columns = list[tuple[LayerPrimitives, Any]]
 
 
@@ -336,8 +326,9 @@ def layer_columns(
     coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
 ) -> Columns:
     """Per tracked layer, its primitives and `||G^(k)||^2` (`layer_primitives`), from
-    the probed pass and the loss's factor `c` (see `statistics_payload`); the columns
-    in `coupled` (by position in the plan) are given (`coupled.py`)."""
+    the probed pass and the loss's factor `c` (`loss = c sum_i l_i`, plus penalties
+    unless `exact_factor`, which is then `c`); the columns in `coupled` (by position
+    in the plan) are given (`coupled.py`)."""
     lookup_value = value_lookup(model, probed)
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
 
