@@ -5,13 +5,16 @@ read with `GradientLog.influence()`). For any other example, a log written with
 `sketch_dim=` holds a sketch of every logged per-example gradient and the weights
 at its checkpoints: `estimate_influence` sketches the targets at each checkpoint
 (with the model, on the backend Keras runs on: the TensorFlow engine's or the JAX
-engine's) and pairs them with the rows of the steps after it.
+engine's) and pairs them with the rows of the steps after it; `sketch_examples` returns
+any examples' sketches at each checkpoint, to compare with the logged rows (cosines for
+data selection).
 
 The subpackage holds the two requests a logger makes of the tracked step
 (`engine.requests.AttributionRequest`): `targets.py` (`TargetSet`, the exact
 products with targets given before training) and `sketches.py` (`GradientSketch`,
-and the targets' sketches at a model's weights); `checkpoint_sketches.py` runs either
-engine's sketches at each checkpoint. Reading the scores back is
+and examples' sketches at a model's weights); `checkpoint_sketches.py` runs either
+engine's sketches at each checkpoint, for `estimate_influence` and for
+`sketch_examples` (`example_sketches.py`). Reading the scores back is
 `analysis.influence`, which needs no TensorFlow.
 
 Example:
@@ -37,8 +40,9 @@ import keras
 from keras_gradtrack.analysis import GradientLog, Influence
 from keras_gradtrack.analysis.influence import influence_from_sketches, require_sketches
 from keras_gradtrack.attribution.checkpoint_sketches import checkpoint_sketches
+from keras_gradtrack.attribution.example_sketches import sketch_examples
 
-__all__ = ["estimate_influence"]
+__all__ = ["estimate_influence", "sketch_examples"]
 
 
 def estimate_influence(
@@ -97,7 +101,7 @@ def estimate_influence(
             sketch.seed,
             sketch.widths,
             reader.checkpoints(),
-            target_set,
+            [(target_set.x, target_set.y, None)],
             build_plan,
             sketch_function,
         )
