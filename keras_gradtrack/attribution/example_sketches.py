@@ -8,7 +8,7 @@ with the logged rows: cosines for data selection (LESS), products for influence.
 Example:
 
 ```python
-pool = kgt.HDF5GradientLogger("pool.h5", sketch_dim=8)
+pool = kgt.HDF5GradientLogger("pool.h5", sketch_dim=8, overwrite=True)
 model.fit(x_pool, y_pool, epochs=3, callbacks=[pool])
 found = kgt.attribution.sketch_examples("pool.h5", model, x_targets, y_targets)
 found[0].shape    # (n_targets, K): at the weights the first step began with
@@ -75,10 +75,10 @@ def sketch_examples(
     Example:
 
     ```python
-    targets = kgt.attribution.sketch_examples(log, model, x_task, y_task)
-    unit = lambda rows: rows / np.linalg.norm(rows, axis=1, keepdims=True)
-    rows = log.per_example("gradient_sketch")    # every logged row, with its "step"
-    cosines = unit(rows) @ unit(targets[0]).T    # (rows, n): LESS's similarity
+    found = kgt.attribution.sketch_examples(log, model, x_task, y_task)  # {step: (n, K)}
+    rows = log.per_example("gradient_sketch")[log.per_example("step") == 0]
+    unit = lambda m: m / np.linalg.norm(m, axis=1, keepdims=True)
+    cosines = unit(rows) @ unit(found[0]).T    # (step 0's rows, n): LESS's similarity
     ```
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
