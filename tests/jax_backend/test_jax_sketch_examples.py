@@ -1,6 +1,7 @@
 """`kgt.attribution.sketch_examples` on JAX: at each checkpoint, the sketches the JAX
 engine's logger wrote for the examples of the step that began there; the model's
-weights and its optimizer are left as they were; the shared refusals hold."""
+weights and its optimizer are left as they were; the shared refusals hold; no TensorFlow
+is needed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 from sketched_runs import COUNT, MODELS, assert_logged_rows, logged_run, token_data, token_model
+from without_tensorflow import run_without_tensorflow
 
 import keras_gradtrack as kgt
 from keras_gradtrack.io.checkpoints import checkpoint_directory
@@ -41,3 +43,17 @@ def test_another_architecture_and_a_log_without_checkpoints_are_refused(tmp_path
     shutil.rmtree(checkpoint_directory(path))
     with pytest.raises(ValueError, match="the log has no checkpoint"):
         kgt.attribution.sketch_examples(path, model, x, y)
+
+
+def test_sketch_examples_needs_no_tensorflow(tmp_path: Path) -> None:
+    # As on a GPU machine without TensorFlow: any import of it fails.
+    body = """
+        path = sys.argv[1]
+        logger = kgt.HDF5GradientLogger(path, sketch_dim=2)
+        model.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4,
+                  verbose=0, callbacks=[logger])
+        found = kgt.attribution.sketch_examples(path, model, np.ones((3, 4)), np.zeros((3, 2)))
+        assert {step: s.shape for step, s in found.items()} == {0: (3, 6)}
+        assert "tensorflow" not in sys.modules
+        """
+    run_without_tensorflow(body, tmp_path / "run.h5")
