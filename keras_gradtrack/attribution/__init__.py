@@ -40,7 +40,8 @@ import keras
 from keras_gradtrack.analysis import GradientLog, Influence
 from keras_gradtrack.analysis.influence import influence_from_sketches, require_sketches
 from keras_gradtrack.attribution.checkpoint_sketches import checkpoint_sketches
-from keras_gradtrack.attribution.example_sketches import sketch_examples
+from keras_gradtrack.attribution.example_sketches import engine_sketch_functions, sketch_examples
+from keras_gradtrack.engine.attribution_requests import TargetExamples
 
 __all__ = ["estimate_influence", "sketch_examples"]
 
@@ -79,22 +80,18 @@ def estimate_influence(
     estimate.proponents(target_id=ids[0], k=5)
     ```
     """
-    opened = not isinstance(log, GradientLog)
-    reader = GradientLog(log) if opened else log
+    reader = log if isinstance(log, GradientLog) else GradientLog(log)
     try:
         require_sketches(reader)
         sketch = reader.layout.sketch
         assert sketch is not None
-        # Each engine sketches the targets itself, with the log's projections.
+        target_set: Any
         if keras.backend.backend() == "jax":
-            from keras_gradtrack.backends.jax.plan import build_plan
-            from keras_gradtrack.backends.jax.target_sketches import sketch_function
-            from keras_gradtrack.engine.attribution_requests import TargetExamples as TargetSet
+            target_set = TargetExamples.from_argument(targets)
         else:
-            from keras_gradtrack.attribution.sketches import sketch_function
             from keras_gradtrack.attribution.targets import TargetSet
-            from keras_gradtrack.engine.plan import build_plan
-        target_set = TargetSet.from_argument(targets)
+
+            target_set = TargetSet.from_argument(targets)
         sketches = checkpoint_sketches(
             model,
             sketch.dim,
@@ -102,10 +99,9 @@ def estimate_influence(
             sketch.widths,
             reader.checkpoints(),
             [(target_set.x, target_set.y, None)],
-            build_plan,
-            sketch_function,
+            *engine_sketch_functions(),
         )
         return influence_from_sketches(reader, sketches, target_set.example_ids)
     finally:
-        if opened:
+        if reader is not log:
             reader.close()

@@ -91,19 +91,11 @@ def sketch_examples(
         _rows((x, y, sample_weight), start, start + batch_size)
         for start in range(0, count, batch_size)
     ]
-    opened = not isinstance(log, GradientLog)
-    reader = GradientLog(log) if opened else log
+    reader = log if isinstance(log, GradientLog) else GradientLog(log)
     try:
         require_sketches(reader)
         sketch = reader.layout.sketch
         assert sketch is not None
-        # Each engine sketches the examples itself, with the log's projections.
-        if keras.backend.backend() == "jax":
-            from keras_gradtrack.backends.jax.plan import build_plan
-            from keras_gradtrack.backends.jax.target_sketches import sketch_function
-        else:
-            from keras_gradtrack.attribution.sketches import sketch_function
-            from keras_gradtrack.engine.plan import build_plan
         return checkpoint_sketches(
             model,
             sketch.dim,
@@ -111,12 +103,25 @@ def sketch_examples(
             sketch.widths,
             reader.checkpoints(),
             batches,
-            build_plan,
-            sketch_function,
+            *engine_sketch_functions(),
         )
     finally:
-        if opened:
+        if reader is not log:
             reader.close()
+
+
+def engine_sketch_functions() -> tuple[Any, Any]:
+    """`(build_plan, sketch_function)` of the engine of the backend Keras runs on: each
+    engine sketches the examples itself, with the log's projections."""
+    if keras.backend.backend() == "jax":
+        from keras_gradtrack.backends.jax.plan import build_plan as jax_plan
+        from keras_gradtrack.backends.jax.target_sketches import sketch_function as jax_sketches
+
+        return jax_plan, jax_sketches
+    from keras_gradtrack.attribution.sketches import sketch_function
+    from keras_gradtrack.engine.plan import build_plan
+
+    return build_plan, sketch_function
 
 
 def _examples(x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:

@@ -61,7 +61,8 @@ def sketch_function(
         weighted = sample_weight is not None
         labels = (y, sample_weight) if weighted else y
         value = variable_values(model, trainable, non_trainable)
-        calls = target_calls(model, plan, Examples(x, labels), trainable, non_trainable, losses)
+        examples: Any = Examples(x, labels)  # what `target_calls` reads of `TargetExamples`
+        calls = target_calls(model, plan, examples, trainable, non_trainable, losses)
         return sketches(plan, calls, request, value, lazy_per_example(plan, calls, value))
 
     def at_current_weights(x: Any, y: Any, sample_weight: Any) -> Any:
