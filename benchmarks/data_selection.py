@@ -20,9 +20,9 @@ similarity to the targets' projected gradients, summed over checkpoints. Here:
 * **Selection.** A warm-up with LoRA on a random 5% of the pool (as LESS), then
   `--epochs` epochs on the whole pool with `HDF5GradientLogger(sketch_dim=...)`: each
   example's gradient sketch at its step's weights, and the weights at each epoch's first
-  step. At each of those checkpoints the targets are sketched the same way: a tracked
-  `fit` on them with a logger of the same `sketch_dim` and seed, its update then undone
-  (the public API has no call that sketches examples without a step). A pool example's
+  step. At each of those checkpoints `kgt.attribution.sketch_examples` sketches the
+  targets the same way (the log's projections, the same loss and sample weights;
+  inference mode, which with dropout 0 is training's). A pool example's
   score is the sum over its logged rows of the **mean over the targets** of the cosine
   of its row's sketch with each target's at the row's checkpoint (LESS's code averages
   over a task's validation examples, then takes the max over tasks; `--reduce max`
@@ -50,7 +50,6 @@ import os
 import resource
 import statistics
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,15 +104,21 @@ def task_sequences(task: str, count: int, length: int, vocabulary: int, seed: in
     return (first + offsets).astype(np.int32)
 
 
+def next_tokens(ids: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """`(x, y, sample_weight)` of next-token prediction of `ids`."""
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
+    weight = np.ones(ids.shape, "float32")
+    weight[:, -1] = 0.0  # the last token has no next one
+    return x, np.roll(ids, -1, axis=1), weight
+
+
 def fit_on(model: Any, ids: np.ndarray, example_ids: Any, **kwargs: Any) -> None:
     """`model.fit` on next-token prediction of `ids`, in order, quietly; `x` holds the
     `example_ids` unless they are None (a plain Keras model would pass them on)."""
-    x = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
+    x, y, weight = next_tokens(ids)
     if example_ids is not None:
         x["example_id"] = example_ids
-    weight = np.ones(ids.shape, "float32")
-    weight[:, -1] = 0.0  # the last token has no next one
-    model.fit(x, np.roll(ids, -1, axis=1), sample_weight=weight, shuffle=False, verbose=0, **kwargs)
+    model.fit(x, y, sample_weight=weight, shuffle=False, verbose=0, **kwargs)
 
 
 @dataclasses.dataclass
@@ -166,28 +171,6 @@ def build(args: argparse.Namespace, tracked: bool) -> Any:
 
 
 # -- the selection ----------------------------------------------------------------------
-
-
-def sketch_examples(model: Any, ids: np.ndarray, logger: Any, batch_size: int) -> np.ndarray:
-    """Each example's gradient sketch at the model's current weights, `(n, K)`.
-
-    One tracked `fit` step per batch, logged by `logger` (a `HDF5GradientLogger` with
-    the pool's `sketch_dim` and seed, so the projections are the pool's), then the
-    weights and the optimizer's state are put back: the update is undone, the examples
-    are never trained on. Reusing one logger for every call keeps one compiled step
-    (a new logger with sketches traces the step anew); a logger's later `fit`s continue
-    its file, so this call's rows are the file's last `n`.
-    """
-    weights = model.get_weights()
-    optimizer_state = [variable.numpy() for variable in model.optimizer.variables]
-    fit_on(model, ids, np.arange(len(ids)), batch_size=batch_size, callbacks=[logger])
-    model.set_weights(weights)
-    for variable, value in zip(model.optimizer.variables, optimizer_state):
-        variable.assign(value)
-    with kgt.GradientLog(logger.path) as log:
-        rows = slice(log.num_examples - len(ids), log.num_examples)
-        order = np.argsort(log.per_example("example_id")[rows])
-        return log.per_example("gradient_sketch")[rows][order]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,20 +257,16 @@ def fine_tune(args: argparse.Namespace, out: Path) -> Run:
         pool = PoolRows(
             *(log.per_example(name) for name in ("example_id", "step", "gradient_sketch"))
         )
-        checkpoints = sorted(log.checkpoints().items())
-
-    target_sketches: dict[str, dict[int, np.ndarray]] = {task: {} for task in data.targets}
-    target_logger = kgt.HDF5GradientLogger(
-        out / "targets.h5", LOGGED, sketch_dim=args.sketch_dim, sketch_seed=args.seed
-    )
-    for step, weights_file in checkpoints:
-        with warnings.catch_warnings():
-            # A checkpoint holds the weights alone, which is all the sketches need.
-            warnings.filterwarnings("ignore", "Skipping variable loading for optimizer")
-            model.load_weights(weights_file)
-        for task, targets in data.targets.items():
-            sketches = sketch_examples(model, targets, target_logger, args.batch_size)
-            target_sketches[task][step] = sketches
+        # Every task's targets in one call: one trace, one load of each checkpoint.
+        every_target = np.concatenate(list(data.targets.values()))
+        sketches = kgt.attribution.sketch_examples(
+            log, model, *next_tokens(every_target), batch_size=args.batch_size
+        )
+    ends = np.cumsum([len(targets) for targets in data.targets.values()])
+    target_sketches = {
+        task: {step: np.split(found, ends[:-1])[index] for step, found in sketches.items()}
+        for index, task in enumerate(data.targets)
+    }
     return Run(data, pool, target_sketches)
 
 

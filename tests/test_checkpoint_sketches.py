@@ -33,9 +33,10 @@ def model_with_kernel(value: float) -> keras.Model:
     return model
 
 
-def kernel_sum(model: Any, plan: Any, dim: int, seed: int, targets: Any) -> Any:
-    """A sketch function whose `(1, 1)` 'sketch' is the kernel's sum at call time."""
-    return lambda: np.asarray(model.layers[0].kernel).sum().reshape(1, 1)
+def kernel_sum(model: Any, plan: Any, dim: int, seed: int) -> Any:
+    """A sketch function whose 'sketch' of a batch is `(len(x), 1)`: the kernel's sum at
+    call time plus the examples' first inputs."""
+    return lambda x, y, sample_weight: np.asarray(model.layers[0].kernel).sum() + x[:, :1]
 
 
 def widths_of(model: Any, dim: int = 4) -> list[int]:
@@ -49,30 +50,31 @@ def test_each_checkpoints_weights_are_loaded_in_step_order_then_restored(tmp_pat
         checkpoints[step] = tmp_path / f"step_{step}.weights.h5"
         save_checkpoint(model_with_kernel(value), checkpoints[step])
     model = model_with_kernel(7.0)
+    batches = [(np.zeros((2, 3)), None, None), (np.ones((1, 3)), None, None)]
     found = checkpoint_sketches(
-        model, 4, 0, widths_of(model), checkpoints, None, plan_of, kernel_sum
+        model, 4, 0, widths_of(model), checkpoints, batches, plan_of, kernel_sum
     )
     assert list(found) == [0, 5]
-    np.testing.assert_array_equal(found[0], [[6.0]])
-    np.testing.assert_array_equal(found[5], [[12.0]])
+    np.testing.assert_array_equal(found[0], [[6.0], [6.0], [7.0]])  # the batches in order
+    np.testing.assert_array_equal(found[5], [[12.0], [12.0], [13.0]])
     np.testing.assert_array_equal(model.layers[0].kernel, np.full((3, 2), 7.0))
 
 
 def test_a_log_without_checkpoints_is_refused() -> None:
     model = model_with_kernel(1.0)
     with pytest.raises(ValueError, match="the log has no checkpoint"):
-        checkpoint_sketches(model, 4, 0, widths_of(model), {}, None, plan_of, kernel_sum)
+        checkpoint_sketches(model, 4, 0, widths_of(model), {}, [], plan_of, kernel_sum)
 
 
 def test_a_model_not_built_is_refused(tmp_path: Path) -> None:
     model = keras.Sequential([keras.layers.Dense(2)])
     checkpoints = {0: tmp_path / "step_0.weights.h5"}
     with pytest.raises(ValueError, match="not built yet"):
-        checkpoint_sketches(model, 4, 0, [6], checkpoints, None, plan_of, kernel_sum)
+        checkpoint_sketches(model, 4, 0, [6], checkpoints, [], plan_of, kernel_sum)
 
 
 def test_a_model_of_another_architecture_is_refused(tmp_path: Path) -> None:
     model = model_with_kernel(1.0)
     checkpoints = {0: tmp_path / "step_0.weights.h5"}
     with pytest.raises(ValueError, match=r"variables differ. Expected \(in the log\) widths \[7\]"):
-        checkpoint_sketches(model, 4, 0, [7], checkpoints, None, plan_of, kernel_sum)
+        checkpoint_sketches(model, 4, 0, [7], checkpoints, [], plan_of, kernel_sum)

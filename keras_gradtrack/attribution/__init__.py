@@ -5,13 +5,16 @@ read with `GradientLog.influence()`). For any other example, a log written with
 `sketch_dim=` holds a sketch of every logged per-example gradient and the weights
 at its checkpoints: `estimate_influence` sketches the targets at each checkpoint
 (with the model, on the backend Keras runs on: the TensorFlow engine's or the JAX
-engine's) and pairs them with the rows of the steps after it.
+engine's) and pairs them with the rows of the steps after it; `sketch_examples` returns
+any examples' sketches at each checkpoint, to compare with the logged rows (cosines for
+data selection).
 
 The subpackage holds the two requests a logger makes of the tracked step
 (`engine.requests.AttributionRequest`): `targets.py` (`TargetSet`, the exact
 products with targets given before training) and `sketches.py` (`GradientSketch`,
-and the targets' sketches at a model's weights); `checkpoint_sketches.py` runs either
-engine's sketches at each checkpoint. Reading the scores back is
+and examples' sketches at a model's weights); `checkpoint_sketches.py` runs either
+engine's sketches at each checkpoint, for `estimate_influence` and for
+`sketch_examples` (`example_sketches.py`). Reading the scores back is
 `analysis.influence`, which needs no TensorFlow.
 
 Example:
@@ -37,8 +40,10 @@ import keras
 from keras_gradtrack.analysis import GradientLog, Influence
 from keras_gradtrack.analysis.influence import influence_from_sketches, require_sketches
 from keras_gradtrack.attribution.checkpoint_sketches import checkpoint_sketches
+from keras_gradtrack.attribution.example_sketches import engine_sketch_functions, sketch_examples
+from keras_gradtrack.engine.attribution_requests import TargetExamples
 
-__all__ = ["estimate_influence"]
+__all__ = ["estimate_influence", "sketch_examples"]
 
 
 def estimate_influence(
@@ -75,33 +80,28 @@ def estimate_influence(
     estimate.proponents(target_id=ids[0], k=5)
     ```
     """
-    opened = not isinstance(log, GradientLog)
-    reader = GradientLog(log) if opened else log
+    reader = log if isinstance(log, GradientLog) else GradientLog(log)
     try:
         require_sketches(reader)
         sketch = reader.layout.sketch
         assert sketch is not None
-        # Each engine sketches the targets itself, with the log's projections.
+        target_set: Any
         if keras.backend.backend() == "jax":
-            from keras_gradtrack.backends.jax.plan import build_plan
-            from keras_gradtrack.backends.jax.target_sketches import sketch_function
-            from keras_gradtrack.engine.attribution_requests import TargetExamples as TargetSet
+            target_set = TargetExamples.from_argument(targets)
         else:
-            from keras_gradtrack.attribution.sketches import sketch_function
             from keras_gradtrack.attribution.targets import TargetSet
-            from keras_gradtrack.engine.plan import build_plan
-        target_set = TargetSet.from_argument(targets)
+
+            target_set = TargetSet.from_argument(targets)
         sketches = checkpoint_sketches(
             model,
             sketch.dim,
             sketch.seed,
             sketch.widths,
             reader.checkpoints(),
-            target_set,
-            build_plan,
-            sketch_function,
+            [(target_set.x, target_set.y, None)],
+            *engine_sketch_functions(),
         )
         return influence_from_sketches(reader, sketches, target_set.example_ids)
     finally:
-        if opened:
+        if reader is not log:
             reader.close()

@@ -1,7 +1,7 @@
-"""The targets' gradient sketches at each checkpoint of a log, on either backend.
+"""Examples' gradient sketches at each checkpoint of a log, on either backend.
 
-`estimate_influence` needs the targets' sketches at the weights of every
-checkpoint the logger saved. The checks (a checkpoint to load, a built model of
+`estimate_influence` and `sketch_examples` need examples' sketches at the weights of
+every checkpoint the logger saved. The checks (a checkpoint to load, a built model of
 the log's architecture) and the walk over the checkpoints are the same on both
 backends; only the compiled sketch function is the engine's own
 (`attribution/sketches.py` on TensorFlow, `backends/jax/target_sketches.py` on
@@ -10,9 +10,9 @@ JAX). No backend is imported here.
 Example:
 
 ```python
-found = checkpoint_sketches(model, 16, 0, widths, log.checkpoints(), targets,
+found = checkpoint_sketches(model, 16, 0, widths, log.checkpoints(), [(x, y, None)],
                             build_plan, sketch_function)
-found[0]    # (T, K) at the weights of step 0
+found[0]    # (n, K) at the weights of step 0
 ```
 """
 
@@ -29,22 +29,21 @@ from keras_gradtrack.io.checkpoints import load_checkpoint
 
 
 class SketchFunction(Protocol):
-    """An engine's compiled sketches of the targets (`attribution.sketches.sketch_function`
+    """An engine's compiled sketches of examples (`attribution.sketches.sketch_function`
     on TensorFlow, `backends.jax.target_sketches.sketch_function` on JAX)."""
 
-    def __call__(
-        self, model: Any, plan: Any, dim: int, seed: int, targets: Any
-    ) -> Callable[[], Any]:
-        """`compute`, whose `compute()` gives the `(T, K)` sketches of `targets` at the
-        model's weights when it is called (loading other weights needs no new trace).
-        The gradients are those of the compiled loss in inference mode.
+    def __call__(self, model: Any, plan: Any, dim: int, seed: int) -> Callable[..., Any]:
+        """`compute`, whose `compute(x, y, sample_weight)` gives the `(n, K)` sketches of
+        the examples `(x, y)` at the model's weights when it is called (loading other
+        weights, or other examples of the same shapes, needs no new trace). The
+        gradients are those of the compiled loss, `sample_weight` (or None) included,
+        in inference mode.
 
         Args:
             model: A built model of the log's architecture.
             plan: Its tracking plan, checked against the log.
             dim: The sketches' `dim`.
             seed: The sketches' seed.
-            targets: The examples (the engine's request of them).
         """
         ...
 
@@ -55,12 +54,12 @@ def checkpoint_sketches(
     seed: int,
     widths: Sequence[int],
     checkpoints: Mapping[int, Path],
-    targets: Any,
+    batches: Sequence[tuple[Any, Any, Any]],
     build_plan: Callable[[Any], Any],
     sketch_function: SketchFunction,
 ) -> dict[int, np.ndarray]:
-    """`{step: (T, K) sketches}` of the targets at each checkpoint's weights; the
-    model's own weights are put back afterwards.
+    """`{step: (n, K) sketches}` of the examples at each checkpoint's weights, the
+    batches' rows in order; the model's own weights are put back afterwards.
 
     Args:
         model: A built model of the log's architecture.
@@ -68,11 +67,12 @@ def checkpoint_sketches(
         seed: The sketches' seed.
         widths: The log's width of each sketched variable, to check the model with.
         checkpoints: `{step: weights file}`, as `io.checkpoints.checkpoints` lists them.
-        targets: The examples (the engine's request of them).
+        batches: The examples, as `(x, y, sample_weight)` batches (`sample_weight` may
+            be None).
         build_plan: The engine's tracking plan of the model (its tracked layers, each
             with its `variables`).
-        sketch_function: The engine's compiled sketches of the targets (see
-            `SketchFunction`), built once and called at each checkpoint.
+        sketch_function: The engine's compiled sketches (see `SketchFunction`), built
+            once and called on every batch at each checkpoint.
 
     Raises:
         ValueError: if there is no checkpoint, the model is not built, or its tracked
@@ -81,7 +81,7 @@ def checkpoint_sketches(
     """
     if not checkpoints:
         raise ValueError(
-            "Sketched influence needs the weights saved during training; the log has no "
+            "Sketches at checkpoints need the weights saved during training; the log has no "
             "checkpoint (HDF5GradientLogger(sketch_dim=..., checkpoint_every=...) saves them)."
         )
     if not model.built:
@@ -97,13 +97,14 @@ def checkpoint_sketches(
             f"variables differ. Expected (in the log) widths {list(widths)}. Received: "
             f"{found}"
         )
-    compute = sketch_function(model, plan, dim, seed, targets)
+    compute = sketch_function(model, plan, dim, seed)
     original = [np.array(w) for w in model.get_weights()]
     try:
         sketches = {}
         for step, path in sorted(checkpoints.items()):
             load_checkpoint(model, path)
-            sketches[step] = np.asarray(compute())
+            found_rows = [np.asarray(compute(*batch)) for batch in batches]
+            sketches[step] = np.concatenate(found_rows)
         return sketches
     finally:
         model.set_weights(original)

@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.attribution.targets import TargetSet, layer_per_example, target_pass
+from keras_gradtrack.attribution.targets import layer_per_example, target_pass
 from keras_gradtrack.engine.attribution_requests import SketchRequest, projection_matrices
 from keras_gradtrack.engine.attribution_requests import sketch_widths as variable_sketch_widths
 from keras_gradtrack.engine.backward import Calls
@@ -96,16 +96,14 @@ class GradientSketch(SketchRequest):
         return tf.concat(columns, axis=1) / batch.factor
 
 
-def sketch_function(
-    model: Any, plan: Plan, dim: int, seed: int, targets: TargetSet
-) -> Callable[[], Any]:
+def sketch_function(model: Any, plan: Plan, dim: int, seed: int) -> Callable[..., Any]:
     """The TensorFlow engine's `SketchFunction` (`attribution/checkpoint_sketches.py`):
-    one `tf.function` giving the `(n, K)` sketches of `targets` at the model's current
-    weights, traced once."""
+    one `tf.function` giving the `(n, K)` sketches of examples `(x, y, sample_weight)` at
+    the model's current weights, traced once per shape of the examples."""
 
     @tf.function(autograph=False)
-    def sketches() -> tf.Tensor:
-        calls, factor = target_pass(model, plan, targets.x, targets.y)
+    def sketches(x: Any, y: Any, sample_weight: Any) -> tf.Tensor:
+        calls, factor = target_pass(model, plan, x, y, sample_weight=sample_weight)
         projection = projection_of(plan, dim, seed)
         columns = []
         for tracked, layer_calls in zip(plan, calls):

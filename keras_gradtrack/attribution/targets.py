@@ -70,6 +70,7 @@ def target_pass(
     y: Any,
     loss_scale: tf.Tensor | None = None,
     xla: bool = False,
+    sample_weight: Any = None,
 ) -> tuple[tuple[Calls, ...], tf.Tensor]:
     """The targets' forward and backward pass at the current weights, in inference mode.
 
@@ -80,6 +81,7 @@ def target_pass(
         y: Their labels.
         loss_scale: The step's loss scale (float16 gradients stay in range), or None.
         xla: The pass is traced in a step compiled by XLA.
+        sample_weight: The targets' sample weights for the compiled loss, or None.
 
     Returns:
         Per layer of `plan`, its calls on the targets with their output gradients
@@ -101,7 +103,7 @@ def target_pass(
         tf.GradientTape() as tape,
     ):
         prediction = model(x, training=False)  # Keras drops it where `call` has none
-        loss = compiled_loss(model)(y, prediction)
+        loss = compiled_loss(model)(y, prediction, sample_weight)
         if loss_scale is not None:
             loss = loss * tf.cast(loss_scale, loss.dtype)
     reductions.refuse_unknown_reductions(recorder)
