@@ -242,7 +242,9 @@ def ratio(found: dict[str, Any], plain: dict[str, Any], key: str) -> str:
     return f"{found[key] / plain[key]:.2f}x"
 
 
-def table_rows(model: str, length: int, backend: str, found: dict[str, dict[str, Any]]) -> list[str]:
+def table_rows(
+    model: str, length: int, backend: str, found: dict[str, dict[str, Any]]
+) -> list[str]:
     plain = found["plain"]
     rows = []
     for variant in found:
