@@ -160,6 +160,22 @@ def test_sequence_dense_over_budget_takes_the_form_that_holds_fewer_values(
     assert bool(gram_calls) == (steps == 3), gram_calls
 
 
+def test_embedding_past_the_gram_form_s_length_sorts_and_sums_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 40 tokens from 7 ids: many repeats per example, and no (B, 40, 40) Gram matrix.
+    def no_gram(ids: Any, d: Any) -> Any:
+        raise AssertionError(f"the token Gram form at {ids.shape[1]} tokens")
+
+    monkeypatch.setattr(jax_rules.rule_math, "token_gram_sq_norms", no_gram)
+    inputs = keras.Input((40,), dtype="int32")
+    model = classifier(inputs, keras.layers.Embedding(7, 4)(inputs))
+    x = rng.integers(0, 7, (BATCH, 40)).astype("int32")
+    y = labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
 def test_weight_penalties_are_in_the_batch_gradient_not_in_the_examples() -> None:
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(5, kernel_regularizer=keras.regularizers.L2(0.1))(inputs)

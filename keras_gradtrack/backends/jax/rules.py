@@ -312,7 +312,9 @@ def embedding_primitives(
     layer: Any, call: ProbedCall, refs: Sequence[Any]
 ) -> LayerPrimitives | None:
     """Embedding: example i's gradient adds `d_it` to row `id_it`; `||g_i||^2` sums
-    `<d_it, d_is>` over the positions with equal ids, `<g_i, R> = sum_t <d_it, R[id_it]>`."""
+    `<d_it, d_is>` over the positions with equal ids (the masked Gram form up to
+    `rule_math.GRAM_MAX_TOKENS` tokens, sorting and segment sums beyond), `<g_i, R> =
+    sum_t <d_it, R[id_it]>`."""
     if not plain_weights(layer) or len(refs) != 1:
         return None
     (table_ref,) = refs
@@ -321,7 +323,10 @@ def embedding_primitives(
     ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)
     d = d.reshape(batch, -1, dim)
     ids = rule_math.wrapped_ids(ids, table_ref.shape[0])
-    sq_norm = rule_math.token_gram_sq_norms(ids, d)
+    if ids.shape[1] <= rule_math.GRAM_MAX_TOKENS:
+        sq_norm = rule_math.token_gram_sq_norms(ids, d)
+    else:  # the Gram form's (B, T, T) matrices would outgrow the output gradient
+        sq_norm = rule_math.token_segment_sq_norms(ids, d)
     dot = rule_math.token_dots(ids, d, table_ref)
     summed = jnp.zeros(table_ref.shape, jnp.float32).at[ids.reshape(-1)].add(d.reshape(-1, dim))
     return LayerPrimitives(sq_norm, dot, jnp.sum(summed**2))
