@@ -20,6 +20,7 @@ TensorFlow's `direct` (for Dense and EinsumDense on sequences: the Gram form),
 
 ```
 python benchmarks/long_sequence.py                                  # T 128, 512, 1024
+python benchmarks/long_sequence.py --variants tracked,norms         # + the norms only
 python benchmarks/long_sequence.py --seq-lens 2048,4096 --backends jax
 python benchmarks/long_sequence.py --models gpt2 --seq-lens 128 --steps 2   # smoke test
 ```
@@ -281,7 +282,9 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--seq-lens", default="128,512,1024")
     parser.add_argument("--backends", default="tensorflow,jax")
-    parser.add_argument("--variants", default="tracked,norms", help="besides plain")
+    parser.add_argument(
+        "--variants", default="tracked", help="besides plain: tracked (default statistics), norms"
+    )
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
     parser.add_argument("--out", help="also write the table (markdown) to this file")

@@ -69,5 +69,6 @@ cd "$ROOT"
 echo "Table written to $OUT"
 LONG_OUT="${OUT%.md}-long-sequence.md"
 "$PY" benchmarks/long_sequence.py --backends jax --seq-lens 128,512,1024,2048,4096 \
+    --variants tracked,norms \
     --out "$LONG_OUT"
 echo "Table written to $LONG_OUT"
