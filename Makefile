@@ -69,6 +69,10 @@ bench-data-selection: $(STAMP)
 # a machine with JAX, h5py and numpy lacks, at the tested versions.
 GPU_WHEELS := benchmarks/gpu/wheels
 GPU_WHEEL_PACKAGES := keras optree absl-py rich namex markdown-it-py mdurl pygments packaging typing_extensions
+# keras_hub (without TensorFlow Text) and what it imports on JAX, for the causal LMs of
+# benchmarks/long_sequence.py.
+GPU_WHEEL_PACKAGES += keras-hub kagglehub kagglesdk protobuf regex sentencepiece tokenizers \
+	pyyaml requests urllib3 idna certifi charset-normalizer tqdm
 
 gpu-wheels: $(STAMP)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)

@@ -38,6 +38,10 @@ MATERIALIZE_MAX_VALUES = 2**16
 # CPU calibration, docs/performance.md), times the passes a materialized gradient
 # takes (sum, norm, dot).
 MATERIALIZED_PASS_COST = 16
+# Up to this many tokens per example, an Embedding's masked Gram form (T^2 dim, a dense
+# product) is as fast as sorting and segment sums (T dim, but a scatter); beyond it the
+# Gram form, quadratic in T in time and memory, loses quickly (docs/performance.md).
+GRAM_MAX_TOKENS = 32
 
 
 def f32(value: Any) -> Any:
@@ -134,6 +138,33 @@ def token_gram_sq_norms(ids: Any, d: Any) -> Any:
     same_id = ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), d.dtype)
     gram = ops.einsum("btd,bsd->bts", d, d)
     return ops.sum(same_id * gram, axis=(1, 2))
+
+
+def token_segment_sq_norms(ids: Any, d: Any) -> Any:
+    """`(B,)` `||g_i||^2` of an Embedding's per-example gradient, as `token_gram_sq_norms`,
+    by sorting each example's ids and summing `d` over the runs of equal ids: cost `T
+    log T + T dim`, and nothing larger than `d` is held (no `(T, T)` matrix). The
+    shapes of `ids` (B, T) and `d` (B, T, dim) must be static.
+
+    Example:
+
+    ```python
+    # ids_i = [3, 7, 3]: sorted [3, 3, 7], runs [0, 0, 1]
+    # ||g_i||^2 = ||d_0 + d_2||^2 + ||d_1||^2
+    ```
+    """
+    batch, steps, dim = d.shape
+    offsets = ops.arange(batch, dtype="int32")[:, None] * steps  # example i's runs from i T
+    order = ops.cast(ops.argsort(ids, axis=1), "int32")
+    sorted_ids = ops.take_along_axis(ids, order, axis=1)
+    sorted_d = ops.take(
+        ops.reshape(d, (batch * steps, dim)), ops.reshape(order + offsets, (-1,)), axis=0
+    )
+    starts_run = ops.cast(ops.not_equal(sorted_ids[:, 1:], sorted_ids[:, :-1]), "int32")
+    starts_run = ops.concatenate([ops.ones((batch, 1), "int32"), starts_run], axis=1)
+    runs = ops.cumsum(starts_run, axis=1) - 1 + offsets
+    sums = ops.segment_sum(sorted_d, ops.reshape(runs, (-1,)), num_segments=batch * steps)
+    return ops.sum(ops.reshape(ops.square(sums), (batch, -1)), axis=1)
 
 
 def token_dots(ids: Any, d: Any, table_reference: Any) -> Any:

@@ -103,6 +103,7 @@ def test_token_norms_and_dots_group_repeated_and_negative_ids() -> None:
     wrapped = rule_math.wrapped_ids(keras.ops.convert_to_tensor(ids), vocabulary)
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(wrapped), ids % vocabulary)
     close(rule_math.token_gram_sq_norms(wrapped, d), np.sum(per_example**2, axis=(1, 2)))
+    close(rule_math.token_segment_sq_norms(wrapped, d), np.sum(per_example**2, axis=(1, 2)))
     close(
         rule_math.token_dots(wrapped, d, reference), np.einsum("bvk,vk->b", per_example, reference)
     )

@@ -12,7 +12,9 @@
 # numpy), installs what is missing from the wheels only, checks that JAX sees the GPU,
 # and runs benchmarks/jax_overhead.py on mlp, cnn and transformer at B=128 and 512
 # (ms/step of plain and tracked fit, their ratio, peak GPU memory), writing the
-# markdown table to the file given (default benchmarks/gpu/results-<time>.md).
+# markdown table to the file given (default benchmarks/gpu/results-<time>.md); then
+# benchmarks/long_sequence.py's causal LMs (GPT-2, Qwen3) at T = 128 to 4096 on JAX,
+# its table to the same name with `-long-sequence` before `.md`.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -38,6 +40,12 @@ fi
 # Keras and what it needs beyond the machine's packages, from the wheels only.
 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "${TARGET[@]}" \
     keras optree absl-py rich namex
+# keras_hub without TensorFlow Text and tokenizers without the Hugging Face Hub (neither
+# is imported on JAX), then what keras_hub imports.
+"$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" "${TARGET[@]}" \
+    keras-hub tokenizers
+"$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "${TARGET[@]}" \
+    kagglehub kagglesdk protobuf regex sentencepiece pyyaml requests tqdm
 # The project without its TensorFlow dependency (the JAX engine imports none).
 "$PY" -m pip install --quiet --no-index --no-deps --force-reinstall "${TARGET[@]}" \
     "$WHEELS"/keras_gradtrack-*.whl
@@ -59,3 +67,8 @@ cd "$ROOT"
 "$PY" benchmarks/jax_overhead.py --models mlp,cnn,transformer --batch-sizes 128,512 \
     --rounds 3 --seconds 1.0 --out "$OUT"
 echo "Table written to $OUT"
+LONG_OUT="${OUT%.md}-long-sequence.md"
+"$PY" benchmarks/long_sequence.py --backends jax --seq-lens 128,512,1024,2048,4096 \
+    --variants tracked,norms \
+    --out "$LONG_OUT"
+echo "Table written to $LONG_OUT"

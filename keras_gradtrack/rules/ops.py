@@ -9,7 +9,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack import attribution_math, rule_math
-from keras_gradtrack.rule_math import EinsumRoles
+from keras_gradtrack.rule_math import GRAM_MAX_TOKENS, EinsumRoles
 from keras_gradtrack.rules.contract import (
     LayerCall,
     LayerPrimitives,
@@ -26,12 +26,6 @@ def has_plain_weights(layer: Any) -> bool:
     return not getattr(layer, "lora_enabled", False) and not getattr(
         layer, "quantization_mode", None
     )
-
-
-# Up to this many tokens per example, the masked Gram form (T^2 dim, a dense
-# matmul) is as fast as sorting and segment-summing (T dim, but a scatter); beyond
-# it the Gram form, quadratic in T, loses quickly (docs/performance.md).
-GRAM_MAX_TOKENS = 32
 
 
 def sum_of_squares(tensor: tf.Tensor, axis: Any = None, xla: bool = False) -> tf.Tensor:

@@ -290,6 +290,15 @@ def assert_primitives_match(primitives: Any, flat: Any, refs: list[Any]) -> None
     np.testing.assert_allclose(primitives.sum_sq_norm, jnp.sum(jnp.sum(flat, 0) ** 2), rtol=1e-4)
 
 
+def test_dense_takes_the_gram_form_only_where_it_holds_fewer_values() -> None:
+    # GPT-2 small's MLP kernel (768 x 3072): at batch 64 its per-example gradients are over
+    # the budget; two (128, 128) Gram matrices per example hold fewer values, two
+    # (4096, 4096) ones far more. Under the budget, materialized at any length.
+    assert jax_rules.dense_takes_gram_form(64, 128, 768, 3072)
+    assert not jax_rules.dense_takes_gram_form(64, 4096, 768, 3072)
+    assert not jax_rules.dense_takes_gram_form(8, 128, 768, 3072)
+
+
 @pytest.mark.parametrize("form", ["materialized", "gram"])
 def test_dense_on_sequences_gives_the_per_example_primitives(
     form: str, monkeypatch: pytest.MonkeyPatch

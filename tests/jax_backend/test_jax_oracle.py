@@ -137,6 +137,45 @@ def test_sequence_dense_in_the_gram_form(monkeypatch: pytest.MonkeyPatch) -> Non
     assert_matches_oracle(tracked_statistics(model, x, y), expected)
 
 
+@pytest.mark.parametrize("steps", [3, 48])
+def test_sequence_dense_over_budget_takes_the_form_that_holds_fewer_values(
+    steps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Per-example gradients over the budget: the Gram form at 3 positions (2 * 3^2 < 4 * 5
+    # values per example), materialized at 48 (its (48, 48) Gram matrices would hold more
+    # than the 4 x 5 kernel gradient), and exact either way.
+    monkeypatch.setattr(jax_rules, "MATERIALIZED_VALUES", 0)
+    gram_calls = []
+    gram_sq_norms = jax_rules.rule_math.gram_sq_norms
+
+    def counted(a: Any, d: Any) -> Any:
+        gram_calls.append(a.shape)
+        return gram_sq_norms(a, d)
+
+    monkeypatch.setattr(jax_rules.rule_math, "gram_sq_norms", counted)
+    model, x = image_layer(lambda: keras.layers.Dense(5, activation="tanh"), (steps, 4))()
+    y = labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+    assert bool(gram_calls) == (steps == 3), gram_calls
+
+
+def test_embedding_past_the_gram_form_s_length_sorts_and_sums_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 40 tokens from 7 ids: many repeats per example, and no (B, 40, 40) Gram matrix.
+    def no_gram(ids: Any, d: Any) -> Any:
+        raise AssertionError(f"the token Gram form at {ids.shape[1]} tokens")
+
+    monkeypatch.setattr(jax_rules.rule_math, "token_gram_sq_norms", no_gram)
+    inputs = keras.Input((40,), dtype="int32")
+    model = classifier(inputs, keras.layers.Embedding(7, 4)(inputs))
+    x = rng.integers(0, 7, (BATCH, 40)).astype("int32")
+    y = labels()
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
 def test_weight_penalties_are_in_the_batch_gradient_not_in_the_examples() -> None:
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(5, kernel_regularizer=keras.regularizers.L2(0.1))(inputs)

@@ -170,14 +170,33 @@ def _split_kernel_bias(layer: Any, refs: Sequence[Any]) -> tuple[Any, Any]:
 
 # Per-example gradients of a sequence Dense layer are materialized (one einsum of the
 # forward's cost, which also gives <g_i, R> for free) up to this many float32 values;
-# beyond, the Gram form `<A_i A_i^T, D_i D_i^T>` avoids holding them.
+# beyond, the Gram form `<A_i A_i^T, D_i D_i^T>` avoids holding them where it holds
+# fewer itself (`dense_takes_gram_form`).
 MATERIALIZED_VALUES = 1 << 26
+
+
+def dense_takes_gram_form(batch: int, steps: int, width_in: int, width_out: int) -> bool:
+    """Whether a Dense layer on `(batch, steps, width_in)` inputs takes the Gram form:
+    only where its per-example gradients (`batch * width_in * width_out` values) exceed
+    `MATERIALIZED_VALUES` and the Gram form's two `(batch, steps, steps)` matrices are
+    smaller still. At long sequences the Gram matrices, quadratic in `steps`, outgrow
+    the materialized gradients, which do not grow with `steps` at all.
+
+    Example:
+
+    ```python
+    dense_takes_gram_form(64, 128, 768, 3072)    # True: 2 * 128^2 < 768 * 3072
+    dense_takes_gram_form(64, 4096, 768, 3072)   # False: 2 * 4096^2 > 768 * 3072
+    ```
+    """
+    materialized = batch * width_in * width_out
+    return materialized > MATERIALIZED_VALUES and 2 * steps**2 < width_in * width_out
 
 
 def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> LayerPrimitives | None:
     """Dense: `||g_i||^2 = ||a_i||^2 ||d_i||^2` and `<g_i, R> = a_i^T R d_i` on 2-D
     inputs; on sequences `g_i = A_i^T D_i` materialized, or the Gram form when that
-    would hold too many values."""
+    would hold too many values and the Gram form fewer (`dense_takes_gram_form`)."""
     if not plain_weights(layer) or len(layer.trainable_variables) != len(refs):
         return None
     kernel_ref, bias_ref = _split_kernel_bias(layer, refs)
@@ -198,13 +217,13 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
             dot = call.reference_factor * jnp.sum(gram, axis=1)
         else:
             dot = jnp.sum((rows @ kernel_ref) * grads, axis=1)
-    elif batch * d_in * d_out <= MATERIALIZED_VALUES:
+    elif dense_takes_gram_form(batch, steps, d_in, d_out):
+        sq_norm = rule_math.gram_sq_norms(a, d)
+        dot = jnp.sum(jnp.einsum("bti,io->bto", a, kernel_ref) * d, axis=(1, 2))
+    else:
         per_example = rule_math.dense_kernel_gradients(a, d)
         sq_norm = jnp.sum(per_example**2, axis=(1, 2))
         dot = jnp.einsum("bio,io->b", per_example, kernel_ref)
-    else:
-        sq_norm = rule_math.gram_sq_norms(a, d)
-        dot = jnp.sum(jnp.einsum("bti,io->bto", a, kernel_ref) * d, axis=(1, 2))
     summed = jnp.einsum("bti,bto->io", a, d)
     sum_sq_norm = jnp.sum(summed**2)
     if bias_ref is not None:
@@ -293,7 +312,9 @@ def embedding_primitives(
     layer: Any, call: ProbedCall, refs: Sequence[Any]
 ) -> LayerPrimitives | None:
     """Embedding: example i's gradient adds `d_it` to row `id_it`; `||g_i||^2` sums
-    `<d_it, d_is>` over the positions with equal ids, `<g_i, R> = sum_t <d_it, R[id_it]>`."""
+    `<d_it, d_is>` over the positions with equal ids (the masked Gram form up to
+    `rule_math.GRAM_MAX_TOKENS` tokens, sorting and segment sums beyond), `<g_i, R> =
+    sum_t <d_it, R[id_it]>`."""
     if not plain_weights(layer) or len(refs) != 1:
         return None
     (table_ref,) = refs
@@ -302,7 +323,10 @@ def embedding_primitives(
     ids = jnp.asarray(ids).astype(jnp.int32).reshape(batch, -1)
     d = d.reshape(batch, -1, dim)
     ids = rule_math.wrapped_ids(ids, table_ref.shape[0])
-    sq_norm = rule_math.token_gram_sq_norms(ids, d)
+    if ids.shape[1] <= rule_math.GRAM_MAX_TOKENS:
+        sq_norm = rule_math.token_gram_sq_norms(ids, d)
+    else:  # the Gram form's (B, T, T) matrices would outgrow the output gradient
+        sq_norm = rule_math.token_segment_sq_norms(ids, d)
     dot = rule_math.token_dots(ids, d, table_ref)
     summed = jnp.zeros(table_ref.shape, jnp.float32).at[ids.reshape(-1)].add(d.reshape(-1, dim))
     return LayerPrimitives(sq_norm, dot, jnp.sum(summed**2))
