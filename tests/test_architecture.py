@@ -152,12 +152,43 @@ def test_rules_import_only_the_contract_and_the_math(module: str) -> None:
     assert package_imports <= RULE_FOUNDATIONS, sorted(package_imports - RULE_FOUNDATIONS)
 
 
+# The table of layer classes to rule names that both engines' registries read.
+RULE_TABLE = "keras_gradtrack.rule_table"
+
+
 def test_the_rule_registry_imports_no_engine() -> None:
     assert not {
         m
         for m in GRAPH["keras_gradtrack.rules"]
-        if not m.startswith("keras_gradtrack.rules") and m != SEAM
+        if not m.startswith("keras_gradtrack.rules") and m not in (SEAM, RULE_TABLE)
     }
+
+
+def backends_imported(module: str) -> set[str]:
+    """`tensorflow` and `jax` where the module imports them (at any depth of its code)."""
+    found = set()
+    for node in runtime_nodes(ast.parse((PACKAGE / module_path(module)).read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found.update(n.split(".")[0] for n in names if n.split(".")[0] in ("tensorflow", "jax"))
+    return found
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        RULE_TABLE,
+        "keras_gradtrack.rule_math",
+        "keras_gradtrack.recurrent_cells",
+        "keras_gradtrack.attribution_math",
+    ],
+)
+def test_the_backend_free_modules_import_no_backend(module: str) -> None:
+    assert backends_imported(module) == set()
 
 
 @pytest.mark.parametrize("module", [SEAM, PATCHING])

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -104,10 +104,14 @@ def private_step(state: StepState) -> PrivateStep | None:
         if settings.expected_batch_size is not None
         else global_batch
     )
+
+    def gradients_of(settings: PrivacySettings, divisor: tf.Tensor) -> list[Any]:
+        return noisy_gradients(state, settings, sums, unscale, divisor, bound)
+
     if settings.accumulation_steps > 1:
-        gradients = accumulated_gradients(state, settings, sums, unscale, divisor, bound)
+        gradients = accumulated_gradients(model, settings, divisor, gradients_of)
     else:
-        gradients = noisy_gradients(state, settings, sums, unscale, divisor, bound)
+        gradients = gradients_of(settings, divisor)
     # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
     (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
     rows = {"dp_fraction_clipped": clipped_count / global_batch}
@@ -159,14 +163,13 @@ def update_bound(
 
 
 def accumulated_gradients(
-    state: StepState,
+    model: Any,
     settings: PrivacySettings,
-    sums: dict[int, tf.Tensor],
-    unscale: tf.Tensor,
     divisor: tf.Tensor,
-    bound: tf.Tensor | float | None = None,
+    gradients_of: Callable[[PrivacySettings, tf.Tensor], list[Any]],
 ) -> list[Any]:
-    """One physical batch's part of a logical batch of `k`: what the optimizer receives.
+    """One physical batch's part of a logical batch of `k`: what the optimizer receives,
+    `gradients_of(settings, divisor)` (`noisy_gradients` of the step).
 
     Keras' `gradient_accumulation_steps` adds the `k` gradients it receives and
     applies their mean on the k-th; so each physical batch's clipped sum goes over
@@ -176,13 +179,11 @@ def accumulated_gradients(
     k = settings.accumulation_steps
     if settings.expected_batch_size is not None:
         divisor = divisor / k
-    applies = optimizer_apply_count(state.context.model.optimizer)
+    applies = optimizer_apply_count(model.optimizer)
     last = tf.equal((applies + 1) % k, 0)
     clean = dataclasses.replace(settings, noise_multiplier=0.0)
     return tf.cond(
-        last,
-        lambda: noisy_gradients(state, settings, sums, unscale, divisor, bound),
-        lambda: noisy_gradients(state, clean, sums, unscale, divisor, bound),
+        last, lambda: gradients_of(settings, divisor), lambda: gradients_of(clean, divisor)
     )
 
 

@@ -16,30 +16,30 @@ from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.clip_weights import clip_weights
 from keras_gradtrack.engine.private_settings import config_of, settings_of
 from keras_gradtrack.privacy.history import history_json
-from keras_gradtrack.statistics import Statistic, StepPrimitives
+from keras_gradtrack.statistics import GradNorm, Statistic, StepPrimitives
 
 
-class DPGradNorm(Statistic):
-    """`(B,)` each example's gradient norm before clipping, `||g_i||` (as `grad_norm`)."""
+class DPGradNorm(GradNorm):
+    """`(B,)` each example's gradient norm before clipping, `||g_i||` (`grad_norm`)."""
 
     name = "dp_grad_norm"
-    per_example = True
-    needs_dot = False
-
-    def compute(self, primitives: StepPrimitives) -> Any:
-        return primitives.grad_norm
 
 
-class DPFractionClipped(Statistic):
-    """Per step: the fraction of examples whose gradient was clipped (`||g_i|| > C`,
-    or, with bounds per group, `||g_i^(k)|| > C_k` for some group k)."""
+class PrivateModelStatistic(Statistic):
+    """A per-step value read from the private `model` (its settings, its bound)."""
 
-    name = "dp_fraction_clipped"
     per_example = False
     needs_dot = False
 
     def __init__(self, model: Any) -> None:
         self.model = model
+
+
+class DPFractionClipped(PrivateModelStatistic):
+    """Per step: the fraction of examples whose gradient was clipped (`||g_i|| > C`,
+    or, with bounds per group, `||g_i^(k)|| > C_k` for some group k)."""
+
+    name = "dp_fraction_clipped"
 
     def compute(self, primitives: StepPrimitives) -> Any:
         settings = settings_of(self.model)
@@ -54,18 +54,13 @@ class DPFractionClipped(Statistic):
         return ops.mean(ops.cast(clipped, "float32"))
 
 
-class DPL2NormClip(Statistic):
+class DPL2NormClip(PrivateModelStatistic):
     """Per step, with adaptive clipping: the bound `C_t` the step clipped to (before the
     step's update of it). The private step's own value (`PrivateStep.rows`) takes this
     column's place in the step's payload; the value computed here is the bound variable
     as the statistics read it."""
 
     name = "dp_l2_norm_clip"
-    per_example = False
-    needs_dot = False
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
 
     def compute(self, primitives: StepPrimitives) -> Any:
         return ops.convert_to_tensor(self.model.__dict__["_adaptive_clip_bound"])

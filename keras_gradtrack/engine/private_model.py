@@ -1,7 +1,7 @@
 """`PrivateTraining`: `make_private` and a private model's history, budget and saving.
 
 What every backend's `GradientTrackingMixin` shares of private training: the
-arguments checked and the phase started (`private_training.make_private`), the
+arguments checked and the phase started (`make_private`), the
 settings, the history and its epsilon, and the settings and history in the
 model's saved compile config. Plain Python and Keras: each engine supplies the
 private step itself (TensorFlow: `engine/clipping.py`; JAX:
@@ -11,6 +11,8 @@ phase.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,22 +136,42 @@ class PrivateTraining:
         model.fit(x, y, batch_size=256, epochs=10)
         ```
         """
-        private_training.make_private(
+        if noise_multiplier is None and target_epsilon is None:
+            raise ValueError(
+                "Expected noise_multiplier, or target_epsilon (with delta and epochs) to "
+                "compute it. Received neither."
+            )
+        rate, n, expected, sampling = private_training.rate_and_sampling(
+            sampling_rate, dataset_size, expected_batch_size
+        )
+        settings = private_settings.validated_settings(
             self,
             l2_norm_clip,
-            noise_multiplier,
-            expected_batch_size,
+            0.0 if noise_multiplier is None else noise_multiplier,
+            expected,
             groups,
-            sampling_rate=sampling_rate,
-            dataset_size=dataset_size,
-            target_epsilon=target_epsilon,
-            delta=delta,
-            epochs=epochs,
-            accountant=accountant,
-            accumulation_steps=accumulation_steps,
-            secure_noise=secure_noise,
-            adaptive_clip=adaptive_clip,
+            secure_noise,
+            adaptive_clip,
         )
+        found_budget = private_training.checked_budget(target_epsilon, delta, accountant)
+        k = private_training.checked_accumulation_steps(self, accumulation_steps)
+        if k > 1 and settings.adaptive_clip is not None:
+            raise ValueError(
+                "Adaptive clipping updates its bound after every optimizer step; with "
+                "logical batches the physical batches of one logical batch would be "
+                f"clipped to different bounds. Received: accumulation_steps={k} with "
+                f"adaptive_clip={settings.adaptive_clip!r}"
+            )
+        settings = dataclasses.replace(
+            settings,
+            noise_multiplier=math.nan if noise_multiplier is None else settings.noise_multiplier,
+            sampling_rate=rate,
+            dataset_size=n,
+            sampling=sampling,
+            accumulation_steps=k,
+            budget=found_budget,
+        )
+        private_training.start_phase(self, settings, target_epsilon, epochs)
         self._started_private_phase()
         self.train_function = None  # traced anew: every step takes the private path
 

@@ -74,9 +74,10 @@ def start_phase(
     settings: private_settings.PrivacySettings,
     target_epsilon: float | None,
     epochs: float | None,
-) -> private_settings.PrivacySettings:
-    """Starts the phase of `settings` (its sigma found for a target first); returns
-    the settings with that sigma. A current phase without steps is replaced."""
+) -> None:
+    """Starts the phase of `settings` (its sigma found for a target first): the model's
+    settings, its history and its optimizer's accumulation. A current phase without
+    steps is replaced."""
     spent = [phase for phase in history(model) if phase.steps]
     sigma = settings.noise_multiplier
     rate = settings.sampling_rate
@@ -108,7 +109,11 @@ def start_phase(
         )
         settings = dataclasses.replace(settings, noise_multiplier=sigma)
     set_history(model, [*spent, PrivacyPhase(sigma, settings.sampling_rate, 0, settings.sampling)])
-    return settings
+    k = settings.accumulation_steps
+    if k > 1 or getattr(model.optimizer, "gradient_accumulation_steps", None):
+        model.optimizer.gradient_accumulation_steps = k if k > 1 else None
+    model.__dict__["_privacy_settings"] = settings
+    model.__dict__.pop(STEPS_LEFT_KEY, None)
 
 
 def record_steps(model: Any, steps: int) -> None:
@@ -323,68 +328,14 @@ def checked_accumulation_steps(model: Any, given: Any) -> int:
     return k
 
 
-def make_private(
-    model: Any,
-    l2_norm_clip: Any,
-    noise_multiplier: Any,
-    expected_batch_size: Any,
-    groups: Any,
-    *,
-    sampling_rate: Any = None,
-    dataset_size: Any = None,
-    target_epsilon: Any = None,
-    delta: Any = None,
-    epochs: Any = None,
-    accountant: str = "rdp",
-    accumulation_steps: Any = None,
-    secure_noise: Any = False,
-    adaptive_clip: Any = None,
-) -> None:
-    """`GradientTrackingMixin.make_private`: the settings checked, then the phase started."""
-    if noise_multiplier is None and target_epsilon is None:
+def checked_budget(target_epsilon: Any, delta: Any, accountant: str) -> budget.PrivacyBudget | None:
+    """The budget of `make_private(target_epsilon=, delta=, accountant=)`, checked; None
+    without a target."""
+    if target_epsilon is None:
+        return None
+    accounting.check_arguments(1.0, 0, delta, accountant)
+    if not isinstance(target_epsilon, (int, float)) or not 0 < target_epsilon < math.inf:
         raise ValueError(
-            "Expected noise_multiplier, or target_epsilon (with delta and epochs) to "
-            "compute it. Received neither."
+            f"Expected target_epsilon > 0. Received: target_epsilon={target_epsilon!r}"
         )
-    rate, n, expected, sampling = rate_and_sampling(
-        sampling_rate, dataset_size, expected_batch_size
-    )
-    settings = private_settings.validated_settings(
-        model,
-        l2_norm_clip,
-        0.0 if noise_multiplier is None else noise_multiplier,
-        expected,
-        groups,
-        secure_noise,
-        adaptive_clip,
-    )
-    found_budget = None
-    if target_epsilon is not None:
-        accounting.check_arguments(1.0, 0, delta, accountant)
-        if not isinstance(target_epsilon, (int, float)) or not 0 < target_epsilon < math.inf:
-            raise ValueError(
-                f"Expected target_epsilon > 0. Received: target_epsilon={target_epsilon!r}"
-            )
-        found_budget = budget.PrivacyBudget(float(target_epsilon), float(delta), accountant)
-    k = checked_accumulation_steps(model, accumulation_steps)
-    if k > 1 and settings.adaptive_clip is not None:
-        raise ValueError(
-            "Adaptive clipping updates its bound after every optimizer step; with logical "
-            "batches the physical batches of one logical batch would be clipped to "
-            f"different bounds. Received: accumulation_steps={k} with adaptive_clip="
-            f"{settings.adaptive_clip!r}"
-        )
-    settings = dataclasses.replace(
-        settings,
-        noise_multiplier=math.nan if noise_multiplier is None else settings.noise_multiplier,
-        sampling_rate=rate,
-        dataset_size=n,
-        sampling=sampling,
-        accumulation_steps=k,
-        budget=found_budget,
-    )
-    settings = start_phase(model, settings, target_epsilon, epochs)
-    if k > 1 or getattr(model.optimizer, "gradient_accumulation_steps", None):
-        model.optimizer.gradient_accumulation_steps = k if k > 1 else None
-    model.__dict__["_privacy_settings"] = settings
-    model.__dict__.pop(STEPS_LEFT_KEY, None)
+    return budget.PrivacyBudget(float(target_epsilon), float(delta), accountant)

@@ -43,7 +43,7 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack._keras_seam import LayerScale
+from keras_gradtrack.rule_table import resolved
 from keras_gradtrack.rules.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.rules.contract import (
     CrossFn,
@@ -74,38 +74,47 @@ from keras_gradtrack.rules.prelu import PRELU
 from keras_gradtrack.rules.recurrent import RECURRENT
 from keras_gradtrack.rules.separable_conv import SEPARABLE_CONV
 
-_REGISTRY: dict[type, Rule] = {
-    keras.layers.Dense: DENSE,
-    keras.layers.Conv1D: CONV,
-    keras.layers.Conv2D: CONV,
-    keras.layers.Conv3D: CONV,
-    keras.layers.DepthwiseConv1D: DEPTHWISE_CONV,
-    keras.layers.DepthwiseConv2D: DEPTHWISE_CONV,
-    keras.layers.SeparableConv1D: SEPARABLE_CONV,
-    keras.layers.SeparableConv2D: SEPARABLE_CONV,
-    keras.layers.Conv1DTranspose: CONV_TRANSPOSE,
-    keras.layers.Conv2DTranspose: CONV_TRANSPOSE,
-    keras.layers.Conv3DTranspose: CONV_TRANSPOSE,
-    keras.layers.Embedding: EMBEDDING,
-    keras.layers.LayerNormalization: LAYER_NORMALIZATION,
-    keras.layers.GroupNormalization: GROUP_NORMALIZATION,
-    keras.layers.RMSNormalization: RMS_NORMALIZATION,
-    keras.layers.EinsumDense: EINSUM_DENSE,
-    keras.layers.BatchNormalization: BATCH_NORMALIZATION,
-    keras.layers.PReLU: PRELU,
-    LayerScale: LAYER_SCALE,
-    keras.layers.RNN: RECURRENT,
-    keras.layers.SimpleRNN: RECURRENT,
-    keras.layers.LSTM: RECURRENT,
-    keras.layers.GRU: RECURRENT,
-}
+__all__ = [
+    "BATCH_NORMALIZATION",
+    "CONV",
+    "CONV_TRANSPOSE",
+    "DENSE",
+    "DEPTHWISE_CONV",
+    "EINSUM_DENSE",
+    "EMBEDDING",
+    "GROUP_NORMALIZATION",
+    "LAYER_NORMALIZATION",
+    "LAYER_SCALE",
+    "LORA_DENSE",
+    "LORA_EINSUM_DENSE",
+    "LORA_EMBEDDING",
+    "PRELU",
+    "RECURRENT",
+    "RMS_NORMALIZATION",
+    "SEPARABLE_CONV",
+    "CrossFn",
+    "LayerCall",
+    "LayerPrimitives",
+    "PerExampleFn",
+    "Projection",
+    "Reference",
+    "Rule",
+    "RuleFn",
+    "SketchFn",
+    "Tapped",
+    "materialized",
+    "primitives_of",
+    "register_rule",
+]
 
-# Rules for configurations the class's own rule leaves out: LoRA (`enable_lora`).
-_CONFIGURATIONS: dict[type, tuple[Rule, ...]] = {
-    keras.layers.Dense: (LORA_DENSE,),
-    keras.layers.EinsumDense: (LORA_EINSUM_DENSE,),
-    keras.layers.Embedding: (LORA_EMBEDDING,),
+# The built-in rules (the upper-case names of `__all__`), by name.
+_BUILT_IN: dict[str, Rule] = {
+    globals()[name].name: globals()[name] for name in __all__ if name.isupper()
 }
+# The classes of `rule_table` (which the JAX engine's registry reads too) with their
+# built-in rules, and those `register_rule` adds or replaces; the rules for
+# configurations a class's own rule leaves out (LoRA: `enable_lora`).
+_REGISTRY, _CONFIGURATIONS = resolved(_BUILT_IN)
 
 
 def register_rule(layer_class: type, rule: Rule | None) -> Rule | None:
@@ -190,37 +199,3 @@ def lookup(layer: Any) -> Lookup:
             return Lookup(None, f"rule {rule.name!r} does not cover {what}", covers)
         return Lookup(rule, covers_sublayers=covers)
     return Lookup(None, f"no rule registered for {type(layer).__name__}")
-
-
-__all__ = [
-    "BATCH_NORMALIZATION",
-    "CONV",
-    "CONV_TRANSPOSE",
-    "DENSE",
-    "DEPTHWISE_CONV",
-    "EINSUM_DENSE",
-    "EMBEDDING",
-    "GROUP_NORMALIZATION",
-    "LAYER_NORMALIZATION",
-    "LAYER_SCALE",
-    "LORA_DENSE",
-    "LORA_EINSUM_DENSE",
-    "LORA_EMBEDDING",
-    "PRELU",
-    "RECURRENT",
-    "RMS_NORMALIZATION",
-    "SEPARABLE_CONV",
-    "CrossFn",
-    "LayerCall",
-    "LayerPrimitives",
-    "PerExampleFn",
-    "Projection",
-    "Reference",
-    "Rule",
-    "RuleFn",
-    "SketchFn",
-    "Tapped",
-    "materialized",
-    "primitives_of",
-    "register_rule",
-]

@@ -64,6 +64,7 @@ from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.rules import f32, preactivation_call
 from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
+from keras_gradtrack.backends.jax.step import value_lookup
 from keras_gradtrack.engine.clip_weights import clip_weights
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
@@ -253,14 +254,7 @@ def clipped_sums(
     gradients (linear in them, so the sum over examples is taken by the VJP). With a
     loss scale `s` the VJP takes `s w_i d_i` (the backward pass's scale, in the
     layer's dtype) and its result is divided by `s` in float32."""
-    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-
-    def value_of(variable: Any) -> Any:
-        if id(variable) in position:
-            return probed.trainable[position[id(variable)]]
-        return probed.non_trainable[others[id(variable)]]
-
+    value_of = value_lookup(model, probed)
     sums: dict[int, Any] = {}
     for index, (tracked, weight) in enumerate(zip(plan, weights)):
         layer = tracked.layer

@@ -29,60 +29,33 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.backends.jax.batch_normalization import BATCH_NORMALIZATION
-from keras_gradtrack.backends.jax.conv import CONV, DEPTHWISE_CONV, SEPARABLE_CONV
-from keras_gradtrack.backends.jax.normalization import (
-    GROUP_NORMALIZATION,
-    LAYER_NORMALIZATION,
-    RMS_NORMALIZATION,
-)
-from keras_gradtrack.backends.jax.recurrent import RECURRENT
-from keras_gradtrack.backends.jax.rules import (
-    DENSE,
-    EINSUM_DENSE,
-    EMBEDDING,
-    LORA_DENSE,
-    LORA_EINSUM_DENSE,
-    LORA_EMBEDDING,
-    JaxRule,
-    ProbedCall,
-    f32,
-)
+from keras_gradtrack.backends.jax import batch_normalization, conv, normalization, recurrent
+from keras_gradtrack.backends.jax import rules as jax_rules
+from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall, f32
+from keras_gradtrack.rule_table import NO_JAX_RULE, resolved
 
-REGISTRY: dict[type, JaxRule] = {
-    keras.layers.Dense: DENSE,
-    keras.layers.EinsumDense: EINSUM_DENSE,
-    keras.layers.Embedding: EMBEDDING,
-    keras.layers.Conv1D: CONV,
-    keras.layers.Conv2D: CONV,
-    keras.layers.Conv3D: CONV,
-    keras.layers.DepthwiseConv1D: DEPTHWISE_CONV,
-    keras.layers.DepthwiseConv2D: DEPTHWISE_CONV,
-    keras.layers.SeparableConv1D: SEPARABLE_CONV,
-    keras.layers.SeparableConv2D: SEPARABLE_CONV,
-    keras.layers.LayerNormalization: LAYER_NORMALIZATION,
-    keras.layers.RMSNormalization: RMS_NORMALIZATION,
-    keras.layers.GroupNormalization: GROUP_NORMALIZATION,
-    # The plan refuses the recurrent layers this rule does not cover (`recurrent.py`).
-    keras.layers.SimpleRNN: RECURRENT,
-    keras.layers.LSTM: RECURRENT,
-    keras.layers.GRU: RECURRENT,
-    keras.layers.RNN: RECURRENT,
-    keras.layers.BatchNormalization: BATCH_NORMALIZATION,
-}
-
-# Rules for configurations the class's own rule leaves out: LoRA (`enable_lora`).
-CONFIGURATIONS: dict[type, tuple[JaxRule, ...]] = {
-    keras.layers.Dense: (LORA_DENSE,),
-    keras.layers.EinsumDense: (LORA_EINSUM_DENSE,),
-    keras.layers.Embedding: (LORA_EMBEDDING,),
-}
-
-
-BY_NAME = {
+BY_NAME: dict[str, JaxRule] = {
     rule.name: rule
-    for rule in (*REGISTRY.values(), *(r for rules in CONFIGURATIONS.values() for r in rules))
+    for rule in (
+        jax_rules.DENSE,
+        jax_rules.EINSUM_DENSE,
+        jax_rules.EMBEDDING,
+        jax_rules.LORA_DENSE,
+        jax_rules.LORA_EINSUM_DENSE,
+        jax_rules.LORA_EMBEDDING,
+        conv.CONV,
+        conv.DEPTHWISE_CONV,
+        conv.SEPARABLE_CONV,
+        normalization.LAYER_NORMALIZATION,
+        normalization.RMS_NORMALIZATION,
+        normalization.GROUP_NORMALIZATION,
+        batch_normalization.BATCH_NORMALIZATION,
+        recurrent.RECURRENT,
+    )
 }
+# The classes of `rule_table` (which the public registry reads too) whose rule the JAX
+# engine has, and the rules for configurations their own rule leaves out (LoRA).
+REGISTRY, CONFIGURATIONS = resolved(BY_NAME, absent=NO_JAX_RULE)
 PUBLIC_REGISTRY = "keras_gradtrack.rules"
 
 
