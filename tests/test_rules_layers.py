@@ -7,6 +7,7 @@ fails here rather than only getting slower.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -49,9 +50,17 @@ def labels(classes: int = 3) -> np.ndarray:
 
 
 def case(name: str) -> Callable[[Callable[[], Case]], Callable[[], Case]]:
+    """Names a case's builder; the builder draws its data from a generator seeded by
+    that name, so a case's data do not depend on which cases ran before it."""
+
     def named(build: Callable[[], Case]) -> Callable[[], Case]:
-        build.__name__ = name
-        return build
+        def seeded_build() -> Case:
+            global rng
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            return build()
+
+        seeded_build.__name__ = name
+        return seeded_build
 
     return named
 
