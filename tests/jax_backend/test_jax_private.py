@@ -68,18 +68,24 @@ def assert_close(found: list[np.ndarray], expected: list[np.ndarray]) -> None:
         np.testing.assert_allclose(f, e, rtol=RTOL, atol=FLOOR * scale)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_block"])
-def test_without_noise_the_update_is_the_clipped_sum(name: str) -> None:
-    model = private_model(name)
-    x, y = batch(name)
+def assert_one_step_without_noise_is_the_clipped_sum(model: Any, x: Any, y: Any) -> None:
+    """Makes `model` private at the median per-example norm (about half the examples
+    clipped), noise 0, takes one step on (x, y), and checks the update and the logged
+    fraction clipped against the per-example oracle."""
     oracle = per_example_gradients(model, x, y)["g"]
     norms = np.sqrt(sum((rows**2).sum(axis=1) for rows in oracle))
-    bound = float(np.median(norms))  # about half the examples are clipped
+    bound = float(np.median(norms))
     model.make_private(l2_norm_clip=bound, noise_multiplier=0.0)
     found = per_layer(model, update(model, x, y))
     assert_close(found, [s / BATCH for s in clipped_sum(oracle, bound)])
-    history = model.history
-    assert history.history["dp_fraction_clipped"] == [pytest.approx(np.mean(norms > bound))]
+    logs = model.history.history
+    assert logs["dp_fraction_clipped"] == [pytest.approx(np.mean(norms > bound))]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_block"])
+def test_without_noise_the_update_is_the_clipped_sum(name: str) -> None:
+    model = private_model(name)
+    assert_one_step_without_noise_is_the_clipped_sum(model, *batch(name))
     assert model.privacy_history == (kgt.privacy.PrivacyPhase(0.0, None, 1, "unknown"),)
 
 

@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 from jax_models import MODELS
 from jax_oracle import per_example_gradients
-from test_jax_private import BATCH, RATE, assert_close, batch, clipped_sum, per_layer, update
+from test_jax_private import (
+    RATE,
+    assert_one_step_without_noise_is_the_clipped_sum,
+    batch,
+    clipped_sum,
+    per_layer,
+    update,
+)
 
 import keras_gradtrack as kgt
 
@@ -36,15 +43,7 @@ def scaled_model(optimizer: str, seed: int = 7) -> Any:
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_without_noise_the_update_is_the_clipped_sum(optimizer: str) -> None:
     model = scaled_model(optimizer)
-    x, y = batch("mlp")
-    oracle = per_example_gradients(model, x, y)["g"]
-    norms = np.sqrt(sum((rows**2).sum(axis=1) for rows in oracle))
-    bound = float(np.median(norms))
-    model.make_private(l2_norm_clip=bound, noise_multiplier=0.0)
-    found = per_layer(model, update(model, x, y))
-    assert_close(found, [s / BATCH for s in clipped_sum(oracle, bound)])
-    logs = model.history.history
-    assert logs["dp_fraction_clipped"] == [pytest.approx(np.mean(norms > bound))]
+    assert_one_step_without_noise_is_the_clipped_sum(model, *batch("mlp"))
     assert model.private_steps == 1
 
 
