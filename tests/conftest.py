@@ -3,10 +3,13 @@
 
 import os
 import random
+import sys
+import zlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
+import numpy as np
 import patience
 import pytest
 import tensorflow as tf
@@ -28,6 +31,21 @@ tf.config.set_logical_device_configuration(
 @pytest.fixture(autouse=True)
 def seeded() -> None:
     keras.utils.set_random_seed(1234)
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def module_generators_reseeded(request: pytest.FixtureRequest) -> None:
+    """Gives every test module's (and test helper module's) `rng` a generator seeded by
+    the test's id, so a test draws the same data in any order (`--shuffle`), alone or
+    in the whole suite."""
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if path.startswith(TESTS) and isinstance(getattr(module, "rng", None), np.random.Generator):
+            seed = zlib.crc32(f"{request.node.nodeid}|{name}".encode())
+            module.rng = np.random.default_rng(seed)
 
 
 @pytest.fixture(scope="session")
