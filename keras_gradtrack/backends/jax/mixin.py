@@ -10,7 +10,6 @@ import jax
 import keras
 import numpy as np
 
-from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.coupled import coupled_path
@@ -169,32 +168,10 @@ class GradientTrackingMixin(
         (print_fn or print)(text)
         return text
 
-    def gradient_statistics(
-        self,
-        x: Any,
-        y: Any = None,
-        sample_weight: Any = None,
-        statistics: Sequence[str | Statistic] | None = None,
+    def _gradient_statistics(
+        self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]
     ) -> dict[str, np.ndarray]:
-        """Computes gradient statistics for one batch, without updating the weights.
-
-        The computation of a tracked `fit` step (same per-example losses, same batch
-        gradient `G`), whose updated weights, optimizer state and metrics are dropped.
-        The model must be compiled (the loss defines `l_i`).
-
-        Returns:
-            A dict of numpy arrays: each statistic, plus `batch_size` (and
-            `example_id` when `x` holds ids).
-
-        Example:
-
-        ```python
-        stats = model.gradient_statistics(x[:128], y[:128])
-        stats["cosine"]           # (128,)
-        ```
-        """
-        resolved = statistics_module.resolve(statistics)
-        self._refuse_untrackable(resolved, ())
+        self._refuse_untrackable(statistics, ())
         data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
@@ -209,7 +186,7 @@ class GradientTrackingMixin(
         )
         if self.check_example_independence and not self.__dict__.get("_examples_independent"):
             self._check_examples_independent(state, data)
-        key = tuple(statistic.name for statistic in resolved)
+        key = tuple(statistic.name for statistic in statistics)
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
             plan = build_plan(self)
@@ -217,7 +194,7 @@ class GradientTrackingMixin(
             layouts = Layouts()
 
             def compute(state: Any, data: Any) -> Any:
-                logs, _ = keras_tracked_step(self)(self, plan, resolved, state, data)
+                logs, _ = keras_tracked_step(self)(self, plan, statistics, state, data)
                 vector, layout = packed(logs[PAYLOAD_KEY])
                 layouts.record(data, layout)
                 return vector
