@@ -29,6 +29,7 @@ from keras_gradtrack.backends.jax.private_model import JaxPrivateTraining
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
     Layouts,
+    Tracking,
     batch_size_of,
     packed,
     split_example_ids,
@@ -194,7 +195,7 @@ class GradientTrackingMixin(
             layouts = Layouts()
 
             def compute(state: Any, data: Any) -> Any:
-                logs, _ = keras_tracked_step(self)(self, plan, statistics, state, data)
+                logs, _ = keras_tracked_step(self, Tracking(plan, statistics), state, data)
                 vector, layout = packed(logs[PAYLOAD_KEY])
                 layouts.record(data, layout)
                 return vector
@@ -326,14 +327,13 @@ class GradientTrackingMixin(
                 layouts = Layouts()
 
                 # A train_step of the model's own runs, calling tracked_value_and_grad.
-                tracked_step = (
-                    own_tracked_step if self._has_own_step() else keras_tracked_step(self)
-                )
+                tracked_step = own_tracked_step if self._has_own_step() else keras_tracked_step
+                step_tracking = Tracking(plan, statistics, requests)
                 if private:
-                    tracked_step = self._private_train_step(tracked_step)
+                    step_tracking = self._private_tracking(step_tracking)
 
                 def step(state: Any, data: Any) -> Any:
-                    logs, state = tracked_step(self, plan, statistics, state, data, requests)
+                    logs, state = tracked_step(self, step_tracking, state, data)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
                     layouts.record(data, layout)  # when traced
