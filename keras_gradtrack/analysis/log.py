@@ -40,13 +40,8 @@ class GradientLog(LogReader):
     Keras.
 
     Args:
-        path: path of the log file.
-
-    Raises:
-        FileNotFoundError: if `path` does not exist.
-        ValueError: if the file is not a keras_gradtrack log, or was written with an
-            unsupported schema version.
-        OSError: if the file is damaged (cut short, or overwritten in part).
+        path: path of the log file, opened as `LogReader` opens it (with its errors
+            for a missing, foreign or damaged file).
 
     Example:
 

@@ -77,23 +77,14 @@ class OutputGradients:
     loop can take output gradients every few steps without tracing again. The
     variables are read at every call: their current values are used.
 
-    Args:
-        model: A Keras model, or a callable taking `x` and returning one tensor.
-        variables: Variables to differentiate; defaults to
-            `model.trainable_variables` (the model must be built).
-        axis: The output axis that enumerates the features (`-1`: the last).
-            The batch axis (`0`) is refused.
-        chunk_size: Features per compiled call.
-        jit_compile: Passed to `tf.function`; `True` compiles with XLA.
+    Its arguments are `output_gradients`' without `x`, which each call takes.
+    Without `variables`, the model must be built: its `trainable_variables` are
+    read here.
 
     Example:
 
     ```python
-    model = keras.Sequential([
-        keras.Input((64, 16)),
-        keras.layers.Conv1D(32, 3, padding="same", activation="relu"),
-        keras.layers.Dense(144),
-    ])
+    # model: the one of output_gradients' example (144 output features)
     feature_gradients = keras_gradtrack.autodiff.OutputGradients(model, chunk_size=8)
     for step in range(3):
         x = np.random.rand(16, 64, 16).astype("float32")

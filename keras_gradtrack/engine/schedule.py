@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from keras_gradtrack.engine.device_rows import DeviceRows
-from keras_gradtrack.statistics import Statistic
+from keras_gradtrack.statistics import Statistic, resolve
 
 # The key under which a compiled step returns its gradient payload.
 PAYLOAD_KEY = "__gradtrack__"
@@ -163,8 +163,48 @@ def first_data_batch(iterator: Any) -> Any:
 
 
 class TracksGradients:
-    """What a tracking model has on every backend: its `GradientTrackingState` and
-    its plan's columns. Each engine's mixin supplies `_build_tracking_plan`."""
+    """What a tracking model has on every backend: its `GradientTrackingState`, its
+    plan's columns and `gradient_statistics`. Each engine's mixin supplies
+    `_build_tracking_plan` and `_gradient_statistics`."""
+
+    def gradient_statistics(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        statistics: Sequence[str | Statistic] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Computes gradient statistics for one batch, without updating the weights.
+
+        The same computation as a tracked `fit` step of the built-in
+        `train_step` (same per-example losses, same batch gradient `G`), for use
+        outside `fit`: the step's updated weights, optimizer state and metrics are
+        dropped. The model must be compiled (the loss defines `l_i`).
+
+        Args:
+            x: Input batch (a dict with `"example_id"` is accepted).
+            y: Targets.
+            sample_weight: Optional per-example weights.
+            statistics: Names or `Statistic` objects; defaults to the built-ins.
+
+        Returns:
+            A dict of numpy arrays: each statistic, plus `batch_size` (and
+            `example_id` when `x` holds ids).
+
+        Example:
+
+        ```python
+        stats = model.gradient_statistics(x[:128], y[:128])
+        stats["cosine"]           # (128,) cosine of each example with the batch gradient
+        stats["layer_grad_norm"]  # (128, L)
+        ```
+        """
+        return self._gradient_statistics(x, y, sample_weight, resolve(statistics))
+
+    def _gradient_statistics(
+        self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]
+    ) -> dict[str, np.ndarray]:
+        raise NotImplementedError
 
     @property
     def gradient_tracking(self) -> GradientTrackingState:

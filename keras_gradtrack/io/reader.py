@@ -114,14 +114,8 @@ class LogReader:
     def per_step(self, name: str) -> np.ndarray:
         """One per-step column: a statistic, `"step"`, `"epoch"`, `"batch_size"`, ...
 
-        Args:
-            name: column name.
-
-        Returns:
-            Array of shape (S,) or, for a per-layer statistic, (S, L).
-
-        Raises:
-            KeyError: for an unknown name; the message lists the available ones.
+        As `per_example`, one row per step: an array of shape (S,) or, for a per-layer
+        statistic, (S, L); a KeyError for an unknown name lists the available ones.
         """
         return self.read(schema.PER_STEP_GROUP, name)
 

@@ -34,19 +34,10 @@ class LogWriter(BlockWriter):
         attrs: root attributes: the strings `library_version`, `keras_version`,
             `tensorflow_version` and `model_name`; any others are stored as given.
             The writer adds `schema_version` and `created`.
-        overwrite: replace the file if it exists.
-        append: continue the log if the file exists; its layers and statistics must
-            match, and the steps written continue after its last step. A missing file
-            is created.
-        flush_every: most steps written per block.
-        flush_seconds: a block is also written at the first step this many seconds
-            after the previous one (or after opening), so a reader sees rows at
-            least that often while steps arrive; `None` writes blocks of exactly
-            `flush_every` steps.
-        compression: `"gzip"` (level 4), `"lzf"` or `None`.
-        background: write each due block on a thread of its own while the caller
-            goes on; a block that fails there stays buffered and its error is raised
-            by the next `write_step`, `flush` or `close` (see `BlockWriter`).
+        **options: `overwrite`, `append` (its layers and statistics must match, and
+            the steps written continue after its last step), `flush_every`,
+            `flush_seconds`, `compression` and `background`, as `BlockWriter` takes
+            them.
 
     Example:
 
@@ -82,24 +73,12 @@ class LogWriter(BlockWriter):
         attrs: Mapping[str, Any],
         target_ids: Sequence[int] = (),
         sketch: schema.SketchLayout | None = None,
-        overwrite: bool = False,
-        append: bool = False,
-        flush_every: int = 100,
-        flush_seconds: float | None = 1.0,
-        compression: str | None = "gzip",
-        background: bool = False,
+        **options: Any,
     ):
-        super().__init__(
-            path,
-            schema.Layout.from_arguments(layer_names, per_example, per_step, target_ids, sketch),
-            attrs=attrs,
-            overwrite=overwrite,
-            append=append,
-            flush_every=flush_every,
-            flush_seconds=flush_seconds,
-            compression=compression,
-            background=background,
+        layout = schema.Layout.from_arguments(
+            layer_names, per_example, per_step, target_ids, sketch
         )
+        super().__init__(path, layout, attrs=attrs, **options)
 
     def write_step(
         self,

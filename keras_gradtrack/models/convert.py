@@ -23,23 +23,30 @@ def group_count(channels: int, groups: int) -> int:
     return max(g for g in range(1, min(groups, channels) + 1) if channels % g == 0)
 
 
+# The options a GroupNormalization takes from the BatchNormalization it replaces: the
+# two layers name them alike.
+SHARED_OPTIONS = (
+    "axis",
+    "epsilon",
+    "center",
+    "scale",
+    "beta_initializer",
+    "gamma_initializer",
+    "beta_regularizer",
+    "gamma_regularizer",
+    "beta_constraint",
+    "gamma_constraint",
+)
+
+
 def group_normalization_like(layer: Any, groups: int) -> keras.layers.GroupNormalization:
     """A GroupNormalization with the BatchNormalization's axis, epsilon, and affine options."""
     channels = int(layer.moving_mean.shape[0])
     return keras.layers.GroupNormalization(
         groups=group_count(channels, groups),
-        axis=layer.axis,
-        epsilon=layer.epsilon,
-        center=layer.center,
-        scale=layer.scale,
-        beta_initializer=layer.beta_initializer,
-        gamma_initializer=layer.gamma_initializer,
-        beta_regularizer=layer.beta_regularizer,
-        gamma_regularizer=layer.gamma_regularizer,
-        beta_constraint=layer.beta_constraint,
-        gamma_constraint=layer.gamma_constraint,
         name=layer.name,
         dtype=layer.dtype_policy,
+        **{option: getattr(layer, option) for option in SHARED_OPTIONS},
     )
 
 

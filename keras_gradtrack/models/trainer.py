@@ -11,7 +11,6 @@ import numpy as np
 import tensorflow as tf
 from keras import utils as data_adapter_utils  # public: pack_x_y_sample_weight, unpack_...
 
-from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack._keras_seam import loss_module
 from keras_gradtrack.engine import data as batch_data
 from keras_gradtrack.engine import (
@@ -178,46 +177,17 @@ class GradientTrackingMixin(
             )
         return tracked_gradient(context, tape, loss, sources, per_example_loss)
 
-    def gradient_statistics(
-        self,
-        x: Any,
-        y: Any = None,
-        sample_weight: Any = None,
-        statistics: Sequence[str | Statistic] | None = None,
+    def _gradient_statistics(
+        self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]
     ) -> dict[str, np.ndarray]:
-        """Computes gradient statistics for one batch, without updating the weights.
-
-        The same computation as a tracked `fit` step of the built-in
-        `train_step` (same per-example losses, same batch gradient `G`), for use
-        outside `fit`. The model must be compiled (the loss defines `l_i`).
-
-        Args:
-            x: Input batch (a dict with `"example_id"` is accepted).
-            y: Targets.
-            sample_weight: Optional per-example weights.
-            statistics: Names or `Statistic` objects; defaults to the built-ins.
-
-        Returns:
-            A dict of numpy arrays: each statistic, plus `batch_size` (and
-            `example_id` when `x` holds ids).
-
-        Example:
-
-        ```python
-        stats = model.gradient_statistics(x[:128], y[:128])
-        stats["cosine"]           # (128,) cosine of each example with the batch gradient
-        stats["layer_grad_norm"]  # (128, L)
-        ```
-        """
-        resolved = statistics_module.resolve(statistics)
-        key = tuple(statistic.name for statistic in resolved)
+        key = tuple(statistic.name for statistic in statistics)
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
 
             def compute(data: Any) -> Any:
                 data = with_unknown_batch_size(data)
                 x, y, sample_weight, ids = batch_data.unpack_batch(data)
-                with self._tracking(data, resolved, ids) as context:
+                with self._tracking(data, statistics, ids) as context:
                     with tf.GradientTape() as tape:
                         _, loss = self._forward_and_loss(tape, x, y, sample_weight)
                     self.tracked_gradient(tape, loss, self.trainable_weights)

@@ -10,7 +10,6 @@ import jax
 import keras
 import numpy as np
 
-from keras_gradtrack import statistics as statistics_module
 from keras_gradtrack.backends.jax.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.coupled import coupled_path
@@ -30,6 +29,7 @@ from keras_gradtrack.backends.jax.private_model import JaxPrivateTraining
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
     Layouts,
+    Tracking,
     batch_size_of,
     packed,
     split_example_ids,
@@ -169,32 +169,10 @@ class GradientTrackingMixin(
         (print_fn or print)(text)
         return text
 
-    def gradient_statistics(
-        self,
-        x: Any,
-        y: Any = None,
-        sample_weight: Any = None,
-        statistics: Sequence[str | Statistic] | None = None,
+    def _gradient_statistics(
+        self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]
     ) -> dict[str, np.ndarray]:
-        """Computes gradient statistics for one batch, without updating the weights.
-
-        The computation of a tracked `fit` step (same per-example losses, same batch
-        gradient `G`), whose updated weights, optimizer state and metrics are dropped.
-        The model must be compiled (the loss defines `l_i`).
-
-        Returns:
-            A dict of numpy arrays: each statistic, plus `batch_size` (and
-            `example_id` when `x` holds ids).
-
-        Example:
-
-        ```python
-        stats = model.gradient_statistics(x[:128], y[:128])
-        stats["cosine"]           # (128,)
-        ```
-        """
-        resolved = statistics_module.resolve(statistics)
-        self._refuse_untrackable(resolved, ())
+        self._refuse_untrackable(statistics, ())
         data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
@@ -209,7 +187,7 @@ class GradientTrackingMixin(
         )
         if self.check_example_independence and not self.__dict__.get("_examples_independent"):
             self._check_examples_independent(state, data)
-        key = tuple(statistic.name for statistic in resolved)
+        key = tuple(statistic.name for statistic in statistics)
         functions = self.__dict__.setdefault("_gradient_statistics_functions", {})
         if key not in functions:
             plan = build_plan(self)
@@ -217,7 +195,7 @@ class GradientTrackingMixin(
             layouts = Layouts()
 
             def compute(state: Any, data: Any) -> Any:
-                logs, _ = keras_tracked_step(self)(self, plan, resolved, state, data)
+                logs, _ = keras_tracked_step(self, Tracking(plan, statistics), state, data)
                 vector, layout = packed(logs[PAYLOAD_KEY])
                 layouts.record(data, layout)
                 return vector
@@ -349,14 +327,13 @@ class GradientTrackingMixin(
                 layouts = Layouts()
 
                 # A train_step of the model's own runs, calling tracked_value_and_grad.
-                tracked_step = (
-                    own_tracked_step if self._has_own_step() else keras_tracked_step(self)
-                )
+                tracked_step = own_tracked_step if self._has_own_step() else keras_tracked_step
+                step_tracking = Tracking(plan, statistics, requests)
                 if private:
-                    tracked_step = self._private_train_step(tracked_step)
+                    step_tracking = self._private_tracking(step_tracking)
 
                 def step(state: Any, data: Any) -> Any:
-                    logs, state = tracked_step(self, plan, statistics, state, data, requests)
+                    logs, state = tracked_step(self, step_tracking, state, data)
                     logs = dict(logs)
                     vector, layout = packed(logs.pop(PAYLOAD_KEY))
                     layouts.record(data, layout)  # when traced

@@ -49,23 +49,18 @@ from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_los
 from keras_gradtrack.backends.jax.losses import loss_factor, recording_losses
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
 from keras_gradtrack.backends.jax.penalties import probing_penalties, regularized_variables
-from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.plan import BACKEND
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import (
     ProbedPass,
+    Tracking,
     batch_size_of,
-    columns_payload,
-    layer_columns,
-    learning_rate,
-    opt_in_primitives,
     recording_added_losses,
-    requested_rows,
+    step_payload,
     tracked_train_step,
 )
 from keras_gradtrack.engine.reductions import LossRecorder, per_example_shares
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
-from keras_gradtrack.io.schema import LEARNING_RATE
-from keras_gradtrack.statistics import Statistic
 
 # Where a tracked step of the model's own `train_step` leaves its `OwnStepTracking`
 # (in the model's `__dict__`, while the step is traced).
@@ -78,52 +73,39 @@ class OwnStepTracking:
     needs, and the payload it leaves.
 
     Attributes:
-        plan: The tracked layers.
-        statistics: The statistics asked for.
+        tracking: What the step computes.
         state: The step's state (the non-trainable values the rules read).
         batch: The batch size.
-        requests: The loggers' attribution requests.
-        private: For a private model, the private step's gradients
-            (`private_step.private_gradients`), else None.
         payload: The statistics (and the requests' rows), once
             `tracked_value_and_grad` has run.
         rows: The private step's values for the logs, once it has run.
     """
 
-    plan: Sequence[TrackedLayer]
-    statistics: Sequence[Statistic]
+    tracking: Tracking
     state: Any
     batch: int
-    requests: Sequence[Any] = ()
-    private: Callable[..., Any] | None = None
     payload: dict[str, Any] | None = None
     rows: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def own_tracked_step(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    statistics: Sequence[Statistic],
-    state: Any,
-    data: Any,
-    requests: Sequence[Any] = (),
-    private: Callable[..., Any] | None = None,
+    model: keras.Model, tracking: Tracking, state: Any, data: Any
 ) -> tuple[dict[str, Any], Any]:
     """The model's own `train_step`, whose logs also carry the statistics (and the
-    rows of the attribution `requests`) under `PAYLOAD_KEY` (from its call of
-    `tracked_value_and_grad`); with `private`, the private step's values too.
+    rows of the attribution requests) under `PAYLOAD_KEY` (from its call of
+    `tracked_value_and_grad`); for a private model, the private step's values too.
 
     Raises:
         NotImplementedError: When the step did not call `tracked_value_and_grad`.
     """
     x = keras.utils.unpack_x_y_sample_weight(data)[0]
-    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests, private)
-    model.__dict__[TRACKING_KEY] = tracking
+    own = OwnStepTracking(tracking, state, batch_size_of(x))
+    model.__dict__[TRACKING_KEY] = own
     try:
         logs, state = model.train_step(state, data)
     finally:
         model.__dict__.pop(TRACKING_KEY, None)
-    if tracking.payload is None:
+    if own.payload is None:
         raise NotImplementedError(
             f"The train_step of {type(model).__name__} (a model's own train_step) did not "
             "call `self.tracked_value_and_grad(fun, ...)` (nor this mixin's "
@@ -132,7 +114,7 @@ def own_tracked_step(
             "calls `jax.value_and_grad(fun, ...)` (it returns the same values and "
             "gradients); see GradientTrackingMixin.tracked_value_and_grad."
         )
-    return {**logs, **tracking.rows, PAYLOAD_KEY: tracking.payload}, state
+    return {**logs, **own.rows, PAYLOAD_KEY: own.payload}, state
 
 
 def keras_step(
@@ -142,27 +124,26 @@ def keras_step(
     `super().train_step(state, data)`: on a tracked step, `tracked_train_step` (the
     same update, plus the statistics it leaves for the step); otherwise
     `keras_train_step`, Keras' step itself."""
-    tracking = model.__dict__.get(TRACKING_KEY)
-    if tracking is None:
+    own = model.__dict__.get(TRACKING_KEY)
+    if own is None:
         return keras_train_step(state, data)
-    if tracking.payload is not None:
+    if own.payload is not None:
         raise ValueError(
             "`super().train_step` ran after `tracked_value_and_grad` (or twice) in one "
             "tracked step; the step's statistics come from one differentiation of the loss."
         )
-    private = None
+    tracking = own.tracking
     if tracking.private is not None:
+        private_gradients = tracking.private
 
         def private(*args: Any) -> Any:
-            gradients, tracking.rows = tracking.private(*args)
-            return gradients, tracking.rows
+            gradients, own.rows = private_gradients(*args)
+            return gradients, own.rows
 
-    step = keras_tracked_step(model)
-    logs, state = step(
-        model, tracking.plan, tracking.statistics, state, data, tracking.requests, private
-    )
+        tracking = dataclasses.replace(tracking, private=private)
+    logs, state = keras_tracked_step(model, tracking, state, data)
     logs = dict(logs)
-    tracking.payload = logs.pop(PAYLOAD_KEY)
+    own.payload = logs.pop(PAYLOAD_KEY)
     return logs, state
 
 
@@ -174,8 +155,8 @@ def tracked_value_and_grad(
     plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def value_and_grad(*args: Any, **kwargs: Any) -> Any:
-        tracking = model.__dict__.get(TRACKING_KEY)
-        if tracking is None:
+        own = model.__dict__.get(TRACKING_KEY)
+        if own is None:
             return plain(*args, **kwargs)
         if argnums != 0 or not args:
             raise ValueError(
@@ -183,12 +164,12 @@ def tracked_value_and_grad(
                 "to its function's first argument, the values of the model's trainable "
                 f"variables (`state[0]`). Received: argnums={argnums!r}"
             )
-        if tracking.payload is not None:
+        if own.payload is not None:
             raise ValueError(
                 "`tracked_value_and_grad` ran twice in one tracked step; the step's "
                 "statistics come from one differentiation of the loss."
             )
-        result, tracking.payload = tracked_call(model, tracking, fun, has_aux, args, kwargs)
+        result, own.payload = tracked_call(model, own, fun, has_aux, args, kwargs)
         return result
 
     return value_and_grad
@@ -196,7 +177,7 @@ def tracked_value_and_grad(
 
 def tracked_call(
     model: keras.Model,
-    tracking: OwnStepTracking,
+    own: OwnStepTracking,
     fun: Callable[..., Any],
     has_aux: bool,
     args: Sequence[Any],
@@ -220,6 +201,7 @@ def tracked_call(
             f"`model.trainable_variables`) as its first argument. Expected shapes {expected}. "
             f"Received: {type(trainable).__name__} {trainable!r:.200}"
         )
+    tracking = own.tracking
     probes = Probes([tracked.layer for tracked in tracking.plan])
     input_probes = InputProbes(model, needs_input_gradients(tracking.statistics))
     recorders: list[LossRecorder] = []
@@ -235,7 +217,7 @@ def tracked_call(
     ) -> Any:
         layer_values, input_values = probe_values or (None, None)
         with (
-            probes.installed(layer_values, batchless, tracking.batch),
+            probes.installed(layer_values, batchless, own.batch),
             input_probes.installed(input_values),
             recording_losses(loss_probes) as recorder,
             recording_loss_scale(model.optimizer) as scales,
@@ -285,9 +267,7 @@ def tracked_call(
         dataclasses.replace(record, values=values, weight_sum=weight_sum)
         for (values, weight_sum), record in zip(recorded, recorder.records)
     ]
-    factor = loss_factor(
-        LossRecorder(records, recorder.refused, recorder.whole_batch), tracking.batch
-    )
+    factor = loss_factor(LossRecorder(records, recorder.refused, recorder.whole_batch), own.batch)
     # The statistics are the unscaled loss's; the optimizer receives `grads` as they are.
     losses = per_example_shares(records, unscaled(loss_grads, scale)) / factor
     probed = ProbedPass(
@@ -295,23 +275,21 @@ def tracked_call(
         inputs,
         unscaled(probe_grads, scale),
         trainable,
-        tracking.state[1],
+        own.state[1],
         unscaled(grads, scale),
         unscaled(input_grads, scale),
     )
     # The function may add terms of its own (penalties) to `c sum_i l_i`: the rules
     # sum the per-example gradients rather than take `sum_i g_i` from `G`.
-    plan, statistics = tracking.plan, tracking.statistics
-    columns = layer_columns(model, plan, probed, factor, None)
-    opt_in = opt_in_primitives(model, plan, statistics, probed, factor)
-    payload = columns_payload(statistics, columns, losses, tracking.batch, opt_in)
-    payload.update(requested_rows(model, plan, tracking.requests, probed, factor))
-    payload[LEARNING_RATE] = learning_rate(model, tracking.state[2])
+    optimizer_variables = own.state[2]
+    columns, payload = step_payload(
+        model, tracking, probed, losses, own.batch, factor, None, optimizer_variables
+    )
     if tracking.private is not None:
         # After the statistics: they read the step's adaptive bound before its update.
-        arguments = (columns, factor, added_losses, tracking.state[2], scale)
-        private_grads, tracking.rows = tracking.private(
-            model, plan, probed, *arguments, unscaled(penalty_weights, scale)
+        arguments = (columns, factor, added_losses, optimizer_variables, scale)
+        private_grads, own.rows = tracking.private(
+            model, tracking.plan, probed, *arguments, unscaled(penalty_weights, scale)
         )
         grads = type(grads)(private_grads)
     result = ((value, aux) if has_aux else value), grads
@@ -319,13 +297,7 @@ def tracked_call(
 
 
 def recorded_losses_step(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    statistics: Sequence[Statistic],
-    state: Any,
-    data: Any,
-    requests: Sequence[Any] = (),
-    private: Callable[..., Any] | None = None,
+    model: keras.Model, tracking: Tracking, state: Any, data: Any
 ) -> tuple[dict[str, Any], Any]:
     """Keras' JAX `train_step` with `tracked_value_and_grad` in place of
     `jax.value_and_grad`: the per-example losses are those of the Keras losses the
@@ -333,7 +305,7 @@ def recorded_losses_step(
     its own (keras-io's knowledge distillation, say)."""
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    tracking = OwnStepTracking(plan, statistics, state, batch_size_of(x), requests, private)
+    own = OwnStepTracking(tracking, state, batch_size_of(x))
 
     def arguments_of(data: Any) -> tuple[Any, ...]:
         return (non_trainable, metrics_variables, *keras.utils.unpack_x_y_sample_weight(data))
@@ -342,7 +314,7 @@ def recorded_losses_step(
     options = {"training": True, "optimizer_variables": optimizer_variables}
     ((_, aux), grads), payload = tracked_call(
         model,
-        tracking,
+        own,
         model.compute_loss_and_updates,
         True,
         arguments,
@@ -358,33 +330,22 @@ def recorded_losses_step(
         model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
     state = (trainable, non_trainable, optimizer_variables, metrics_variables)
-    return {**logs, **tracking.rows, PAYLOAD_KEY: payload}, state
+    return {**logs, **own.rows, PAYLOAD_KEY: payload}, state
 
 
-def keras_tracked_step(model: keras.Model) -> Callable[..., Any]:
+def keras_tracked_step(
+    model: keras.Model, tracking: Tracking, state: Any, data: Any
+) -> tuple[dict[str, Any], Any]:
     """The tracked version of Keras' own `train_step` for the model: with Keras'
     `compute_loss` and one unweighted loss of one output, `tracked_train_step` (the
     compiled loss split into examples); with several outputs, several losses, loss
     weights, or a `compute_loss` of the model's own, `recorded_losses_step` (the
     Keras losses that `compute_loss` reduces, recorded: loss weights included)."""
-    if type(model).compute_loss is not keras.Model.compute_loss:
-        return recorded_losses_step
-
-    def step(
-        model: keras.Model,
-        plan: Sequence[TrackedLayer],
-        statistics: Sequence[Statistic],
-        state: Any,
-        data: Any,
-        requests: Sequence[Any] = (),
-        private: Callable[..., Any] | None = None,
-    ) -> tuple[dict[str, Any], Any]:
-        # Decided when traced: the targets show whether the batch has several outputs.
-        if one_loss_of_one_output(model, data):
-            return tracked_train_step(model, plan, statistics, state, data, requests, private)
-        return recorded_losses_step(model, plan, statistics, state, data, requests, private)
-
-    return step
+    keras_compute_loss = type(model).compute_loss is keras.Model.compute_loss
+    # Decided when traced: the targets show whether the batch has several outputs.
+    if keras_compute_loss and one_loss_of_one_output(model, data):
+        return tracked_train_step(model, tracking, state, data)
+    return recorded_losses_step(model, tracking, state, data)
 
 
 def one_loss_of_one_output(model: keras.Model, data: Any) -> bool:

@@ -22,7 +22,7 @@ model.epsilon(1e-5)
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +33,7 @@ from keras_gradtrack.backends.jax.private_step import (
     logical_iterations,
     private_gradients,
 )
-from keras_gradtrack.backends.jax.step import batch_size_of
+from keras_gradtrack.backends.jax.step import Tracking, batch_size_of
 from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.private_model import PrivateTraining
 
@@ -123,7 +123,7 @@ class JaxPrivateTraining(PrivateTraining):
             updates = int(logical_iterations(self, state[2]) or 0) - iterations_before
         private_training.record_steps(self, updates)
 
-    def _private_train_step(self, step: Any) -> Any:
-        """The tracked `step` (Keras' or the model's own) whose optimizer receives the
-        private gradients."""
-        return functools.partial(step, private=private_gradients)
+    def _private_tracking(self, tracking: Tracking) -> Tracking:
+        """`tracking` for a tracked step (Keras' or the model's own) whose optimizer
+        receives the private gradients."""
+        return dataclasses.replace(tracking, private=private_gradients)

@@ -45,8 +45,8 @@ from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
 Example:
 
 ```python
-step = functools.partial(tracked_train_step, private=private_gradients)
-logs, state = step(model, plan, statistics, state, data)
+tracking = Tracking(plan, statistics, private=private_gradients)
+logs, state = tracked_train_step(model, tracking, state, data)
 logs["dp_fraction_clipped"]
 ```
 """

@@ -12,7 +12,7 @@ need. The opt-in statistics add a probe on the model's inputs and Gram matrices
 Example:
 
 ```python
-logs, state = tracked_train_step(model, plan, statistics, state, data)
+logs, state = tracked_train_step(model, Tracking(plan, statistics), state, data)
 logs[PAYLOAD_KEY]["cosine"]     # (B,)
 ```
 """
@@ -168,29 +168,42 @@ def _layer_primitives(
     return primitives, reference_sq_norm
 
 
+@dataclasses.dataclass(frozen=True)
+class Tracking:
+    """What a tracked step computes besides Keras' update.
+
+    Attributes:
+        plan: The tracked layers.
+        statistics: The statistics asked for.
+        requests: The loggers' attribution requests.
+        private: For a private model, `(model, plan, probed, columns, factor,
+            added_losses, optimizer_variables, loss_scale) -> (gradients, rows)`: what
+            the optimizer receives in place of the batch gradient (times the loss
+            scale, which it unscales) and the values it adds to the logs
+            (`private_step.py`); None otherwise.
+    """
+
+    plan: Sequence[TrackedLayer]
+    statistics: Sequence[Statistic]
+    requests: Sequence[Any] = ()
+    private: Callable[..., Any] | None = None
+
+
 def tracked_train_step(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    statistics: Sequence[Statistic],
-    state: Any,
-    data: Any,
-    requests: Sequence[Any] = (),
-    private: Any = None,
+    model: keras.Model, tracking: Tracking, state: Any, data: Any
 ) -> tuple[dict[str, Any], Any]:
     """Keras' JAX `train_step`, whose logs also carry the statistics (and the rows of
-    the attribution `requests`, by key) under `PAYLOAD_KEY`.
+    the attribution requests, by key) under `PAYLOAD_KEY`; for a private model, its
+    optimizer receives the private gradients, and the logs their values.
 
     `data` holds no example ids (`split_example_ids` takes them off first, outside
-    the compiled step, so that int64 ids stay exact). `private`, for a private
-    model: `(model, plan, probed, columns, factor, added_losses,
-    optimizer_variables, loss_scale) -> (gradients, rows)`, what the optimizer
-    receives in place of the batch gradient (times the loss scale, which it
-    unscales) and the values it adds to the logs (`private_step.py`).
+    the compiled step, so that int64 ids stay exact).
     """
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    plan = tracking.plan
     probes = Probes([tracked.layer for tracked in plan])
-    input_probes = InputProbes(model, needs_input_gradients(statistics))
+    input_probes = InputProbes(model, needs_input_gradients(tracking.statistics))
 
     batch = batch_size_of(x)
     batchless: frozenset[int] = frozenset()
@@ -252,15 +265,13 @@ def tracked_train_step(
         trainable,
         grads,
     )
-    columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
-    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
-    payload = columns_payload(statistics, columns, losses, batch, opt_in)
-    payload.update(requested_rows(model, plan, requests, probed, factor, coupled))
-    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
+    columns, payload = step_payload(
+        model, tracking, probed, losses, batch, factor, exact_factor, optimizer_variables, coupled
+    )
     rows: dict[str, Any] = {}
-    if private is not None:
+    if tracking.private is not None:
         # After the statistics: they read the step's adaptive bound before its update.
-        grads, rows = private(
+        grads, rows = tracking.private(
             model, plan, probed, columns, factor, added_losses, optimizer_variables, scale
         )
     new_trainable, new_optimizer_variables = model.optimizer.stateless_apply(
@@ -315,6 +326,29 @@ class ProbedPass:
 
 
 Columns = list[tuple[LayerPrimitives, Any]]
+
+
+def step_payload(
+    model: keras.Model,
+    tracking: Tracking,
+    probed: ProbedPass,
+    losses: Any,
+    batch: int,
+    factor: Any,
+    exact_factor: Any,
+    optimizer_variables: Any,
+    coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
+) -> tuple[Columns, dict[str, Any]]:
+    """`(columns, payload)`: the tracked layers' columns (`layer_columns`), and from
+    them and the `(B,)` losses `l_i` the step's statistics, the rows of its attribution
+    requests and the learning rate, by key."""
+    plan, statistics = tracking.plan, tracking.statistics
+    columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
+    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
+    payload = columns_payload(statistics, columns, losses, batch, opt_in)
+    payload.update(requested_rows(model, plan, tracking.requests, probed, factor, coupled))
+    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
+    return columns, payload
 
 
 def layer_columns(
