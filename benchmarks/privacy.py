@@ -14,7 +14,12 @@ python benchmarks/privacy.py --memory --no-timing            # memory alone
 python benchmarks/privacy.py --noise-kernel                  # + noise by tf.random.stateless_normal
 python benchmarks/privacy.py --models mlp --secure-noise     # + secure_noise=True
 python benchmarks/privacy.py --accumulation --models cnn     # logical batches of 4096
+python benchmarks/privacy.py --models cnn --cpu              # + process CPU per step
 ```
+
+`--cpu` adds each variant's process CPU time per step (all threads, the fit's warm-up
+steps included), from the same timed fits: on a machine shared with other jobs, what
+the step computes shows there more steadily than in its wall time.
 
 `--secure-noise` adds a private step with `make_private(..., secure_noise=True)` (the
 noise in float64 from `os.urandom`, a sum of 4 draws: `engine/secure_noise.py`), timed in
@@ -68,6 +73,8 @@ KERNEL_VARIANT = "tf_kernel"
 # "secure": a private step with secure_noise=True.
 SECURE_VARIANT = "secure"
 WARMUP_STEPS = 2  # dropped at the start of every timed `fit`
+# `time_model`'s key of a variant's process CPU seconds per step (`--cpu`).
+CPU_PREFIX = "cpu:"
 
 
 def build(name: str, variant: str, accumulation_steps: int = 1) -> Any:
@@ -122,11 +129,16 @@ def time_model(
             timed_fit(model, dataset, 1)
     draw = noise_draw(models["plain"])
     times: dict[str, list[float]] = {variant: [] for variant in (*variants, "draw")}
+    cpu: dict[str, list[float]] = {variant: [] for variant in variants}
     for _ in range(rounds):
         for variant in variants:
+            started = time.process_time()
             times[variant] += timed_fit(models[variant], dataset, steps)
+            cpu[variant].append((time.process_time() - started) / (steps + WARMUP_STEPS))
         times["draw"] += timed_draws(draw, steps)
-    return {variant: statistics.median(found) for variant, found in times.items()}
+    medians = {variant: statistics.median(found) for variant, found in times.items()}
+    medians.update({CPU_PREFIX + v: statistics.median(found) for v, found in cpu.items()})
+    return medians
 
 
 def noise_draw(model: Any) -> Any:
@@ -257,6 +269,9 @@ def main() -> None:
     parser.add_argument(
         "--secure-noise", action="store_true", help="+ a private step with secure_noise=True"
     )
+    parser.add_argument(
+        "--cpu", action="store_true", help="+ process CPU ms per step (plain, private, clip)"
+    )
     parser.add_argument("--accumulation", action="store_true", help="logical batches")
     parser.add_argument("--logical", type=int, default=4096, help="with --accumulation")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -291,6 +306,9 @@ def main() -> None:
     if args.secure_noise:
         header += " private, secure noise (ms) | ratio |"
         rule += " --- | --- |"
+    if args.cpu:
+        header += " CPU plain / private / clip only (ms) | ratios |"
+        rule += " --- | --- |"
     if args.memory:
         header += " plain peak growth (MiB) | private | clip only |"
         rule += " --- | --- | --- |"
@@ -315,6 +333,10 @@ def main() -> None:
         if args.secure_noise:
             secure = medians[SECURE_VARIANT]
             row += f" {secure * 1e3:.1f} | {secure / medians['plain']:.2f}x |"
+        if args.cpu:
+            found = [medians[CPU_PREFIX + v] for v in VARIANTS]
+            row += " " + " / ".join(f"{c * 1e3:.1f}" for c in found) + " | "
+            row += " / ".join(f"{c / found[0]:.2f}x" for c in found[1:]) + " |"
         if args.memory:
             row += "".join(f" {memory_growth(name, v, args.batch_size):.0f} |" for v in VARIANTS)
         rows.append(row)

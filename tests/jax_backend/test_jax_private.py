@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import keras
 import numpy as np
@@ -13,6 +14,7 @@ from jax_oracle import layer_columns, per_example_gradients
 from tolerance import FLOOR, RTOL
 
 import keras_gradtrack as kgt
+from keras_gradtrack.backends.jax import private_step
 
 BATCH = 16
 # SGD at this rate: the weights' change is the gradient times it, well above the
@@ -219,3 +221,21 @@ def test_weight_penalties_are_added_unclipped() -> None:
     clipped = clipped_sum(g, bound)
     assert_close(found, [s / BATCH + p for s, p in zip(clipped, penalties)])
     assert max(np.abs(p).max() for p in penalties) > 1e-3  # the penalties count
+
+
+def test_a_convolutions_clipped_sum_comes_from_its_per_example_gradients() -> None:
+    # Its norms already need its per-example kernel gradients: the clipped sum is their
+    # weighted sum, not the layer's local VJP (a second batch filter gradient).
+    model = private_model("cnn")
+    x, y = batch("cnn")
+    seen: list[str] = []
+    local_vjp = private_step.local_vjp
+
+    def spy(layer: Any, *args: Any) -> Any:
+        seen.append(type(layer).__name__)
+        return local_vjp(layer, *args)
+
+    with mock.patch.object(private_step, "local_vjp", spy):
+        assert_one_step_without_noise_is_the_clipped_sum(model, x, y)
+    assert "Dense" in seen
+    assert "Conv2D" not in seen, seen

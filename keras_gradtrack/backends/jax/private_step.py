@@ -13,9 +13,11 @@ from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
   gradients, or the fallback);
 * the weights `w_i = min(1, C / ||g_i||)` (per group of layers with bounds per
   group), from the shared `engine/clip_weights.py`;
-* each layer's clipped sum: the layer's local vector-Jacobian product from its
-  (pre-activation) output to its own variables, at the inputs the step recorded,
-  with output gradients `w_i d_i` (for a Dense layer, `A^T (w * D)`). Only the
+* each layer's clipped sum: where its norms came from its rule's per-example
+  gradients (a convolution), their sum weighted by `w_i`; elsewhere the layer's
+  local vector-Jacobian product from its (pre-activation) output to its own
+  variables, at the inputs the step recorded, with output gradients `w_i d_i`
+  (for a Dense layer, `A^T (w * D)`). Only the
   layer's own operations lie between them; no second backward pass through the
   model, no loop over examples;
 * the noise `N(0, (sigma C)^2)` drawn once per variable with `jax.random`, from
@@ -62,9 +64,14 @@ import keras
 
 from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
-from keras_gradtrack.backends.jax.rules import f32, preactivation_call
+from keras_gradtrack.backends.jax.rules import (
+    ProbedCall,
+    f32,
+    preactivation_call,
+    summed_per_example,
+)
 from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
-from keras_gradtrack.backends.jax.step import value_lookup
+from keras_gradtrack.backends.jax.step import direct_primitives, probed_calls, value_lookup
 from keras_gradtrack.engine.clip_weights import clip_weights
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
@@ -249,30 +256,47 @@ def clipped_sums(
 ) -> dict[int, Any]:
     """`{id(variable): sum_i w_i g_i}` (float32) of every tracked layer's own variables.
 
-    A layer's clipped sum is `sum_calls d <z_c(theta), w * d_c> / d theta` at the
-    recorded inputs of each call: its local VJP with the reweighted output
-    gradients (linear in them, so the sum over examples is taken by the VJP). With a
+    A layer whose norms come from its rule's per-example gradients (a convolution
+    without a cheaper Gram form, a layer with a rule called more than once) sums them
+    with the weights, `sum_i w_i g_i`. Another layer's clipped sum is `sum_calls d
+    <z_c(theta), w * d_c> / d theta` at the recorded inputs of each call: its local
+    VJP with the reweighted output gradients (linear in them, so the sum over
+    examples is taken by the VJP). With a
     loss scale `s` the VJP takes `s w_i d_i` (the backward pass's scale, in the
     layer's dtype) and its result is divided by `s` in float32."""
     value_of = value_lookup(model, probed)
+    per_layer_calls = probed_calls(probed, factor, len(plan))
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
     sums: dict[int, Any] = {}
     for index, (tracked, weight) in enumerate(zip(plan, weights)):
         layer = tracked.layer
         all_variables = list(layer.trainable_variables)
         values = [value_of(v) for v in all_variables]
         fixed = [value_of(v) for v in layer.non_trainable_variables]
+        references = [f32(probed.grads[position[id(v)]]) for v in all_variables]
+        calls = per_layer_calls[index]
         total: list[Any] | None = None
-        for n, (owner, kwargs) in enumerate(probed.calls):
-            if owner != index:
-                continue
-            inputs, grad = probed.inputs[n], f32(probed.probe_grads[n]) / factor
-            reweighted = grad * weight.reshape((-1,) + (1,) * (grad.ndim - 1))
-            if loss_scale is not None:
-                reweighted = reweighted * loss_scale
-            grads = local_vjp(layer, values, fixed, inputs, kwargs, reweighted)
-            if loss_scale is not None:
-                grads = [f32(g) / loss_scale for g in grads]
-            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        if from_per_example(tracked, calls, references):
+            # The norms came from the layer's per-example gradients (`layer_columns`):
+            # the same computation here, which XLA merges with that one (CSE), and the
+            # clipped sum is their product with the weights. The local VJP would
+            # repeat the layer's batch weight gradient: for a convolution, XLA's
+            # filter-gradient convolution, slower on CPU than the whole per-example
+            # products (docs/jax.md, "Private training").
+            per_example = summed_per_example(layer, tracked.rule, values, calls, fixed)
+            total = [jnp.tensordot(weight, f32(g), axes=1) for g in per_example]
+        else:
+            for n, (owner, kwargs) in enumerate(probed.calls):
+                if owner != index:
+                    continue
+                inputs, grad = probed.inputs[n], f32(probed.probe_grads[n]) / factor
+                reweighted = grad * weight.reshape((-1,) + (1,) * (grad.ndim - 1))
+                if loss_scale is not None:
+                    reweighted = reweighted * loss_scale
+                grads = local_vjp(layer, values, fixed, inputs, kwargs, reweighted)
+                if loss_scale is not None:
+                    grads = [f32(g) / loss_scale for g in grads]
+                total = grads if total is None else [t + g for t, g in zip(total, grads)]
         if total is None:
             raise ValueError(
                 f"Tracked layer {tracked.name!r} was not called in the step, so its "
@@ -283,6 +307,17 @@ def clipped_sums(
             if id(variable) in own:
                 sums[id(variable)] = f32(grad)
     return sums
+
+
+def from_per_example(
+    tracked: TrackedLayer, calls: Sequence[ProbedCall], references: Sequence[Any]
+) -> bool:
+    """Whether the layer's norms come from its rule's per-example gradients (no direct
+    form for this step), so that its clipped sum is their weighted sum."""
+    rule = tracked.rule
+    if not calls or rule is None or rule.per_example is None:
+        return False
+    return direct_primitives(tracked, calls, references) is None
 
 
 def local_vjp(

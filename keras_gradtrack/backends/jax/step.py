@@ -152,10 +152,9 @@ def _layer_primitives(
     own = [positions[id(v)] for v in tracked.variables]
     reference_sq_norm = sum(jnp.sum(references[i] ** 2) for i in own)
     rule = tracked.rule
-    if len(calls) == 1 and rule is not None and rule.primitives is not None:
-        direct = rule.primitives(layer, calls[0], references)
-        if direct is not None:
-            return direct, reference_sq_norm
+    direct = direct_primitives(tracked, calls, references)
+    if direct is not None:
+        return direct, reference_sq_norm
     values = [lookup_value(v) for v in all_variables]
     others = [lookup_value(v) for v in layer.non_trainable_variables]
     summed = summed_per_example(layer, rule, values, calls, others)
@@ -187,6 +186,18 @@ class Tracking:
     statistics: Sequence[Statistic]
     requests: Sequence[Any] = ()
     private: Callable[..., Any] | None = None
+
+
+def direct_primitives(
+    tracked: TrackedLayer, calls: Sequence[ProbedCall], references: Sequence[Any]
+) -> LayerPrimitives | None:
+    """The layer's primitives by its rule's direct form (one call, and the rule takes
+    it for these shapes), else None: its primitives then come from its per-example
+    gradients (`summed_per_example`)."""
+    rule = tracked.rule
+    if len(calls) == 1 and rule is not None and rule.primitives is not None:
+        return rule.primitives(tracked.layer, calls[0], references)
+    return None
 
 
 def tracked_train_step(
