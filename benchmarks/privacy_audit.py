@@ -5,13 +5,16 @@ bound, canaries, guesses, correct guesses.
 Dirac canaries (`keras_gradtrack.privacy.audit.dirac_canary_audit`): canary j is the
 one-hot input `c e_j` of a Dense layer with a loss linear in its output, so its gradient
 is a Dirac of norm `c` on weight j; each is included with probability 1/2; full-batch
-DP-SGD steps through `make_private`'s private step; the score is weight j's change. The
+DP-SGD steps through `make_private`'s private step of the backend Keras runs on
+(TensorFlow, or JAX with `KERAS_BACKEND=jax`); the score is weight j's change. The
 variants: the real step (default and secure noise), the noise off
 (`noise_multiplier=0`), and the clipping off (canaries of norm 100 C, the clipping
-weights forced to 1): the last two must break the accountant's claim.
+weights forced to 1: `privacy_audit.clipping_off`): the last two must break the
+accountant's claim.
 
 ```
 python benchmarks/privacy_audit.py                          # 10000 canaries, sigma 3, 4 steps
+KERAS_BACKEND=jax python benchmarks/privacy_audit.py        # the JAX engine's step
 python benchmarks/privacy_audit.py --canaries 1000 --per-side 100
 ```
 """
@@ -21,21 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 from typing import Any
-from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow is imported
 
-import tensorflow as tf
+import keras
 
-from keras_gradtrack.engine import clipping
 from keras_gradtrack.privacy import compute_epsilon
-from keras_gradtrack.privacy_audit import dirac_canary_audit
-
-
-def unclipped(settings: Any, model: Any, plan: Any, sq_norms: Any, bound: Any = None) -> Any:
-    """`clipping.clip_weights` with every weight 1 (no clipping)."""
-    batch = tf.shape(sq_norms[0])[0]
-    return [tf.ones([batch])] * len(plan), tf.zeros([batch], tf.bool)
+from keras_gradtrack.privacy_audit import clipping_off, dirac_canary_audit
 
 
 def main() -> None:
@@ -63,7 +58,8 @@ def main() -> None:
         "clipping off (canaries of norm 100 C)": lambda: unclipped_audit(args.sigma, common),
     }
     print(
-        f"# sigma {args.sigma}, {args.steps} full-batch steps, delta {args.delta}, "
+        f"# {keras.backend.backend()} backend: "
+        f"sigma {args.sigma}, {args.steps} full-batch steps, delta {args.delta}, "
         f"confidence 0.95, seed {args.seed}; accountant (RDP) for the claimed sigma"
     )
     print("| variant | accountant epsilon | empirical lower bound | canaries | guesses | correct |")
@@ -78,7 +74,7 @@ def main() -> None:
 
 
 def unclipped_audit(sigma: float, common: dict[str, Any]) -> Any:
-    with mock.patch.object(clipping, "clip_weights", unclipped):
+    with clipping_off():
         return dirac_canary_audit(noise_multiplier=sigma, canary_norm=100.0, **common)
 
 

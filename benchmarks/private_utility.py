@@ -1,5 +1,6 @@
-"""Private training side by side on utility: keras_gradtrack, TensorFlow Privacy, Opacus
-and jax-privacy on one task, model and set of DP-SGD hyperparameters.
+"""Private training side by side on utility: keras_gradtrack (on TensorFlow and on JAX),
+TensorFlow Privacy, Opacus and jax-privacy on one task, model and set of DP-SGD
+hyperparameters.
 
 The task (`benchmarks/peers_utility/utility_task.py`): scikit-learn's 8x8 digits, 1408 to train
 and 389 to test, standardized; an MLP 64-128-10 (ReLU, Glorot uniform, zero biases), mean
@@ -13,12 +14,15 @@ one JSON line per seed; this script only starts them and prints the table (accur
 python benchmarks/private_utility.py --seeds 0,1,2,3,4
 python benchmarks/private_utility.py --noise-multiplier 3 --seeds 0,1,2
 python benchmarks/private_utility.py --tools keras_gradtrack,opacus --torch-python /venv/bin/python
+python benchmarks/private_utility.py --tools keras_gradtrack,keras_gradtrack_jax
 ```
 
 The peers' interpreters default to `/tmp/peers-torch`, `/tmp/peers-tfp` and
 `/tmp/peers-jaxp` (`bin/python`), or `KGT_PEERS_TORCH`, `KGT_PEERS_TFP`, `KGT_PEERS_JAXP`
 (each a virtualenv's folder); a tool whose interpreter is missing is skipped with a line
-saying so. keras_gradtrack runs in this interpreter, with the project root on its path.
+saying so. keras_gradtrack runs in this interpreter (`--kgt-python`), with the project
+root on its path: `keras_gradtrack` with `KERAS_BACKEND=tensorflow`, `keras_gradtrack_jax`
+(the same driver, the JAX engine's private step) with `KERAS_BACKEND=jax`.
 """
 
 from __future__ import annotations
@@ -38,16 +42,19 @@ DRIVERS = Path(__file__).resolve().parent / "peers_utility"
 # tool: (driver, environment variable naming its virtualenv, default virtualenv)
 TOOLS = {
     "keras_gradtrack": ("kgt_digits.py", None, None),
+    "keras_gradtrack_jax": ("kgt_digits.py", None, None),
     "tf_privacy": ("tfprivacy_digits.py", "KGT_PEERS_TFP", "/tmp/peers-tfp"),
     "opacus": ("opacus_digits.py", "KGT_PEERS_TORCH", "/tmp/peers-torch"),
     "jax_privacy": ("jaxprivacy_digits.py", "KGT_PEERS_JAXP", "/tmp/peers-jaxp"),
 }
 FLAGS = {"tf_privacy": "tfp_python", "opacus": "torch_python", "jax_privacy": "jaxp_python"}
+# keras_gradtrack's tools: the Keras backend each runs its driver on.
+KGT_BACKENDS = {"keras_gradtrack": "tensorflow", "keras_gradtrack_jax": "jax"}
 
 
 def interpreter(tool: str, args: argparse.Namespace) -> str:
     """The Python that runs `tool`'s driver: its flag, its variable's venv, or the default."""
-    if tool == "keras_gradtrack":
+    if tool in KGT_BACKENDS:
         return args.kgt_python
     flag = getattr(args, FLAGS[tool])
     if flag:
@@ -116,7 +123,8 @@ def run_tool(tool: str, args: argparse.Namespace) -> list[dict]:
     command += ["--noise-multiplier", str(args.noise_multiplier)] if args.noise_multiplier else []
     command += ["--learning-rate", str(args.learning_rate)] if args.learning_rate else []
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    if tool == "keras_gradtrack":
+    if tool in KGT_BACKENDS:
+        env["KERAS_BACKEND"] = KGT_BACKENDS[tool]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)

@@ -3,17 +3,23 @@
 Canary `j` is the input `c e_j` (a one-hot of norm `c`) of a Dense layer without bias
 and with a loss linear in its output, so its per-example gradient is `-c e_j`, a Dirac
 of norm `c` on kernel weight `j`; the score of canary `j` is the change of that weight.
-It trains a model, so it stands above `models` (an entry point, as the demo does).
+It trains a model, so it stands above `models` (an entry point, as the demo does), on
+the backend Keras runs on: TensorFlow's private step or JAX's (`KERAS_BACKEND=jax`).
+`clipping_off` is the audit's control, a broken step that the audit must catch.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
 import numpy as np
 
-from keras_gradtrack.models.model import GradientTrackingSequential
+import keras_gradtrack
+from keras_gradtrack._patching import patched
+from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.privacy.audit import AuditResult, audit_scores
 
 
@@ -58,7 +64,8 @@ def dirac_canary_audit(
     x = canary_norm * np.eye(canaries, dtype=np.float32)[included]
     y = np.ones((len(x), 1), np.float32)
     keras.utils.set_random_seed(seed)
-    model = GradientTrackingSequential(
+    # The engine of the backend Keras runs on (TensorFlow's or JAX's).
+    model = keras_gradtrack.GradientTrackingSequential(
         [
             keras.Input((canaries,)),
             keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros"),
@@ -80,3 +87,32 @@ def dirac_canary_audit(
 def linear_loss(y_true: Any, y_pred: Any) -> Any:
     """`-<y_true, y_pred>` per example: its gradient at the output is `-y_true`."""
     return -keras.ops.sum(y_true * y_pred, axis=-1)
+
+
+@contextlib.contextmanager
+def clipping_off() -> Iterator[None]:
+    """The audit's control: within the block, the private step of either backend
+    weighs every example 1 (no clipping), while the noise keeps the claimed `sigma C`.
+
+    Both engines look up `engine/clip_weights.py`'s `clip_weights` when their step is
+    traced (TensorFlow: `engine/clipping.py`; JAX: `backends/jax/private_step.py`):
+    the block replaces it there with `unclipped_weights`. Never train for real in it.
+
+    Example:
+
+    ```python
+    with clipping_off():
+        result = dirac_canary_audit(1000, 3.0, 4, 100, canary_norm=100.0)
+    result.epsilon_lower_bound   # far above compute_epsilon(3.0, 1.0, 4, 1e-5)
+    ```
+    """
+    with patched(shared_clipping, "clip_weights", unclipped_weights):
+        yield
+
+
+def unclipped_weights(
+    settings: Any, model: Any, plan: Any, sq_norms: Any, bound: Any = None
+) -> tuple[list[Any], Any]:
+    """`clip_weights.clip_weights`'s signature with every weight 1 and none clipped."""
+    ones = keras.ops.ones_like(sq_norms[0])
+    return [ones] * len(plan), keras.ops.zeros_like(sq_norms[0], dtype="bool")

@@ -62,3 +62,24 @@ def test_a_tool_without_its_interpreter_is_skipped(runner, monkeypatch, capsys, 
     )
     runner.main()
     assert f"# opacus: skipped, no interpreter at {missing}" in capsys.readouterr().out
+
+
+def test_each_keras_gradtrack_tool_runs_its_driver_on_its_backend(runner, monkeypatch, tmp_path):
+    """`keras_gradtrack` and `keras_gradtrack_jax` run the same driver in the project's
+    interpreter with KERAS_BACKEND tensorflow and jax (a stub interpreter echoes both)."""
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/sh\n"
+        'echo "{\\"tool\\": \\"$KERAS_BACKEND\\", \\"seed\\": 0, \\"accuracy\\": 1.0, '
+        '\\"epsilon\\": 1.0, \\"steps\\": 1, \\"seconds\\": 1.0, \\"driver\\": \\"$1\\"}"\n'
+    )
+    stub.chmod(0o755)
+    out = tmp_path / "rows.jsonl"
+    monkeypatch.setenv("KERAS_BACKEND", "torch")  # not inherited by either tool
+    tools = "keras_gradtrack,keras_gradtrack_jax"
+    argv = ["private_utility.py", "--tools", tools, "--kgt-python", str(stub), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--seeds", "0"])
+    runner.main()
+    rows = [json.loads(row) for row in out.read_text().splitlines()]
+    assert [row["tool"] for row in rows] == ["tensorflow", "jax"]
+    assert {Path(row["driver"]).name for row in rows} == {"kgt_digits.py"}

@@ -1,11 +1,13 @@
-"""keras_gradtrack's DP-SGD on the digits task of `utility_task.py` (Keras 3 on TensorFlow):
-`model.make_private(1.0, 1.1, expected_batch_size=64)`, Poisson-sampled batches from
-`kgt.privacy.poisson_batches` (rate 1/22), plain SGD; epsilon from
-`kgt.privacy.compute_epsilon` (dp-accounting's RDP accountant, its default) for the steps
-taken; its PLD accountant's epsilon is printed beside it (`epsilon_other`).
+"""keras_gradtrack's DP-SGD on the digits task of `utility_task.py` (Keras 3 on TensorFlow,
+or on JAX with `KERAS_BACKEND=jax`: the JAX engine's private step, tool
+`keras_gradtrack_jax`): `model.make_private(1.0, 1.1, expected_batch_size=64)`,
+Poisson-sampled batches from `kgt.privacy.poisson_batches` (rate 1/22), plain SGD;
+epsilon from `kgt.privacy.compute_epsilon` (dp-accounting's RDP accountant, its default)
+for the steps taken; its PLD accountant's epsilon is printed beside it (`epsilon_other`).
 
 Run (from the project root, in the project's virtualenv; one JSON line per seed):
     python benchmarks/peers_utility/kgt_digits.py --seeds 0,1,2
+    KERAS_BACKEND=jax python benchmarks/peers_utility/kgt_digits.py --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def run(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     steps = int(model.private_steps)
     epsilon = kgt.privacy.compute_epsilon(args.noise_multiplier, q, steps, common.DELTA)
     pld = kgt.privacy.compute_epsilon(args.noise_multiplier, q, steps, common.DELTA, "pld")
+    backend = keras.backend.backend()
     return dict(
-        tool="keras_gradtrack",
+        tool="keras_gradtrack_jax" if backend == "jax" else "keras_gradtrack",
         accuracy=accuracy,
         epsilon=epsilon,
         steps=steps,
@@ -60,7 +63,7 @@ def run(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         epsilon_other=pld,
         other_accountant="PLD",
         sampling="Poisson (kgt.privacy.poisson_batches)",
-        version=f"keras_gradtrack {kgt.__version__}, keras {keras.__version__}",
+        version=f"keras_gradtrack {kgt.__version__}, keras {keras.__version__} on {backend}",
     )
 
 

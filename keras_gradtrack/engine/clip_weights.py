@@ -3,7 +3,9 @@
 Written once in `keras.ops`: the TensorFlow engine's private step
 (`engine/clipping.py`), the JAX engine's (`backends/jax/private_step.py`) and the
 fraction clipped a gradient logger records (`engine/private_logs.py`) all take their
-weights from here.
+weights from here. The two private steps look `clip_weights` up through this module
+when they are traced: the one seam that the audit's control
+(`privacy_audit.clipping_off`) replaces for both.
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ from typing import Any
 import tensorflow as tf
 
 from keras_gradtrack._keras_seam import flatten_layers, layer_losses, optimizer_apply_count
+from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Materialized
-from keras_gradtrack.engine.clip_weights import clip_weights as shared_clip_weights
 from keras_gradtrack.engine.fallback import per_example_output_products
 from keras_gradtrack.engine.per_layer import layers_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
@@ -197,10 +197,12 @@ def clip_weights(
     """Per layer, each example's `(B,)` clipping weight `w_i`, and which examples were
     clipped (`(B,)` booleans), from the layers' squared norms (true scale): the shared
     `clip_weights.clip_weights` at this step's bound (`bound`, None: `step_bound`'s).
-    The fraction clipped that fit's logs and a gradient logger report both come from it."""
+    The fraction clipped that fit's logs and a gradient logger report both come from it.
+    Looked up through its module when the step is traced: the seam that the audit's
+    control (`privacy_audit.clipping_off`) replaces, as on JAX."""
     if bound is None and not settings.per_layer:
         bound = step_bound(model, settings)
-    return shared_clip_weights(settings, model, plan, sq_norms, bound)
+    return shared_clipping.clip_weights(settings, model, plan, sq_norms, bound)
 
 
 def noisy_gradients(

@@ -72,7 +72,7 @@ from keras_gradtrack.backends.jax.rules import (
 )
 from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
 from keras_gradtrack.backends.jax.step import direct_primitives, probed_calls, value_lookup
-from keras_gradtrack.engine.clip_weights import clip_weights
+from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
 
@@ -121,7 +121,9 @@ def private_gradients(
     penalties = penalty_gradients(model, probed.trainable, added_losses, penalty_weights)
     sq_norms = [jnp.maximum(f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
     bound = step_bound(model, settings)  # this step's C (adaptive: before its update)
-    weights, clipped = clip_weights(settings, model, plan, sq_norms, bound)
+    # Through the module, as on TensorFlow: the seam of the audit's control
+    # (`privacy_audit.clipping_off`).
+    weights, clipped = shared_clipping.clip_weights(settings, model, plan, sq_norms, bound)
     sums = clipped_sums(model, plan, probed, weights, factor, loss_scale)
     batch = clipped.shape[0]
     divisor = settings.expected_batch_size or float(batch)
