@@ -76,8 +76,16 @@ def test_every_notebook_is_tested_and_stored_without_outputs():
         assert sum("parameters" in cell.metadata.get("tags", []) for cell in code) == 1, name
 
 
+# The data-selection notebook's method and numbers are tests/test_data_selection.py's:
+# running it whole is `make test-all`'s.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(SMALL_SIZES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.extended) if n == "data_selection_less.ipynb" else n
+        for n in sorted(SMALL_SIZES)
+    ],
+)
 def test_notebook_runs(name: str, tmp_path: Path, this_python_kernel: str) -> None:
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     position = next(

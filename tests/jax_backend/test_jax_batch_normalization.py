@@ -80,8 +80,18 @@ def matches_full_batch_oracle(model: Any, x: Any = X, y: Any = Y, **kwargs: Any)
 
 
 # 6 examples: chunks of 4 end with a partial one, a chunk of 8 holds them all.
-@pytest.mark.parametrize("chunk_size", [1, 4, 8])
-@pytest.mark.parametrize("build", [small_cnn, applications_block])
+# Chunks of one example each repeat chunks of four on the small CNN: `make test-all`.
+@pytest.mark.parametrize(
+    ("build", "chunk_size"),
+    [
+        pytest.param(small_cnn, 1, marks=pytest.mark.extended),
+        (small_cnn, 4),
+        (small_cnn, 8),
+        (applications_block, 1),
+        (applications_block, 4),
+        (applications_block, 8),
+    ],
+)
 def test_training_mode_matches_the_full_batch_oracle(build: Any, chunk_size: int) -> None:
     matches_full_batch_oracle(compiled(build(), chunk_size=chunk_size))
 
@@ -230,8 +240,14 @@ def test_a_compute_loss_of_the_models_own_is_refused() -> None:
 
 
 # Without dropout: each backend draws its own masks.
+# The small CNN's batch normalization is the applications block's case without its
+# residual and dropout: `make test-all`.
 @pytest.mark.parametrize(
-    ("build", "options"), [("small_cnn", {}), ("applications_block", {"dropout": 0.0})]
+    ("build", "options"),
+    [
+        pytest.param("small_cnn", {}, marks=pytest.mark.extended),
+        ("applications_block", {"dropout": 0.0}),
+    ],
 )
 def test_tensorflow_gives_the_same_numbers(build: str, options: dict, tmp_path: Path) -> None:
     # The same model, weights and batch through the TensorFlow engine, in its own process.

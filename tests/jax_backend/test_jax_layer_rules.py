@@ -158,8 +158,19 @@ SETTINGS: dict[str, tuple[Callable[[], Any], tuple[int, ...], str]] = {
 }
 
 
+# Settings whose every feature another setting covers (channels first, dilation, a
+# separable convolution's stride, a group normalization's centering): `make test-all`.
+EXTENDED = {
+    "conv2d_same_dilated",
+    "depthwise_conv2d_channels_first",
+    "group_normalization_instance_no_center",
+    "separable_conv2d_strided_no_bias",
+}
+
+
 def marks(name: str) -> list[Any]:
-    return [RMS_SCALING_WARNING] if "rms_scaling" in name else []
+    found = [RMS_SCALING_WARNING] if "rms_scaling" in name else []
+    return [*found, pytest.mark.extended] if name in EXTENDED else found
 
 
 PARAMS = [pytest.param(name, marks=marks(name)) for name in sorted(SETTINGS)]
