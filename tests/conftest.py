@@ -1,5 +1,6 @@
 """Suite-wide setup: quiet TensorFlow, seeded Keras, one import per session, and
-`--shuffle` (`--shuffle-seed=N` to repeat an order) to run the tests in a random order."""
+`--shuffle` (`--shuffle-seed=N` to repeat an order) to run the tests in a random order
+(the files, and the tests within each file)."""
 
 import os
 import random
@@ -95,10 +96,24 @@ def report_order(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seed = shuffle_seed(config)
     if seed is not None:
-        # Every test seeds Keras, numpy and Python itself (`seeded`): only the order
-        # changes.
-        random.Random(seed).shuffle(items)
+        # Every test seeds Keras, numpy and Python itself (`seeded`), and each module's
+        # `rng` by the test's id: only the order changes.
+        items[:] = shuffled_by_file(items, random.Random(seed))
         report_order(config)
+
+
+def shuffled_by_file(items: list[pytest.Item], order: random.Random) -> list[pytest.Item]:
+    """The files in a random order, and each file's tests in a random order within it
+    (as pytest-randomly orders them): a file's module-scoped fixtures, such as the
+    cross-backend workers, are set up once, not once per test."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups = list(files.values())
+    order.shuffle(groups)
+    for group in groups:
+        order.shuffle(group)
+    return [item for group in groups for item in group]
 
 
 def pytest_terminal_summary(config: pytest.Config) -> None:
