@@ -100,8 +100,10 @@ def per_example_gradients(
         losses = [float(v) for v in values]
         rows = [[np.asarray(j[i], np.float64).ravel() for j in jacobian] for i in range(batch)]
     else:
-        value_and_grad = jax.value_and_grad(
-            lambda t, xi, yi, wi: _loss(model, t, xi, yi, wi, loss=loss)
+        # Compiled once for the batch's examples (they share a shape): eager JAX would
+        # trace and compile a recurrent layer's `lax.scan` again for every example.
+        value_and_grad = jax.jit(
+            jax.value_and_grad(lambda t, xi, yi, wi: _loss(model, t, xi, yi, wi, loss=loss))
         )
         for i in range(batch):
             weight = None if sample_weight is None else take(sample_weight, i)
