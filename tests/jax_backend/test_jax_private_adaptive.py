@@ -155,20 +155,20 @@ def test_the_secure_count_noise_is_not_seeded() -> None:
 
 def test_the_count_noise_has_deviation_clipped_count_stddev() -> None:
     """`b_t`'s noise is `N(0, sigma_b^2) / B_expected`: read back from the bounds of 60
-    one-step runs with other seeds (5 standard errors of the sample deviation: 46%)."""
+    one-step epochs (each step's draw has a key of its own: the seed folded with the
+    step) and the fraction each clipped (5 standard errors of the sample deviation: 46%)."""
     norms = np.linspace(0.5, 4.0, 20)
     x, y = inputs_with_norms(norms), np.ones((20, 1), "float32")
     clip = AdaptiveClip(target_quantile=0.5, learning_rate=0.2, clipped_count_stddev=3.0)
-    unclipped = int(np.sum(norms <= 2.0))
-    draws = []
-    for seed in range(60):
-        model = norms_model(
-            seed, l2_norm_clip=2.0, noise_multiplier=1.0, expected_batch_size=20, adaptive_clip=clip
-        )
-        model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
-        # log(C_1 / C_0) = -eta ((unclipped - B/2 + noise) / B_expected + 1/2 - gamma)
-        fraction = -math.log(bound_of(model) / 2.0) / 0.2 + 0.5
-        draws.append((fraction - 0.5) * 20 - (unclipped - 10))
+    model = norms_model(
+        l2_norm_clip=2.0, noise_multiplier=1.0, expected_batch_size=20, adaptive_clip=clip
+    )
+    history = model.fit(x, y, batch_size=20, epochs=60, shuffle=False, verbose=0).history
+    bounds = np.array([*history["dp_l2_norm_clip"], bound_of(model)], np.float64)
+    unclipped = 20 * (1 - np.array(history["dp_fraction_clipped"], np.float64))
+    # log(C_{t+1} / C_t) = -eta ((unclipped_t - B/2 + noise_t) / B_expected + 1/2 - gamma)
+    fraction = -np.log(bounds[1:] / bounds[:-1]) / 0.2 + 0.5
+    draws = (fraction - 0.5) * 20 - (unclipped - 10)
     assert abs(np.std(draws) / 3.0 - 1) < 5 / np.sqrt(2 * len(draws)), np.std(draws)
 
 
