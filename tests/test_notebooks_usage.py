@@ -76,13 +76,22 @@ def test_every_notebook_is_tested_and_stored_without_outputs():
         assert sum("parameters" in cell.metadata.get("tags", []) for cell in code) == 1, name
 
 
-# The data-selection notebook's method and numbers are tests/test_data_selection.py's:
-# running it whole is `make test-all`'s.
+# The data-selection notebook's method and numbers are tests/test_data_selection.py's,
+# and the second to fourth autodiff notebooks' functions are tests/test_autodiff.py's
+# (each against its own oracle): running them whole is `make test-all`'s.
+EXTENDED_NOTEBOOKS = {
+    "data_selection_less.ipynb",
+    "autodiff_2_per_example_vs_batch.ipynb",
+    "autodiff_3_input_vjp_jvp.ipynb",
+    "autodiff_4_grad_like_torch.ipynb",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.extended) if n == "data_selection_less.ipynb" else n
+        pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED_NOTEBOOKS else n
         for n in sorted(SMALL_SIZES)
     ],
 )

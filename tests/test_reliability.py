@@ -388,9 +388,9 @@ def test_a_new_log_is_made_on_file_systems_without_hard_links(
 
 @pytest.mark.slow
 def test_training_killed_at_random_moments_keeps_every_flushed_block(tmp_path: Path) -> None:
-    """SIGKILL a real `fit` at a random moment after its first block, 5 times."""
+    """SIGKILL a real `fit` at a random moment after its first block, 3 times."""
     # Every block takes some 20-50 ms here: the delays span dozens of them.
-    delays = np.random.default_rng(2024).uniform(0.0, 0.6, size=5)
+    delays = np.random.default_rng(2024).uniform(0.0, 0.6, size=3)
     batch_size = 8
     with contextlib.ExitStack() as stack:
         workers = [
