@@ -139,6 +139,9 @@ def test_efficientnet_fine_tuning_example_trains_its_top_batch_normalization() -
     assert model.gradient_tracking.forms == {"top_bn": "materialized", "predictions": "direct"}
 
 
+# Batch normalization training in a fine-tuned top is the EfficientNet example's above:
+# this deeper case is `make test-all`'s.
+@pytest.mark.extended
 def test_fine_tuning_the_top_layers_with_batch_normalization_training() -> None:
     base = base_model("MobileNetV2")
     fine_tune_top(base, 12, batch_normalization=True)

@@ -77,10 +77,12 @@ def test_every_notebook_is_tested_and_stored_without_outputs():
 
 
 # The data-selection notebook's method and numbers are tests/test_data_selection.py's,
-# and the second to fourth autodiff notebooks' functions are tests/test_autodiff.py's
-# (each against its own oracle): running them whole is `make test-all`'s.
+# the misprediction notebook's influence and sketches tests/test_attribution.py's, and
+# the second to fourth autodiff notebooks' functions tests/test_autodiff.py's (each
+# against its own oracle): running them whole is `make test-all`'s.
 EXTENDED_NOTEBOOKS = {
     "data_selection_less.ipynb",
+    "explain_a_misprediction.ipynb",
     "autodiff_2_per_example_vs_batch.ipynb",
     "autodiff_3_input_vjp_jvp.ipynb",
     "autodiff_4_grad_like_torch.ipynb",

@@ -38,7 +38,15 @@ def rows(data: Any, selected: slice) -> Any:
     return tree.map_structure(lambda a: None if a is None else a[selected], data)
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize(
+    "name",
+    [
+        # keras-io's IMDB Bidirectional LSTM is test_recurrent.py's too
+        # (test_keras_io_bidirectional_lstm_imdb_pattern): here `make test-all`'s.
+        pytest.param(n, marks=pytest.mark.extended) if n == "bidirectional_lstm" else n
+        for n in sorted(ZOO)
+    ],
+)
 def test_known_before_training_and_exact_for_a_batch(name: str) -> None:
     zoo = without_dropout(name)
     report = kgt.check(zoo.model)

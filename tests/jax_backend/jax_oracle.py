@@ -137,8 +137,9 @@ def target_gradients(model: Any, x: Any, y: Any) -> np.ndarray:
         return keras.tree.map_structure(lambda a: np.asarray(a)[j : j + 1], data)
 
     rows = []
+    grad = jax.jit(jax.grad(loss))  # compiled once for the targets (they share a shape)
     for j in range(len(keras.tree.flatten(x)[0])):
-        grads = jax.grad(loss)(trainable, take(x, j), take(y, j))
+        grads = grad(trainable, take(x, j), take(y, j))
         flat = [np.asarray(g, np.float64).ravel() for g in grads]
         rows.append(np.concatenate([flat[p] for ps in layer_columns(model) for p in ps]))
     return np.stack(rows)
@@ -150,7 +151,7 @@ def input_grad_norms(
     """`(B,)` `||d l_i / d x_i||` over the float inputs, one `jax.grad` per example."""
     trainable = [v.value for v in model.trainable_variables]
     batch = len(keras.tree.flatten(x)[0])
-    grad = jax.grad(lambda xi, yi, wi: _loss(model, trainable, xi, yi, wi, loss=loss))
+    grad = jax.jit(jax.grad(lambda xi, yi, wi: _loss(model, trainable, xi, yi, wi, loss=loss)))
     norms = []
     for i in range(batch):
         weight = None if sample_weight is None else take(sample_weight, i)
