@@ -14,6 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from extended import with_extended
 from invariant import assert_tracked_step_equals_plain
 from keras.src.applications.convnext import LayerScale
 from oracle import assert_matches_oracle, oracle_statistics
@@ -95,7 +96,7 @@ def matches_oracle(model: Any, full_batch: bool = False) -> None:
 # DenseNet121 (17 s under load) has no layer type the other families lack.
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.extended) if f == "DenseNet121" else f for f in FAMILIES],
+    with_extended(FAMILIES, {"DenseNet121"}),
 )
 def test_every_trainable_layer_has_a_rule(family: str) -> None:
     base = base_model(family)

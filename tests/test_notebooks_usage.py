@@ -11,6 +11,7 @@ from pathlib import Path
 
 import patience
 import pytest
+from extended import with_extended
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -92,10 +93,7 @@ EXTENDED_NOTEBOOKS = {
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED_NOTEBOOKS else n
-        for n in sorted(SMALL_SIZES)
-    ],
+    with_extended(sorted(SMALL_SIZES), EXTENDED_NOTEBOOKS),
 )
 def test_notebook_runs(name: str, tmp_path: Path, this_python_kernel: str) -> None:
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)

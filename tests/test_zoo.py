@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from extended import with_extended
 from invariant import assert_tracked_step_equals_plain
 from keras import tree
 from oracle import assert_matches_oracle, oracle_statistics
@@ -40,12 +41,9 @@ def rows(data: Any, selected: slice) -> Any:
 
 @pytest.mark.parametrize(
     "name",
-    [
-        # keras-io's IMDB Bidirectional LSTM is test_recurrent.py's too
-        # (test_keras_io_bidirectional_lstm_imdb_pattern): here `make test-all`'s.
-        pytest.param(n, marks=pytest.mark.extended) if n == "bidirectional_lstm" else n
-        for n in sorted(ZOO)
-    ],
+    # keras-io's IMDB Bidirectional LSTM is test_recurrent.py's too
+    # (test_keras_io_bidirectional_lstm_imdb_pattern): here `make test-all`'s.
+    with_extended(sorted(ZOO), {"bidirectional_lstm"}),
 )
 def test_known_before_training_and_exact_for_a_batch(name: str) -> None:
     zoo = without_dropout(name)
@@ -67,13 +65,10 @@ def test_known_before_training_and_exact_for_a_batch(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    [
-        # Compiled by XLA (`jit_compile=True`), some 15 s here: `make test-all`'s (its
-        # statistics are held to the oracle above; a compiled tracked fit, in
-        # test_rules_conv.py and test_fit.py).
-        pytest.param(n, marks=pytest.mark.extended) if n == "separable_residual_classifier" else n
-        for n in sorted(ZOO)
-    ],
+    # Compiled by XLA (`jit_compile=True`), some 15 s here: `make test-all`'s (its
+    # statistics are held to the oracle above; a compiled tracked fit, in
+    # test_rules_conv.py and test_fit.py).
+    with_extended(sorted(ZOO), {"separable_residual_classifier"}),
 )
 def test_a_tracked_step_trains_as_plain_keras(name: str) -> None:
     """With the examples' own dropout: the same random draws on both steps."""

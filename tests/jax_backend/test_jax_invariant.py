@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from extended import with_extended
 from jax_models import MODELS, compiled
 from jax_oracle import assert_trains_as_plain
 
@@ -18,10 +19,7 @@ BATCH = 8
 # the whole model's step: `make test-all`.
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=pytest.mark.extended) if n == "separable_cnn" else n
-        for n in sorted(MODELS)
-    ],
+    with_extended(sorted(MODELS), {"separable_cnn"}),
 )
 def test_a_tracked_step_trains_as_keras_does(name: str) -> None:
     build, shape = MODELS[name]

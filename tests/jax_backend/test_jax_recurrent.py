@@ -12,6 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from extended import with_extended
 from jax_models import compiled
 from jax_oracle import (
     assert_matches_oracle,
@@ -99,7 +100,7 @@ EXTENDED = {"bidirectional_lstm", "gru_reset_before"}
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n for n in sorted(CASES)],
+    with_extended(sorted(CASES), EXTENDED),
 )
 def test_recurrent_models_match_the_oracle(name: str) -> None:
     build, data = CASES[name]
