@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -110,32 +111,40 @@ def find_example_mixing(
         sample_weight: Its sample weights, if any.
     """
 
+    # The metrics' values too: a compiled loss of several outputs updates a metric per
+    # output, and Keras' fit holds their values in the state, not the variables.
+    values = (state[0], state[1], state[3])
+    # One program for both passes (eager JAX would compile each operation on its own,
+    # and hold them all).
+    compiled = jax.jit(lambda values, *batch: forward(model, values, *batch))
+
     def passes(batch: tuple[Any, ...], variant: tuple[Any, ...]) -> Any:
-        # The metrics' values too: a compiled loss of several outputs updates a metric
-        # per output, and Keras' fit holds their values in the state, not the variables.
-        mapping = [
-            *zip(model.trainable_variables, state[0]),
-            *zip(model.non_trainable_variables, state[1]),
-            *zip(model.metrics_variables, state[3]),
-        ]
-        return forward(model, mapping, *batch), forward(model, mapping, *variant)
+        return as_numpy(compiled(values, *batch)), as_numpy(compiled(values, *variant))
 
     return find_mixing(x, y, sample_weight, passes)
 
 
-def forward(
-    model: Any, mapping: list[tuple[Any, Any]], x: Any, y: Any, sample_weight: Any
-) -> dict[str, np.ndarray]:
+def forward(model: Any, values: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, Any]:
     """`{what: (B, ...) values}`: the outputs and, with a compiled loss and targets,
-    the per-example sums of the weighted loss values Keras reduces."""
+    the per-example sums of the weighted loss values Keras reduces; `values` those of
+    the model's trainable, non-trainable and metrics variables."""
+    mapping = [
+        *zip(model.trainable_variables, values[0]),
+        *zip(model.non_trainable_variables, values[1]),
+        *zip(model.metrics_variables, values[2]),
+    ]
     with keras.StatelessScope(state_mapping=mapping), recording_losses() as recorder:
         y_pred = model(x, training=False)
         if y is not None:
             compute_loss(model, x, y, y_pred, sample_weight, training=False)
-    found: dict[str, np.ndarray] = {}
+    found: dict[str, Any] = {}
     for index, output in enumerate(tree.flatten(y_pred)):
         if getattr(output, "ndim", 0) and jnp.issubdtype(output.dtype, jnp.floating):
-            found[f"output {index}"] = np.asarray(output)
+            found[f"output {index}"] = output
     for index, record in enumerate(recorder.records):
-        found[f"loss {index}"] = np.asarray(per_example_values(record))
+        found[f"loss {index}"] = per_example_values(record)
     return found
+
+
+def as_numpy(found: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {name: np.asarray(value) for name, value in found.items()}
