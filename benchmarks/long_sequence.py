@@ -12,16 +12,23 @@ the memory in use just before it (CPU: peak RSS, the kernel's mark reset before 
 `fit`, buffers of 256 KiB and more handed back to the system when freed; GPU: the
 allocator's peak): "MiB" of the first `fit` (tracing, compiling and one step), "later
 steps MiB" of the last (TensorFlow's kernels keep their buffers from step to step, so
-there it shows little). Time: the median step of the last `fit`, each
-step waited for by reading the optimizer's step counter back to the host. The table
-gives the ratios to the plain step and how many tracked layers took each form:
-TensorFlow's `direct` (for Dense and EinsumDense on sequences: the Gram form),
-`materialized`, `jacobian` (the per-layer fallback); on JAX the plan's path.
+there it shows little). On JAX also XLA's buffer assignment of the compiled train
+step (arguments, outputs not donated into them, temporaries): the most the step holds
+at once, independent of the allocator and of what compiling took on the host. Time:
+the median step of the last `fit`, each step waited for by reading the optimizer's step
+counter back to the host. The table gives the ratios to the plain step and how many
+tracked layers took each form: TensorFlow's `direct` (for Dense and EinsumDense on
+sequences: the Gram form), `materialized`, `jacobian` (the per-layer fallback); on JAX
+the plan's path. With `--lora RANK` every variant's backbone has LoRA enabled (the
+plain step is then the plain LoRA step); the `private` variant is `make_private`
+(clip 1, noise multiplier 1) without statistics.
 
 ```
 python benchmarks/long_sequence.py                                  # T 128, 512, 1024
 python benchmarks/long_sequence.py --variants tracked,norms         # + the norms only
 python benchmarks/long_sequence.py --seq-lens 2048,4096 --backends jax
+python benchmarks/long_sequence.py --lora 4 --variants tracked,private   # LoRA fine-tuning
+python benchmarks/long_sequence.py --backends jax --warm-compile    # first fit, not compiling
 python benchmarks/long_sequence.py --models gpt2 --seq-lens 128 --steps 2   # smoke test
 ```
 """
@@ -35,6 +42,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +50,7 @@ from typing import Any
 from jax_overhead import BlockReader
 
 MESSAGE_PREFIX = "@@long_sequence "
-VARIANTS = ("plain", "tracked", "norms")
+VARIANTS = ("plain", "tracked", "norms", "private")
 NORMS_ONLY = ["loss", "grad_norm", "layer_grad_norm"]
 VOCABULARY = 1024
 # Buffers of 256 KiB and more are mapped on their own and handed back to the system when
@@ -73,9 +81,11 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def causal_lm(name: str, length: int, tracked: bool) -> Any:
+def causal_lm(name: str, length: int, tracked: bool, lora_rank: int = 0) -> Any:
     """The model `name` of `MODELS` at sequence length `length`, compiled; with
-    `GradientTrackingMixin` in front when `tracked`."""
+    `GradientTrackingMixin` in front when `tracked`; with `lora_rank`, its backbone's
+    LoRA enabled at that rank (only the factors, and the biases Keras leaves trainable,
+    train)."""
     import keras
     import keras_hub
 
@@ -90,6 +100,8 @@ def causal_lm(name: str, length: int, tracked: bool) -> Any:
     else:
         backbone = keras_hub.models.Qwen3Backbone(vocabulary_size=VOCABULARY, **MODELS[name])
         task = keras_hub.models.Qwen3CausalLM
+    if lora_rank:
+        backbone.enable_lora(lora_rank)
     if tracked:
         task = type(f"Tracked{task.__name__}", (kgt.GradientTrackingMixin, task), {})
     model = task(backbone, preprocessor=None)
@@ -149,6 +161,69 @@ def gpu_memory_stats() -> dict[str, int] | None:
     return stats if "peak_bytes_in_use" in stats else None
 
 
+class RecordedStep:
+    """A jitted train step that keeps the shapes of its first call's arguments, so that
+    XLA's buffer assignment for it can be read after `fit` (the arguments themselves are
+    donated)."""
+
+    def __init__(self, jitted: Any) -> None:
+        self.jitted = jitted
+        self.shapes: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.shapes is None:
+            import jax
+
+            def shape_of(leaf: Any) -> Any:
+                if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                return leaf
+
+            self.shapes = jax.tree.map(shape_of, args)
+        return self.jitted(*args)
+
+
+def record_compiled_steps() -> list[RecordedStep]:
+    """From now on, every train step that Keras' JAX trainer or the tracking mixin jits
+    (a `jax.jit` donating its state, argument 0) is a `RecordedStep` in the list."""
+    import jax
+    from keras.src.backend.jax import trainer
+
+    steps: list[RecordedStep] = []
+    jit = jax.jit
+
+    def recording_jit(fun: Any, *args: Any, **kwargs: Any) -> Any:
+        jitted = jit(fun, *args, **kwargs)
+        if kwargs.get("donate_argnums") != 0:
+            return jitted
+        steps.append(RecordedStep(jitted))
+        return steps[-1]
+
+    jax.jit = recording_jit
+    trainer.jit = recording_jit
+    return steps
+
+
+def compiled_step_memory(steps: list[RecordedStep]) -> dict[str, float]:
+    """`step_mib`: XLA's buffer assignment for the train step the `fit`s ran (the
+    largest, if several ran): its arguments, its outputs not aliasing (donated into)
+    them and its temporaries, which is as much as the step can hold at once, whatever
+    the allocator does between steps. What compiling takes is the host's, not counted."""
+    found = 0.0
+    for step in steps:
+        if step.shapes is None:
+            continue  # never called: the untracked step of a tracked fit
+        analysis = step.jitted.lower(*step.shapes).compile().memory_analysis()
+        step_bytes = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        found = max(found, step_bytes / 2**20)
+    return {"step_mib": found}
+
+
 def layer_forms(model: Any, backend: str) -> dict[str, str]:
     """Tracked layer -> the form its rule took (TensorFlow: the last traced step's
     `direct`/`materialized`, `direct` on sequences being the Gram form; JAX: the plan's
@@ -160,16 +235,30 @@ def layer_forms(model: Any, backend: str) -> dict[str, str]:
     return {t.name: coupled_path(model, t) for t in model.gradient_tracking_plan()}
 
 
+def use_compilation_cache(directory: str) -> None:
+    """JAX keeps every compiled program in `directory` and reads it back from there."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("cache_dir"):
+        use_compilation_cache(spec["cache_dir"])
     import keras
 
     from keras_gradtrack import statistics as kgt_statistics
 
     backend = keras.backend.backend()
     variant, length, batch_size = spec["variant"], spec["length"], spec["batch_size"]
-    model = causal_lm(spec["model"], length, tracked=variant != "plain")
+    steps_compiled = record_compiled_steps() if backend == "jax" else []
+    model = causal_lm(spec["model"], length, variant != "plain", spec.get("lora", 0))
     x, y = token_batches(max(spec["steps"], 1), batch_size, length)
-    if variant != "plain":
+    if variant == "private":
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
+    elif variant != "plain":
         names = NORMS_ONLY if variant == "norms" else None
         reader = BlockReader()  # reads the values to the host, as a logger does
         model.gradient_tracking.subscribe(
@@ -209,7 +298,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     fit(1)
     del times[:]
     step = fit(spec["steps"])
-    row = {"ms": 1000 * statistics.median(times), "first_mib": first, "mib": step}
+    row: dict[str, Any] = {"ms": 1000 * statistics.median(times), "first_mib": first, "mib": step}
+    if steps_compiled:
+        row.update(compiled_step_memory(steps_compiled))
     if variant != "plain":
         row["forms"] = layer_forms(model, backend)
     return row
@@ -219,7 +310,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs `spec` in a fresh process of its backend; its row, or the error it printed."""
+    """Runs `spec` in a fresh process of its backend; its row, or the error it printed.
+    With `warm_compile` (JAX), a first process fills a compilation cache of its own and
+    the row is that of a second one, which reads every compiled program from it: its
+    first `fit` then holds no compiling."""
+    if spec.get("warm_compile") and spec["backend"] == "jax":
+        with tempfile.TemporaryDirectory() as directory:
+            cached = {**spec, "warm_compile": False, "cache_dir": directory}
+            first = run_child(cached)
+            return first if "error" in first else run_child(cached)
     env = {**os.environ, "KERAS_BACKEND": spec["backend"], "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.update(MALLOC_SETTINGS)
     root = str(Path(__file__).resolve().parent.parent)
@@ -250,6 +349,13 @@ def ratio(found: dict[str, Any], plain: dict[str, Any], key: str) -> str:
     return f"{found[key] / plain[key]:.2f}x"
 
 
+def compiled_cells(found: dict[str, Any], plain: dict[str, Any]) -> str:
+    """The XLA step's buffers, plain / tracked (ratio): JAX only."""
+    if "step_mib" not in found or "step_mib" not in plain:
+        return "-"
+    return f"{plain['step_mib']:.0f} / {found['step_mib']:.0f} ({ratio(found, plain, 'step_mib')})"
+
+
 def table_rows(
     model: str, length: int, backend: str, found: dict[str, dict[str, Any]]
 ) -> list[str]:
@@ -264,7 +370,8 @@ def table_rows(
             f"| {cell(tracked, 'ms', 1)} | {ratio(tracked, plain, 'ms')} "
             f"| {cell(plain, 'first_mib')} | {cell(tracked, 'first_mib')} "
             f"| {ratio(tracked, plain, 'first_mib')} | {cell(plain, 'mib', 1)} "
-            f"| {cell(tracked, 'mib', 1)} | {form_summary(tracked.get('forms', {}))} |"
+            f"| {cell(tracked, 'mib', 1)} | {compiled_cells(tracked, plain)} "
+            f"| {form_summary(tracked.get('forms', {}))} |"
         )
     return rows
 
@@ -272,8 +379,9 @@ def table_rows(
 HEADER = (
     "| model | T | backend | statistics | plain ms | tracked ms | time ratio | plain MiB "
     "| tracked MiB | memory ratio | later steps plain MiB | later steps tracked MiB "
-    "| forms (layers) |\n"
-    "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    "| XLA step buffers MiB plain / tracked | forms (layers) |\n"
+    "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+    "| ---: | --- |"
 )
 
 
@@ -283,10 +391,21 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="128,512,1024")
     parser.add_argument("--backends", default="tensorflow,jax")
     parser.add_argument(
-        "--variants", default="tracked", help="besides plain: tracked (default statistics), norms"
+        "--variants",
+        default="tracked",
+        help="besides plain: tracked (default statistics), norms, private (make_private, sigma 1)",
+    )
+    parser.add_argument(
+        "--lora", type=int, default=0, help="enable LoRA at this rank on every variant's backbone"
     )
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the first")
+    parser.add_argument(
+        "--warm-compile",
+        action="store_true",
+        help="JAX: measure each variant in a process whose programs come from a "
+        "compilation cache a first process filled (the first fit without compiling)",
+    )
     parser.add_argument("--out", help="also write the table (markdown) to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -309,13 +428,16 @@ def main() -> None:
                         "variant": variant,
                         "batch_size": args.batch_size,
                         "steps": args.steps,
+                        "lora": args.lora,
+                        "warm_compile": args.warm_compile,
                     }
                     found[variant] = run_child(spec)
                     if "error" in found[variant]:
                         print(f"{spec} failed:\n{found[variant]['error']}", file=sys.stderr)
                     else:
                         print(f"{spec}: {found[variant]}", file=sys.stderr, flush=True)
-                lines += table_rows(name, length, backend, found)
+                label = f"{name} + LoRA {args.lora}" if args.lora else name
+                lines += table_rows(label, length, backend, found)
     note = (
         f"B={args.batch_size}, {args.steps} timed steps; load average {load:.1f} at start, "
         f"{os.getloadavg()[0]:.1f} at end; {(time.time() - begin) / 60:.1f} min; "
