@@ -192,6 +192,16 @@ def lstm() -> Run:
     return Run(classifier(inputs, hidden, sgd), tokens, labels(9))
 
 
+def stacked_cells() -> Run:
+    """A recurrent layer off the recurrent rule (stacked LSTM and GRU cells, behind a
+    `Masking`): the per-layer fallback on both backends."""
+    inputs = keras.Input((5, 3))
+    hidden = layers.RNN([layers.LSTMCell(4), layers.GRUCell(3)])(layers.Masking()(inputs))
+    x = normal((5, 3), 14)
+    x[::3, 3:] = 0.0  # every third example's last two steps masked
+    return Run(classifier(inputs, hidden, sgd), x, labels(14))
+
+
 def batch_normalization() -> Run:
     inputs = keras.Input((12,))
     hidden = layers.BatchNormalization()(layers.Dense(16)(inputs))
@@ -244,6 +254,7 @@ CASES: dict[str, Callable[[], Run]] = {
     "several_outputs": several_outputs,
     "dropout_in_training": dropout_in_training,
     "lstm": lstm,
+    "stacked_cells": stacked_cells,
     "batch_normalization": batch_normalization,
     "private": private,
     "private_adaptive": private_adaptive,

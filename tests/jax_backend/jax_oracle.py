@@ -22,10 +22,17 @@ from tolerance import assert_matches_oracle  # noqa: F401 (the one tolerance rul
 
 
 def layer_columns(model: Any) -> list[list[int]]:
-    """Positions in `model.trainable_variables` of each owning layer's variables."""
+    """Positions in `model.trainable_variables` of each owning layer's variables; a
+    recurrent layer owns its cell's (stacked cells' alike: one column, as on TensorFlow)."""
+    recurrent = {}
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.RNN):
+            for variable in layer.trainable_variables:
+                recurrent.setdefault(id(variable), layer.path)
     owners: dict[str, list[int]] = {}
     for position, variable in enumerate(model.trainable_variables):
-        owners.setdefault(variable.path.rpartition("/")[0], []).append(position)
+        owner = recurrent.get(id(variable), variable.path.rpartition("/")[0])
+        owners.setdefault(owner, []).append(position)
     return list(owners.values())
 
 

@@ -1,7 +1,9 @@
-"""Recurrent layers on JAX: LSTM, GRU and SimpleRNN on their rule, inside Keras' scan.
+"""Recurrent layers on JAX: LSTM, GRU and SimpleRNN on their rule, inside Keras' scan;
+other recurrent layers (cells of one's own, stacked cells, ConvLSTM, partly frozen
+cells) on the per-layer fallback.
 
 Against the `jax.grad` oracle (rtol 1e-4, float32), tracked equals plain, the path
-column, and the refusals of what the rule does not cover.
+column, and the refusals of what the fallback cannot track.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics
+from keras_gradtrack.backends.jax.plan import FALLBACK_PATH
 
 L = keras.layers
 BATCH, LENGTH, VOCAB = 6, 7, 20
@@ -204,21 +207,90 @@ class OwnLSTM(L.LSTM):
         return super().call(sequences, initial_state, mask, training)
 
 
+def partly_frozen_lstm() -> Any:
+    layer = L.LSTM(3)
+    layer.build((None, LENGTH, 4))
+    layer.cell.recurrent_kernel.trainable = False
+    return layer
+
+
+# name -> a recurrent layer off the rule, on (LENGTH, 4) inputs (ConvLSTM1D: (LENGTH, 4, 1))
+OFF_THE_RULE: dict[str, Callable[[], Any]] = {
+    "custom_cell": lambda: L.RNN(MinimalCell(3)),
+    "own_call": lambda: OwnLSTM(3),
+    "stacked_cells": lambda: L.RNN([L.LSTMCell(3), L.GRUCell(2)]),
+    "conv_lstm": lambda: L.ConvLSTM1D(2, 2),
+    "partly_frozen": partly_frozen_lstm,
+}
+
+
+def off_the_rule_model(model_class: type, name: str, masked: bool = False) -> Any:
+    """The layer `name` of `OFF_THE_RULE` between inputs and a Dense head; `masked`:
+    behind a `Masking` layer, so that its call receives a mask."""
+    layer = OFF_THE_RULE[name]()
+    inputs = keras.Input((LENGTH, 4, 1) if isinstance(layer, L.ConvLSTM1D) else (LENGTH, 4))
+    hidden = layer(L.Masking()(inputs) if masked else inputs)
+    return model_class(inputs, L.Dense(3)(L.Flatten()(hidden)))
+
+
+def off_the_rule_inputs(model: Any, masked: bool = False) -> np.ndarray:
+    x = rng.normal(size=(BATCH, *model.inputs[0].shape[1:])).astype("float32")
+    if masked:  # trailing masked steps of different lengths
+        for i in range(BATCH):
+            x[i, LENGTH - i % 4 :] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(OFF_THE_RULE))
+def test_recurrent_layers_off_the_rule_run_on_the_fallback_exactly(name: str) -> None:
+    """A cell of one's own (keras.io's RNN guide), a class overriding `call`, stacked
+    cells, ConvLSTM and a partly frozen cell: the per-layer fallback, exact."""
+    masked = name in ("custom_cell", "stacked_cells")
+    model = compiled(off_the_rule_model(kgt.GradientTrackingModel, name, masked))
+    x, y = off_the_rule_inputs(model, masked), rng.integers(0, 3, BATCH)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)  # before the tracked step trains
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+    recurrent = next(layer for layer in model.layers if isinstance(layer, L.RNN))
+    summary = model.gradient_tracking_summary()
+    line = next(line for line in summary.splitlines() if f" {recurrent.name} " in line)
+    assert line.endswith(FALLBACK_PATH), summary
+
+
+@pytest.mark.parametrize("name", ["custom_cell", "stacked_cells"])
+def test_a_tracked_step_off_the_rule_trains_as_keras_does(name: str) -> None:
+    build = lambda c: off_the_rule_model(c, name, masked=True)  # noqa: E731
+    tracked, plain = compiled(build(kgt.GradientTrackingModel)), compiled(build(keras.Model))
+    x = np.concatenate([off_the_rule_inputs(tracked, True), off_the_rule_inputs(tracked, True)])
+    assert_trains_as_plain(tracked, plain, x, rng.integers(0, 3, 2 * BATCH), BATCH)
+
+
+def test_states_returned_off_the_rule_are_probed_beside_the_output() -> None:
+    """Stacked cells returning their states (the LSTM cell's two, the GRU cell's one),
+    all read by the head: one probe on the output and states side by side."""
+    inputs = keras.Input((LENGTH, 4))
+    output, *states = L.RNN([L.LSTMCell(3), L.GRUCell(2)], return_state=True)(L.Masking()(inputs))
+    head = L.Dense(3)(L.Concatenate()([output, *keras.tree.flatten(states)]))
+    model = compiled(kgt.GradientTrackingModel(inputs, head))
+    x, y = off_the_rule_inputs(model, masked=True), rng.integers(0, 3, BATCH)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
 @pytest.mark.parametrize(
     ("layer", "match"),
     [
-        (L.RNN(MinimalCell(3)), "MinimalCell"),
-        (OwnLSTM(3), "overrides `call`"),
-        (L.RNN([L.LSTMCell(3), L.GRUCell(2)]), "StackedRNNCells"),
-        (L.ConvLSTM1D(2, 2), "ConvLSTMCell"),
+        (L.RNN(MinimalCell(3), stateful=True), "is stateful"),
+        (L.RNN([L.LSTMCell(3, dropout=0.2), L.GRUCell(2)]), r"dropout in its cell \(LSTMCell"),
     ],
 )
-def test_recurrent_layers_off_the_rule_are_refused_before_training(layer: Any, match: str) -> None:
-    inputs = keras.Input((LENGTH, 4, 1) if isinstance(layer, L.ConvLSTM1D) else (LENGTH, 4))
+def test_what_the_fallback_cannot_track_is_refused_before_training(layer: Any, match: str) -> None:
+    inputs = keras.Input((LENGTH, 4), batch_size=BATCH)
     hidden = layer(inputs)
     model = compiled(kgt.GradientTrackingModel(inputs, L.Dense(3)(L.Flatten()(hidden))))
     x = rng.normal(size=(BATCH, *inputs.shape[1:])).astype("float32")
-    model(x[:1])
+    model(x[:1] if not getattr(layer, "stateful", False) else x)
     before = model.get_weights()
     model.gradient_tracking.subscribe("test", statistics.resolve(None), 1, lambda r: None)
     with pytest.raises(ValueError, match=f"{layer.name}.*{match}.*JAX backend"):

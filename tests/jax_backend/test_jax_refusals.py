@@ -31,8 +31,8 @@ def fit_tracked(model: keras.Model, names: list[str] | None = None) -> None:
     ("layer", "match"),
     [
         (
-            keras.layers.RNN([keras.layers.LSTMCell(3), keras.layers.GRUCell(2)]),
-            "StackedRNNCells.*JAX",
+            keras.layers.RNN([keras.layers.LSTMCell(3, dropout=0.5), keras.layers.GRUCell(2)]),
+            "StackedRNNCells.*dropout in its cell.*JAX",
         ),
         (keras.layers.BatchNormalization(), "BatchNormalization.*track_batch_normalization = True"),
     ],

@@ -165,15 +165,15 @@ def target_calls(
             prediction = model(x, training=False)
             losses = target_losses(y, prediction)
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
-        return jnp.sum(losses), (inputs, list(probes.probed))
+        return jnp.sum(losses), (inputs, list(probes.probed), probes.call_tensors())
 
     data = (x, y)
     # Calls on values that do not depend on the batch are made on them broadcast to it.
     batchless = batchless_calls(lambda data: forward(None, data)[1][0], data)
     shapes = jax.eval_shape(lambda data: forward(None, data), data)[1][1]
     zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-    kwargs = [(index, call_kwargs) for index, _, call_kwargs in probes.calls]
-    (_, (inputs, _)), probe_grads = jax.value_and_grad(forward, has_aux=True)(zeros, data)
+    (_, (inputs, _, tensors)), probe_grads = jax.value_and_grad(forward, has_aux=True)(zeros, data)
+    kwargs = probes.call_kwargs(tensors)
     per_layer: list[list[ProbedCall]] = [[] for _ in plan]
     for n, (index, call_kwargs) in enumerate(kwargs):
         per_layer[index].append(ProbedCall(inputs[n], call_kwargs, f32(probe_grads[n])))

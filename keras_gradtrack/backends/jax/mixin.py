@@ -76,9 +76,8 @@ class GradientTrackingMixin(
     BatchNormalization in training is tracked with the model's opt-in,
     `track_batch_normalization` (`coupled.py`), in Keras' own step.
 
-    Not on JAX yet (each refused with an error naming the backend): recurrent
-    layers other than SimpleRNN, LSTM and GRU, `keras.distribution` over several
-    processes.
+    Not on JAX yet (refused with an error naming the backend): `keras.distribution`
+    over several processes.
 
     Example:
 

@@ -229,7 +229,7 @@ def tracked_call(
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
         recorded = [(r.values, r.weight_sum) for r in recorder.records]
         probed = (list(probes.probed), list(input_probes.probed))
-        return value, (aux, inputs, probed, recorded, loss_scale_of(scales))
+        return value, (aux, inputs, probed, recorded, loss_scale_of(scales), probes.call_tensors())
 
     if arguments_of is not None:
         batchless = batchless_calls(
@@ -238,18 +238,18 @@ def tracked_call(
     # A first trace records the shapes of the probed outputs and of the loss values,
     # and the losses the model's calls add (weight penalties, `add_loss`).
     with recording_added_losses(model) as added_losses:
-        _, (_, _, probed_shapes, recorded_shapes, _) = jax.eval_shape(
+        _, (_, _, probed_shapes, recorded_shapes, _, _) = jax.eval_shape(
             lambda t: forward(t, None, None), trainable
         )
-    calls = [(index, call_kwargs) for index, _, call_kwargs in probes.calls]
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), probed_shapes)
     loss_zeros = [jnp.zeros(values.shape, values.dtype) for values, _ in recorded_shapes]
     # A private step reads the weight with which the loss holds each penalty.
     penalized = regularized_variables(model) if tracking.private is not None else []
     penalty_zeros = [jnp.zeros((), jnp.float32) for _ in penalized]
-    (value, (aux, inputs, _, recorded, scale)), gradients = jax.value_and_grad(
+    (value, (aux, inputs, _, recorded, scale, tensors)), gradients = jax.value_and_grad(
         forward, argnums=(0, 1, 2, 3), has_aux=True
     )(trainable, zeros, loss_zeros, penalty_zeros)
+    calls = probes.call_kwargs(tensors)
     grads, (probe_grads, input_grads), loss_grads, penalty_weights = gradients
     uncalled = sorted(
         {tracked.name for tracked in tracking.plan}

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
-from keras_gradtrack.backends.jax.recurrent import cell_of, recurrent_refusal
+from keras_gradtrack.backends.jax.recurrent import cell_layers, cell_of, recurrent_refusal
 from keras_gradtrack.backends.jax.registry import lookup
 from keras_gradtrack.backends.jax.rules import JaxRule
 
@@ -96,8 +96,7 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
         if id(layer) in cells:
             continue
         cell = cell_of(layer)
-        if cell is not None:
-            cells.add(id(cell))
+        cells.update(id(inner) for inner in cell_layers(layer))
         variables = own_trainable_variables(layer) if cell is None else cell.trainable_variables
         own = [v for v in variables if id(v) in position]
         if own:

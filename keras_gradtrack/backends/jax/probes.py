@@ -23,13 +23,35 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.batchless import broadcast_to_batch
-from keras_gradtrack.backends.jax.recurrent import cell_of, recurrent_call
-from keras_gradtrack.backends.jax.rules import splits_activation
+from keras_gradtrack.backends.jax.recurrent import on_the_rule, recurrent_call
+from keras_gradtrack.backends.jax.rules import from_output_rows, output_rows, splits_activation
 from keras_gradtrack.engine.preactivation import marked_preactivation_call
+
+
+def probed_output(leaf: Any, first: Any) -> bool:
+    """Whether a layer's output tensor can carry a probe: floating, with the batch's
+    rows (those of the layer's first output)."""
+    return (
+        hasattr(leaf, "shape")
+        and jnp.issubdtype(leaf.dtype, jnp.floating)
+        and leaf.ndim >= 1
+        and leaf.shape[0] == first.shape[0]
+    )
+
+
+def tensor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a call that hold tensors, and only tensors."""
+    found = {}
+    for name, value in kwargs.items():
+        leaves = jax.tree.leaves(value)
+        if leaves and all(isinstance(leaf, jax.Array) for leaf in leaves):
+            found[name] = value
+    return found
 
 
 class Probes:
@@ -65,6 +87,19 @@ class Probes:
                 stack.enter_context(patched(layer, "call", self._probing_call(index, layer)))
             yield self
 
+    def call_tensors(self) -> list[dict[str, Any]]:
+        """Per call of the pass being traced, its keyword arguments that hold tensors (a
+        mask, a recurrent layer's initial states): the pass returns them (in its aux),
+        so that they are values where the calls' records are read (`call_kwargs`)."""
+        return [tensor_kwargs(kwargs) for _, _, kwargs in self.calls]
+
+    def call_kwargs(self, tensors: Sequence[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+        """Per call, `(index of its layer, its keyword arguments)`: the last trace's,
+        those holding tensors from `tensors` (the `call_tensors` a pass returned)."""
+        return [
+            (index, {**kwargs, **found}) for (index, _, kwargs), found in zip(self.calls, tensors)
+        ]
+
     def _add_probe(self, tensor: Any) -> Any:
         position = len(self.probed)
         self.probed.append(tensor)
@@ -85,7 +120,7 @@ class Probes:
                 assert self._batch_size is not None
                 args = (broadcast_to_batch(args[0], self._batch_size), *args[1:])
             self.calls.append((index, args[0], dict(kwargs)))
-            if cell_of(layer) is not None:  # the probe goes on the gate pre-activations
+            if on_the_rule(layer):  # the probe goes on the gate pre-activations
                 outputs, saved = recurrent_call(layer, original, args, kwargs, self._add_probe)
                 self.calls[-1] = (index, saved, dict(kwargs))
                 return outputs
@@ -95,12 +130,17 @@ class Probes:
                 )
                 return outputs
             outputs = original(*args, **kwargs)
-            if not hasattr(outputs, "shape") or not jnp.issubdtype(outputs.dtype, jnp.floating):
+            leaves = jax.tree.leaves(outputs)
+            if not leaves or not all(probed_output(leaf, leaves[0]) for leaf in leaves):
                 raise ValueError(
                     f"Layer {layer.name!r} ({type(layer).__name__}) returned "
                     f"{type(outputs).__name__}: the JAX engine probes layers whose output "
-                    "is one float tensor."
+                    "is one float tensor, or several with a row per example."
                 )
-            return self._add_probe(outputs)
+            if hasattr(outputs, "shape"):
+                return self._add_probe(outputs)
+            # Several outputs (a recurrent layer's sequence and states): one probe on
+            # their rows side by side, as the per-layer fallback contracts them.
+            return from_output_rows(self._add_probe(output_rows(outputs)), outputs)
 
         return probing_call

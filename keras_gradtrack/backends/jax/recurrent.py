@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import keras
 from keras import tree
 
-from keras_gradtrack._keras_seam import keras_backend
+from keras_gradtrack._keras_seam import flatten_layers, keras_backend
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall, f32
 from keras_gradtrack.recurrent_cells import loop_of, per_example_gradients
@@ -57,33 +57,61 @@ def keeps_keras_call(layer: Any) -> bool:
     return False
 
 
-def recurrent_refusal(layer: Any) -> str:
-    """Why the JAX engine cannot track a recurrent layer (empty when it can, or when the
-    layer is not recurrent or trains nothing)."""
+def on_the_rule(layer: Any) -> bool:
+    """Whether the recurrent rule covers the layer: Keras' SimpleRNN, LSTM or GRU (or
+    `keras.layers.RNN` over their cells) keeping Keras' `call` and `inner_loop`, every
+    cell weight trained. Another recurrent layer runs on the per-layer fallback."""
     cell = cell_of(layer)
-    if cell is None or not layer.trainable_variables:
-        return ""
-    name = f"Layer {layer.name!r} ({type(layer).__name__})"
-    off_the_rule = (
-        "On the JAX backend the recurrent rule covers Keras' SimpleRNN, LSTM and GRU "
-        "(and keras.layers.RNN over their cells) with every cell weight trained; other "
-        "recurrent layers are not tracked yet (on the TensorFlow backend they run on the "
-        "exact fallback: train with KERAS_BACKEND=tensorflow)."
-    )
-    if loop_of(cell) is None:
-        return (
-            f"{name} runs the cell {type(cell).__name__}, whose step the recurrent rule "
-            f"does not know. {off_the_rule}"
-        )
-    if not keeps_keras_call(layer):
-        return (
-            f"{name} overrides `call` or `inner_loop` of its Keras class, so the recurrent "
-            f"rule cannot replace its loop. {off_the_rule}"
-        )
+    if cell is None or loop_of(cell) is None or not keeps_keras_call(layer):
+        return False
     weights = [cell.kernel, cell.recurrent_kernel, cell.bias]
-    if not all(w.trainable for w in weights if w is not None):
-        frozen = [w.name for w in weights if w is not None and not w.trainable]
-        return f"{name} has frozen cell weights {frozen} beside trained ones. {off_the_rule}"
+    return all(w.trainable for w in weights if w is not None)
+
+
+def cell_layers(layer: Any) -> list[Any]:
+    """The cell of a recurrent layer and every layer inside it (a `StackedRNNCells`'
+    cells): the recurrent layer's column holds their variables."""
+    cell = cell_of(layer)
+    return [] if cell is None else flatten_layers(cell)
+
+
+def recurrent_refusal(layer: Any) -> str:
+    """Why the JAX engine cannot track a recurrent layer off the recurrent rule (empty
+    when it can, or when the layer is not recurrent or trains nothing).
+
+    Off the rule, a recurrent layer runs on the per-layer fallback, `vmap(grad)` of the
+    layer's own call on each example: exact for any cell, provided the call on one
+    example computes what the step computed for it. Two settings break that, and are
+    refused: a `stateful` layer (its states hold a whole batch between calls) and a
+    cell with dropout (the fallback's call would draw other masks than the step's).
+    Returned states are probed beside the output (`rules.output_rows`)."""
+    cell = cell_of(layer)
+    if cell is None or not layer.trainable_variables or on_the_rule(layer):
+        return ""
+    name = f"Layer {layer.name!r} ({type(layer).__name__}, cell {type(cell).__name__})"
+    fallback = (
+        "On the JAX backend a recurrent layer off the recurrent rule (Keras' SimpleRNN, "
+        "LSTM and GRU with every cell weight trained) runs on the exact per-layer "
+        "fallback, which calls the layer again on each example"
+    )
+    if getattr(layer, "stateful", False):
+        return (
+            f"{name} is stateful: its states hold the whole batch between calls. "
+            f"{fallback}, so it cannot track a stateful one; set `stateful=False`, or "
+            "train with KERAS_BACKEND=tensorflow."
+        )
+    dropped = [
+        f"{type(c).__name__}.{attribute}={getattr(c, attribute)}"
+        for c in cell_layers(layer)
+        for attribute in ("dropout", "recurrent_dropout")
+        if isinstance(getattr(c, attribute, None), (int, float)) and getattr(c, attribute) > 0
+    ]
+    if dropped:
+        return (
+            f"{name} has dropout in its cell ({', '.join(dropped)}). {fallback}, which "
+            "would draw other dropout masks than the step's. Set the cell's dropout to "
+            "0, or train with KERAS_BACKEND=tensorflow."
+        )
     return ""
 
 
@@ -174,4 +202,4 @@ def recurrent_per_example(
     return [f32(grads[id(v)]) for v in layer.trainable_variables]
 
 
-RECURRENT = JaxRule("recurrent", recurrent_per_example)
+RECURRENT = JaxRule("recurrent", recurrent_per_example, applies=on_the_rule)

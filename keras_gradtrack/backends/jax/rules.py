@@ -20,11 +20,13 @@ DENSE.primitives(layer, call, refs)   # norms from ||a_i||^2 ||d_i||^2, no per-e
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import keras
 
 from keras_gradtrack import rule_math
 from keras_gradtrack._patching import patched
@@ -96,20 +98,46 @@ def f32(value: Any) -> Any:
 
 
 def splits_activation(layer: Any) -> bool:
-    """Whether the layer's probe goes before its `activation` (at `z` of `activation(z)`)."""
+    """Whether the layer's probe goes before its `activation` (at `z` of `activation(z)`).
+    Not a recurrent layer's: its `activation` is its cell's, applied inside the loop."""
+    if isinstance(layer, keras.layers.RNN):
+        return False
     return getattr(layer, "activation", None) is not None and callable(layer.activation)
 
 
 def preactivation_call(
     layer: Any, trainable: Sequence[Any], others: Sequence[Any], x: Any, kwargs: Any
 ) -> Any:
-    """The layer's output before its activation, as a stateless call on `trainable` values."""
+    """The layer's output before its activation, as a stateless call on `trainable`
+    values; several outputs as the probe sees them (`output_rows`)."""
     if splits_activation(layer):
         with patched(layer, "activation", None):
             outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
     else:
         outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
-    return outputs
+    return output_rows(outputs)
+
+
+def output_rows(outputs: Any) -> Any:
+    """A layer's output as its probe sees it: one tensor as it is; several (a recurrent
+    layer's sequence and states) as one `(B, n)`, each output's rows flattened and
+    concatenated in `jax.tree` order."""
+    leaves = jax.tree.leaves(outputs)
+    if len(leaves) == 1 and not isinstance(outputs, (list, tuple, dict)):
+        return outputs
+    return jnp.concatenate([jnp.reshape(leaf, (leaf.shape[0], -1)) for leaf in leaves], axis=1)
+
+
+def from_output_rows(rows: Any, outputs: Any) -> Any:
+    """`outputs` (several tensors) with the values of `rows` (`output_rows(outputs)`
+    plus a probe)."""
+    leaves, structure = jax.tree.flatten(outputs)
+    sizes = [math.prod(leaf.shape[1:]) for leaf in leaves]
+    offsets = [sum(sizes[:n]) for n in range(1, len(sizes))]
+    parts = jnp.split(rows, offsets, axis=1)
+    return jax.tree.unflatten(
+        structure, [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves)]
+    )
 
 
 def fallback_per_example(
@@ -119,17 +147,33 @@ def fallback_per_example(
 
     Example i's gradient is `d <z(x_i; theta), d_i> / d theta`, with `z` the
     layer's pre-activation output on example i alone and `d_i` its output gradient.
+    A keyword argument with a row per example (a recurrent layer's `mask` and
+    `initial_state`) goes with its example; the others go whole.
     """
+    batch = call.inputs.shape[0]
+    rows = {k: v for k, v in call.kwargs.items() if has_rows(v, batch)}
+    whole = {k: v for k, v in call.kwargs.items() if k not in rows}
 
-    def one_example(x: Any, d: Any) -> list[Any]:
+    def one_example(x: Any, d: Any, example_rows: Any) -> list[Any]:
+        kwargs = {**whole, **jax.tree.map(lambda row: row[None], example_rows)}
+
         def contracted(trainable: Sequence[Any]) -> Any:
-            z = preactivation_call(layer, trainable, others, x[None], call.kwargs)
+            z = preactivation_call(layer, trainable, others, x[None], kwargs)
             return jnp.sum(f32(z) * d[None])
 
         return jax.grad(contracted)(list(values))
 
-    grads = jax.vmap(one_example)(call.inputs, f32(call.output_grad))
+    grads = jax.vmap(one_example)(call.inputs, f32(call.output_grad), rows)
     return [f32(g) for g in grads]
+
+
+def has_rows(value: Any, batch: int) -> bool:
+    """Whether a call's argument holds one row per example: a tensor, or a structure of
+    tensors, each with `batch` rows."""
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(
+        getattr(leaf, "ndim", 0) >= 1 and leaf.shape[0] == batch for leaf in leaves
+    )
 
 
 def summed_per_example(

@@ -239,7 +239,7 @@ def tracked_train_step(
             )
         inputs = [call_inputs for _, call_inputs, _ in probes.calls]
         probed = (list(probes.probed), list(input_probes.probed))
-        return loss, (aux, inputs, probed, loss_scale_of(scales))
+        return loss, (aux, inputs, probed, loss_scale_of(scales), probes.call_tensors())
 
     # Calls on values that do not depend on the batch are made on them broadcast to it.
     batchless = batchless_calls(lambda data: forward(trainable, None, data)[1][1], data)
@@ -247,11 +247,11 @@ def tracked_train_step(
     # losses of its own (weight penalties, `add_loss`) to the examples' losses.
     with recording_added_losses(model) as added_losses:
         shapes = jax.eval_shape(lambda t: forward(t, None), trainable)[1][2]
-    calls = [(index, kwargs) for index, _, kwargs in probes.calls]
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (_, (aux, inputs, _, scale)), (grads, (probe_grads, input_grads)) = jax.value_and_grad(
+    (_, (aux, inputs, _, scale, tensors)), (grads, (probe_grads, input_grads)) = jax.value_and_grad(
         forward, argnums=(0, 1), has_aux=True
     )(trainable, zeros)
+    calls = probes.call_kwargs(tensors)
     unscaled_loss, y_pred, new_non_trainable, new_metrics_variables = aux
     losses, factor = per_example_losses(model, y, y_pred, sample_weight)
     # The statistics are the unscaled loss's; the optimizer receives `grads` as Keras' step.
