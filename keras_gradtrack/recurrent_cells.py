@@ -322,6 +322,15 @@ def loop_of(cell: Any) -> type[CellLoop] | None:
     return None
 
 
+def on_a_loop(cell: Any) -> bool:
+    """Whether both engines' recurrent rule covers the cell: a built-in SimpleRNN, LSTM or
+    GRU cell (or a subclass keeping its `call`) with every weight trained."""
+    if loop_of(cell) is None:
+        return False
+    weights = [cell.kernel, cell.recurrent_kernel, cell.bias]
+    return all(w.trainable for w in weights if w is not None)
+
+
 def term_gradient(term: Term) -> Any:
     """`(B, in, out)` `Σ_t a_tᵀ δ_t`, or `(B, out)` `Σ_t δ_t` for a bias."""
     if term.inputs is None:

@@ -27,7 +27,13 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import keras_backend
 from keras_gradtrack._patching import patched
-from keras_gradtrack.recurrent_cells import CellLoop, Term, loop_of, per_example_gradients
+from keras_gradtrack.recurrent_cells import (
+    CellLoop,
+    Term,
+    loop_of,
+    on_a_loop,
+    per_example_gradients,
+)
 from keras_gradtrack.rule_math import gram_is_cheaper
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule, Tapped
 from keras_gradtrack.rules.ops import (
@@ -41,11 +47,7 @@ from keras_gradtrack.rules.ops import (
 def recurrent_applies(layer: Any) -> bool:
     """The rule covers a layer whose cell is a built-in SimpleRNN, LSTM or GRU cell
     (or a subclass keeping its `call`) with every weight trained."""
-    cell = getattr(layer, "cell", None)
-    if loop_of(cell) is None:
-        return False
-    weights = [cell.kernel, cell.recurrent_kernel, cell.bias]
-    return all(w.trainable for w in weights if w is not None)
+    return on_a_loop(getattr(layer, "cell", None))
 
 
 def runs_on_cudnn(layer: Any) -> bool:

@@ -38,7 +38,7 @@ from keras import tree
 from keras_gradtrack._keras_seam import flatten_layers, keras_backend
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall, f32
-from keras_gradtrack.recurrent_cells import loop_of, per_example_gradients
+from keras_gradtrack.recurrent_cells import loop_of, on_a_loop, per_example_gradients
 
 BUILT_IN = (keras.layers.SimpleRNN, keras.layers.LSTM, keras.layers.GRU, keras.layers.RNN)
 
@@ -61,11 +61,7 @@ def on_the_rule(layer: Any) -> bool:
     """Whether the recurrent rule covers the layer: Keras' SimpleRNN, LSTM or GRU (or
     `keras.layers.RNN` over their cells) keeping Keras' `call` and `inner_loop`, every
     cell weight trained. Another recurrent layer runs on the per-layer fallback."""
-    cell = cell_of(layer)
-    if cell is None or loop_of(cell) is None or not keeps_keras_call(layer):
-        return False
-    weights = [cell.kernel, cell.recurrent_kernel, cell.bias]
-    return all(w.trainable for w in weights if w is not None)
+    return cell_of(layer) is not None and keeps_keras_call(layer) and on_a_loop(layer.cell)
 
 
 def cell_layers(layer: Any) -> list[Any]:
