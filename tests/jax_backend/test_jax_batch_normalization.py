@@ -22,7 +22,9 @@ from jax_oracle import (
     assert_trains_as_plain,
     oracle_statistics,
     per_example_gradients,
+    tracked_statistics,
 )
+from test_jax_own_train_step import keras_step_class
 
 import keras_gradtrack as kgt
 
@@ -225,18 +227,64 @@ def test_without_the_opt_in_the_refusal_names_it() -> None:
         model.gradient_statistics(X, Y)
 
 
-def test_a_compute_loss_of_the_models_own_is_refused() -> None:
+class OwnLoss(kgt.GradientTrackingModel):
+    """A `compute_loss` of the model's own (Keras' step records the losses it reduces)."""
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        return super().compute_loss(*args, **kwargs)
+
+
+def functional(model_class: type) -> Any:
+    """The small CNN as a functional model of `model_class`."""
+    reference = small_cnn(keras.Model)
+    return model_class(reference.input, reference.output)
+
+
+def own_loss_cnn() -> Any:
+    return functional(OwnLoss)
+
+
+@pytest.mark.parametrize(
+    "model_class", [OwnLoss, keras_step_class(kgt.GradientTrackingModel, True)]
+)
+def test_a_step_or_loss_of_the_models_own_matches_the_full_batch_oracle(model_class: type) -> None:
+    # Example i's loss is its share of the recorded losses (their dL/dv held fixed).
+    model = compiled(functional(model_class))
+    model(X[:2])
+    expected = oracle_statistics(model, X, Y, full_batch=True)
+    stats = tracked_statistics(model, X, Y)
+    assert_matches_oracle(stats, expected)
+    assert coupled_in_summary(model) == {"conv0", "bn0", "conv1"}
+
+
+def test_a_step_of_the_models_own_trains_as_with_jax_value_and_grad() -> None:
+    x = rng.normal(size=(12, 8, 8, 2)).astype("float32")
+    y = rng.integers(0, 3, 12)
+    tracked = compiled(functional(keras_step_class(kgt.GradientTrackingModel, True)))
+    plain = compiled(functional(keras_step_class(keras.Model, False)), chunk_size=None)
+    assert_trains_as_plain(tracked, plain, x, y, batch_size=6)
+
+
+def test_pairwise_cosine_through_the_batch_statistics() -> None:
+    # The coupled layers' Gram matrices from their rows, the others' from their rules.
+    model = compiled(applications_block(dropout=0.0))
+    names = ["pairwise_cosine", "grad_norm", "cosine"]
+    stats = model.gradient_statistics(X, Y, statistics=names)
+    expected = oracle_statistics(model, X, Y, full_batch=True)
+    assert_matches_oracle(stats, {name: expected[name] for name in names})
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_input_gradients_are_refused_where_the_batch_statistics_mix_examples(first: bool) -> None:
+    # First: no tracked layer before the BatchNormalization is coupled, but every
+    # example's input still reaches every loss (as on TensorFlow).
     inputs = keras.Input((8, 8, 2))
-    hidden = layers.BatchNormalization(name="bn")(layers.Conv2D(3, 3, name="conv")(inputs))
+    hidden = inputs if first else layers.Conv2D(3, 3, name="conv")(inputs)
+    hidden = layers.BatchNormalization(name="bn")(hidden)
     outputs = layers.Dense(3)(layers.GlobalAveragePooling2D()(hidden))
-
-    class OwnLoss(kgt.GradientTrackingModel):
-        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-            return super().compute_loss(*args, **kwargs)
-
-    model = compiled(OwnLoss(inputs, outputs))
-    with pytest.raises(ValueError, match="Keras' own train_step"):
-        model.gradient_statistics(X, Y)
+    model = compiled(kgt.GradientTrackingModel(inputs, outputs))
+    with pytest.raises(ValueError, match=r"'bn' is a BatchNormalization.*input_grad_norm"):
+        model.gradient_statistics(X, Y, statistics=["input_grad_norm"])
 
 
 # Without dropout: each backend draws its own masks.
@@ -247,6 +295,7 @@ def test_a_compute_loss_of_the_models_own_is_refused() -> None:
     [
         pytest.param("small_cnn", {}, marks=pytest.mark.extended),
         ("applications_block", {"dropout": 0.0}),
+        ("own_loss_cnn", {}),
     ],
 )
 def test_tensorflow_gives_the_same_numbers(build: str, options: dict, tmp_path: Path) -> None:

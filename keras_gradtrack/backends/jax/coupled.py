@@ -34,6 +34,7 @@ model.gradient_tracking_summary()   # conv0 ... coupled (per-example vjp through
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ from jax.extend.core import Var
 
 from keras_gradtrack._keras_seam import flatten_layers, functional_inputs
 from keras_gradtrack._patching import patched_each
-from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.rules import LayerPrimitives, f32
 from keras_gradtrack.engine.batch_normalization_tracking import DEFAULT_CHUNK_SIZE
 from keras_gradtrack.rule_math import uses_batch_statistics
@@ -98,20 +99,22 @@ def reaching_inputs(jaxpr: Any) -> set[int]:
 
 def coupled_positions(
     model: Any, plan: Sequence[TrackedLayer], forward: Callable[[Any], Any], trainable: Any
-) -> list[int]:
-    """Positions in `plan` of the layers that BatchNormalization in training couples.
+) -> tuple[list[int], list[str]]:
+    """`(positions, mixing)`: positions in `plan` of the layers that BatchNormalization in
+    training couples, and the names of the layers called with the batch's moments.
 
     `forward(trainable)` runs the step's forward pass (its outputs are not used).
-    Empty unless the model opted in; the names are kept for the summary.
+    Both empty unless the model opted in; the coupled names are kept for the summary.
     """
     layers = mixing_layers(model) if getattr(model, "track_batch_normalization", False) else []
     if not layers:
         model.__dict__[_COUPLED_NAMES_KEY] = frozenset()
-        return []
+        return [], []
     # The mixing layers whose own gamma and beta are rows too: those without a rule,
     # and those called with a mask (the probes keep a call's keyword arguments from a
     # first trace, so the rule would not see the step's mask).
     rows: set[int] = set()
+    mixing: list[str] = []
 
     def mixing_inputs(trainable: Any) -> list[Any]:
         with recording_mixing_calls(layers) as calls:
@@ -120,6 +123,7 @@ def coupled_positions(
         rows.update(
             id(layer) for layer, _, masked in calls if masked or rules.get(id(layer)) is None
         )
+        mixing.extend(dict.fromkeys(layer.name for layer, _, _ in calls))
         return [inputs for _, inputs, _ in calls]
 
     specs = [jax.ShapeDtypeStruct(jnp.shape(t), jnp.result_type(t)) for t in trainable]
@@ -131,7 +135,7 @@ def coupled_positions(
         if id(tracked.layer) in rows or any(position[id(v)] in reaching for v in tracked.variables)
     ]
     model.__dict__[_COUPLED_NAMES_KEY] = frozenset(plan[index].name for index in coupled)
-    return coupled
+    return coupled, mixing
 
 
 def coupled_path(model: Any, tracked: TrackedLayer) -> str:
@@ -159,78 +163,137 @@ def functional_coupling(model: Any) -> frozenset[str]:
         return model.stateless_call(trainable, non_trainable, x, training=True)
 
     plan = model.gradient_tracking_plan()
-    coupled = coupled_positions(model, plan, forward, [v.value for v in model.trainable_variables])
+    coupled, _ = coupled_positions(
+        model, plan, forward, [v.value for v in model.trainable_variables]
+    )
     return frozenset(plan[index].name for index in coupled)
 
 
-def refuse_coupling_in_own_step(model: Any) -> None:
-    """Raises for a model opted in to BatchNormalization tracking whose step is its own."""
-    if getattr(model, "track_batch_normalization", False) and mixing_layers(model):
-        raise ValueError(
-            "On the JAX backend, per-example gradients through BatchNormalization's batch "
-            "statistics (`track_batch_normalization`) are computed in Keras' own "
-            "train_step with Keras' compute_loss; this model's step or loss is its own. "
-            f"Freeze the BatchNormalization layers or train with KERAS_BACKEND=tensorflow. "
-            f"Received: {BACKEND} backend, layers {[layer.name for layer in mixing_layers(model)]}"
-        )
+@dataclasses.dataclass(frozen=True)
+class Coupling:
+    """What BatchNormalization in training couples in one tracked step.
+
+    Attributes:
+        columns: `{position in plan: (primitives, ||G^(k)||^2)}` of the coupled layers.
+        mixing: The names of the layers called with the batch's moments (then no
+            example's input gradient is its own: `d l_j / d x_i` is not zero).
+        grams: `() -> {position in plan: (B, B) Gram matrix}` of the coupled layers,
+            from their rows (`chunk x` their parameters at a time; all rows once).
+    """
+
+    columns: dict[int, tuple[LayerPrimitives, Any]] = dataclasses.field(default_factory=dict)
+    mixing: Sequence[str] = ()
+    grams: Callable[[], dict[int, Any]] = dict
 
 
-def coupled_columns(
+def step_coupling(
     model: Any,
     plan: Sequence[TrackedLayer],
-    coupled: Sequence[int],
+    forward: Callable[[Any], Any],
     per_example_losses: Callable[[Any], Any],
     trainable: Sequence[Any],
     grads: Sequence[Any],
-) -> dict[int, tuple[LayerPrimitives, Any]]:
-    """`{position in plan: (primitives, ||G^(k)||^2)}` of the coupled layers.
+) -> Coupling:
+    """The step's `Coupling`.
+
+    Args:
+        model: The model.
+        plan: The tracked layers.
+        forward: `trainable -> anything`: the step's forward pass, for the mixing
+            calls it makes (`coupled_positions`).
+        per_example_losses: The step's `(B,)` losses `l` as a function of the
+            trainable values (the step's own forward pass, the same random draws).
+        trainable: The values of `model.trainable_variables`.
+        grads: The batch gradient `G`, per trainable variable.
+    """
+    coupled, mixing = coupled_positions(model, plan, forward, trainable)
+    if not coupled:
+        return Coupling(mixing=mixing)
+    rows = CoupledRows(model, plan, coupled, per_example_losses, trainable)
+    return Coupling(rows.columns(grads), mixing, rows.grams)
+
+
+class CoupledRows:
+    """The coupled layers' per-example gradients: rows of the Jacobian of the per-example
+    losses `l` with respect to their variables, one `jax.vjp` pulled back along each
+    example's unit vector, `batch_normalization_chunk_size` examples at a time.
 
     Args:
         model: The model.
         plan: The tracked layers.
         coupled: Positions in `plan` of the coupled layers (`coupled_positions`).
         per_example_losses: The step's `(B,)` losses `l` as a function of the
-            trainable values (the step's own forward pass, the same random draws).
+            trainable values.
         trainable: The values of `model.trainable_variables`.
-        grads: The batch gradient `G`, per trainable variable.
     """
-    if not coupled:
-        return {}
-    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    slots = [[position[id(v)] for v in plan[index].variables] for index in coupled]
-    flat_slots = [slot for layer_slots in slots for slot in layer_slots]
 
-    def losses_of(values: Sequence[Any]) -> Any:
-        current = list(trainable)
-        for slot, value in zip(flat_slots, values):
-            current[slot] = value
-        return f32(per_example_losses(current))
+    def __init__(
+        self,
+        model: Any,
+        plan: Sequence[TrackedLayer],
+        coupled: Sequence[int],
+        per_example_losses: Callable[[Any], Any],
+        trainable: Sequence[Any],
+    ) -> None:
+        position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+        self.coupled = list(coupled)
+        self.slots = [[position[id(v)] for v in plan[index].variables] for index in coupled]
+        flat_slots = [slot for layer_slots in self.slots for slot in layer_slots]
 
-    losses, pullback = jax.vjp(losses_of, [trainable[slot] for slot in flat_slots])
-    batch = losses.shape[0]
-    references = [[f32(grads[slot]) for slot in layer_slots] for layer_slots in slots]
+        def losses_of(values: Sequence[Any]) -> Any:
+            current = list(trainable)
+            for slot, value in zip(flat_slots, values):
+                current[slot] = value
+            return f32(per_example_losses(current))
 
-    def by_layer(gradients: Sequence[Any]) -> list[list[Any]]:
+        self.losses, self.pullback = jax.vjp(losses_of, [trainable[slot] for slot in flat_slots])
+        self.batch = self.losses.shape[0]
+        chunk = int(getattr(model, "batch_normalization_chunk_size", DEFAULT_CHUNK_SIZE))
+        self.chunk = min(chunk, self.batch)
+
+    def by_layer(self, gradients: Sequence[Any]) -> list[list[Any]]:
         found = iter(gradients)
-        return [[f32(next(found)) for _ in layer_slots] for layer_slots in slots]
+        return [[f32(next(found)) for _ in layer_slots] for layer_slots in self.slots]
 
-    def example_columns(index: Any) -> Any:
-        (gradients,) = pullback(jax.nn.one_hot(index, batch, dtype=losses.dtype))
-        columns = []
-        for layer_gradients, layer_references in zip(by_layer(gradients), references):
-            columns.append(sum(jnp.sum(g**2) for g in layer_gradients))
-            columns.append(sum(jnp.sum(g * r) for g, r in zip(layer_gradients, layer_references)))
-        return jnp.stack(columns)
+    def example_gradients(self, index: Any) -> list[list[Any]]:
+        """Per coupled layer, example `index`'s gradients of its variables."""
+        (gradients,) = self.pullback(jax.nn.one_hot(index, self.batch, dtype=self.losses.dtype))
+        return self.by_layer(gradients)
 
-    chunk = int(getattr(model, "batch_normalization_chunk_size", DEFAULT_CHUNK_SIZE))
-    values = jax.lax.map(example_columns, jnp.arange(batch), batch_size=min(chunk, batch))
-    (summed,) = pullback(jnp.ones_like(losses))
-    found = {}
-    for k, (index, layer_summed) in enumerate(zip(coupled, by_layer(summed))):
-        primitives = LayerPrimitives(
-            sq_norm=values[:, 2 * k],
-            dot=values[:, 2 * k + 1],
-            sum_sq_norm=sum(jnp.sum(g**2) for g in layer_summed),
-        )
-        found[index] = (primitives, sum(jnp.sum(r**2) for r in references[k]))
-    return found
+    def columns(self, grads: Sequence[Any]) -> dict[int, tuple[LayerPrimitives, Any]]:
+        """`{position in plan: (primitives, ||G^(k)||^2)}`, reduced to `sq_norm` and `dot`
+        inside each chunk (memory: chunk x the coupled parameters)."""
+        references = [[f32(grads[slot]) for slot in layer_slots] for layer_slots in self.slots]
+
+        def example_columns(index: Any) -> Any:
+            columns = []
+            for layer_gradients, layer_references in zip(self.example_gradients(index), references):
+                columns.append(sum(jnp.sum(g**2) for g in layer_gradients))
+                pairs = zip(layer_gradients, layer_references)
+                columns.append(sum(jnp.sum(g * r) for g, r in pairs))
+            return jnp.stack(columns)
+
+        values = jax.lax.map(example_columns, jnp.arange(self.batch), batch_size=self.chunk)
+        (summed,) = self.pullback(jnp.ones_like(self.losses))
+        found = {}
+        for k, (index, layer_summed) in enumerate(zip(self.coupled, self.by_layer(summed))):
+            primitives = LayerPrimitives(
+                sq_norm=values[:, 2 * k],
+                dot=values[:, 2 * k + 1],
+                sum_sq_norm=sum(jnp.sum(g**2) for g in layer_summed),
+            )
+            found[index] = (primitives, sum(jnp.sum(r**2) for r in references[k]))
+        return found
+
+    def grams(self) -> dict[int, Any]:
+        """`{position in plan: (B, B) <g_i, g_j>}` of the coupled layers, from all their
+        rows at once (memory: B x the coupled parameters), as on TensorFlow."""
+
+        def example_rows(index: Any) -> list[Any]:
+            return [
+                jnp.concatenate([g.reshape(-1) for g in layer_gradients])
+                for layer_gradients in self.example_gradients(index)
+            ]
+
+        rows = jax.lax.map(example_rows, jnp.arange(self.batch), batch_size=self.chunk)
+        return {index: block @ block.T for index, block in zip(self.coupled, rows)}

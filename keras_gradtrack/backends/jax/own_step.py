@@ -44,7 +44,7 @@ import keras
 
 from keras_gradtrack._keras_seam import compiled_loss_weights, update_metrics_variables
 from keras_gradtrack.backends.jax.batchless import batchless_calls
-from keras_gradtrack.backends.jax.coupled import refuse_coupling_in_own_step
+from keras_gradtrack.backends.jax.coupled import step_coupling
 from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.jax.losses import loss_factor, recording_losses
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
@@ -191,7 +191,6 @@ def tracked_call(
     With the step's `data` and `arguments_of` (data -> `args` without the first),
     layer calls on values that do not depend on the batch are made on them broadcast
     to it (`batchless.py`)."""
-    refuse_coupling_in_own_step(model)
     trainable, rest = args[0], args[1:]
     expected = [tuple(v.shape) for v in model.trainable_variables]
     if not isinstance(trainable, (list, tuple)) or [tuple(t.shape) for t in trainable] != expected:
@@ -279,11 +278,32 @@ def tracked_call(
         unscaled(grads, scale),
         unscaled(input_grads, scale),
     )
+    # Through BatchNormalization in training (opted in): `l` as a function of the
+    # trainable values is each example's share of the recorded losses, with the
+    # backward pass's `dL/dv` held fixed (the shares' weights: as on TensorFlow).
+    cotangents = jax.lax.stop_gradient(unscaled(loss_grads, scale))
+
+    def coupled_losses(trainable: Any) -> Any:
+        recorded = forward(trainable, None, None)[1][3]
+        shares = [
+            dataclasses.replace(record, values=values, weight_sum=weight_sum)
+            for (values, weight_sum), record in zip(recorded, recorder.records)
+        ]
+        return per_example_shares(shares, cotangents) / factor
+
+    coupling = step_coupling(
+        model,
+        tracking.plan,
+        lambda t: forward(t, None, None),
+        coupled_losses,
+        trainable,
+        probed.grads,
+    )
     # The function may add terms of its own (penalties) to `c sum_i l_i`: the rules
     # sum the per-example gradients rather than take `sum_i g_i` from `G`.
     optimizer_variables = own.state[2]
     columns, payload = step_payload(
-        model, tracking, probed, losses, own.batch, factor, None, optimizer_variables
+        model, tracking, probed, losses, own.batch, factor, None, optimizer_variables, coupling
     )
     if tracking.private is not None:
         # After the statistics: they read the step's adaptive bound before its update.

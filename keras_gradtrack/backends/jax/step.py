@@ -35,7 +35,7 @@ from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_vari
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
-from keras_gradtrack.backends.jax.coupled import coupled_columns, coupled_positions
+from keras_gradtrack.backends.jax.coupled import Coupling, step_coupling
 from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.jax.opt_in import (
     InputProbes,
@@ -268,16 +268,16 @@ def tracked_train_step(
     exact_factor = factor if added_losses == [0] else None
     # Through BatchNormalization in training (opted in): the rows of the losses' Jacobian,
     # from the step's own forward pass (its aux: the unscaled loss, then `y_pred`).
-    coupled = coupled_columns(
+    coupling = step_coupling(
         model,
         plan,
-        coupled_positions(model, plan, lambda t: forward(t, None), trainable),
+        lambda t: forward(t, None),
         lambda t: per_example_losses(model, y, forward(t, None)[1][0][1], sample_weight)[0],
         trainable,
         grads,
     )
     columns, payload = step_payload(
-        model, tracking, probed, losses, batch, factor, exact_factor, optimizer_variables, coupled
+        model, tracking, probed, losses, batch, factor, exact_factor, optimizer_variables, coupling
     )
     rows: dict[str, Any] = {}
     if tracking.private is not None:
@@ -348,16 +348,18 @@ def step_payload(
     factor: Any,
     exact_factor: Any,
     optimizer_variables: Any,
-    coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
+    coupling: Coupling | None = None,
 ) -> tuple[Columns, dict[str, Any]]:
-    """`(columns, payload)`: the tracked layers' columns (`layer_columns`), and from
-    them and the `(B,)` losses `l_i` the step's statistics, the rows of its attribution
-    requests and the learning rate, by key."""
+    """`(columns, payload)`: the tracked layers' columns (`layer_columns`; those that
+    BatchNormalization in training couples from `coupling`), and from them and the
+    `(B,)` losses `l_i` the step's statistics, the rows of its attribution requests and
+    the learning rate, by key."""
     plan, statistics = tracking.plan, tracking.statistics
-    columns = layer_columns(model, plan, probed, factor, exact_factor, coupled)
-    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupled)
+    coupling = coupling or Coupling()
+    columns = layer_columns(model, plan, probed, factor, exact_factor, coupling.columns)
+    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupling)
     payload = columns_payload(statistics, columns, losses, batch, opt_in)
-    payload.update(requested_rows(model, plan, tracking.requests, probed, factor, coupled))
+    payload.update(requested_rows(model, plan, tracking.requests, probed, factor, coupling.columns))
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     return columns, payload
 
@@ -401,30 +403,36 @@ def opt_in_primitives(
     statistics: Sequence[Statistic],
     probed: ProbedPass,
     factor: Any,
-    coupled: Mapping[int, Any] | None = None,
+    coupling: Coupling | None = None,
 ) -> dict[str, Any]:
     """What the opt-in statistics need (`opt_in.py`): the Gram matrix `(B, B)` summed
-    over the layers, and the input gradients' `(B,)` squared norms.
+    over the layers (a coupled layer's from its rows), and the input gradients' `(B,)`
+    squared norms.
 
     Raises:
-        ValueError: For the opt-in statistics with layers whose gradients run through
-            a BatchNormalization's batch statistics (`coupled`).
+        ValueError: For input gradients where a BatchNormalization in training mixes
+            the examples (as on TensorFlow).
     """
     found: dict[str, Any] = {}
-    wanted = needs_gram(statistics) or bool(probed.input_grads)
-    if wanted and coupled:
-        names = [plan[index].name for index in sorted(coupled)]
+    coupling = coupling or Coupling()
+    if probed.input_grads and coupling.mixing:
+        needing = [s.name for s in statistics if s.needs_input_gradients]
         raise ValueError(
-            "The opt-in statistics (pairwise_cosine, input_grad_norm) are not computed on "
-            f"the {BACKEND} backend through a BatchNormalization's batch statistics "
-            f"(model.track_batch_normalization; layers {names}). Freeze the "
-            "BatchNormalization layers or use kgt.convert_to_group_normalization(model)."
+            f"Layer {coupling.mixing[0]!r} is a BatchNormalization in training mode, so "
+            "every example's loss depends on every input of the batch, and the backward "
+            "pass does not give d l_i / d x_i. Expected statistics without input "
+            f"gradients. Received: {needing}"
         )
     if needs_gram(statistics):
         lookup_value = value_lookup(model, probed)
+        coupled_grams = coupling.grams() if coupling.columns else {}
         grams = [
-            layer_gram(tracked, layer_calls, lookup_value)
-            for layer_calls, tracked in zip(probed_calls(probed, factor, len(plan)), plan)
+            coupled_grams[index]
+            if index in coupled_grams
+            else layer_gram(tracked, layer_calls, lookup_value)
+            for index, (layer_calls, tracked) in enumerate(
+                zip(probed_calls(probed, factor, len(plan)), plan)
+            )
         ]
         found["gram"] = sum(grams[1:], grams[0])
     if probed.input_grads:
