@@ -15,6 +15,7 @@ import pytest
 from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
 from keras import layers, ops
 from keras_io_layers import PatchEncoder, TokenAndPositionEmbedding
+from test_jax_own_train_step import keras_step_class
 
 import keras_gradtrack as kgt
 
@@ -86,6 +87,24 @@ def test_a_position_table_is_exact_under_a_compute_loss_of_ones_own() -> None:
     inputs = keras.Input((maxlen,), dtype="int32")
     hidden = layers.Flatten()(TokenAndPositionEmbedding(maxlen, 7, 4)(inputs))
     model = OwnLoss(inputs, layers.Dense(3)(hidden))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x = rng.integers(0, 7, (BATCH, maxlen)).astype("int32")
+    y = rng.integers(0, 3, BATCH)
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
+@pytest.mark.parametrize("maxlen", [BATCH, 5], ids=["length_equals_batch", "length_5"])
+def test_a_position_table_is_exact_inside_a_train_step_of_ones_own(maxlen: int) -> None:
+    # The step's data is known to the step only: its batchless calls are found by two
+    # abstract traces of the whole train_step, at the batch and at one example more.
+    inputs = keras.Input((maxlen,), dtype="int32")
+    hidden = layers.Flatten()(TokenAndPositionEmbedding(maxlen, 7, 4)(inputs))
+    model = keras_step_class(kgt.GradientTrackingModel, tracked=True)(
+        inputs, layers.Dense(3)(hidden)
+    )
     model.compile(
         optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )

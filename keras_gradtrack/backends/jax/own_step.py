@@ -79,6 +79,11 @@ class OwnStepTracking:
         payload: The statistics (and the requests' rows), once
             `tracked_value_and_grad` has run.
         rows: The private step's values for the logs, once it has run.
+        batchless: Positions (in call order) of the probed calls whose input does not
+            follow the batch (`batchless.py`).
+        recording: Whether this run of the step only records the inputs of the probed
+            calls (`inputs`): `tracked_value_and_grad` is then `jax.value_and_grad`.
+        inputs: The first argument of each probed call, when recording.
     """
 
     tracking: Tracking
@@ -86,6 +91,9 @@ class OwnStepTracking:
     batch: int
     payload: dict[str, Any] | None = None
     rows: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batchless: frozenset[int] = frozenset()
+    recording: bool = False
+    inputs: list[Any] = dataclasses.field(default_factory=list)
 
 
 def own_tracked_step(
@@ -98,13 +106,26 @@ def own_tracked_step(
     Raises:
         NotImplementedError: When the step did not call `tracked_value_and_grad`.
     """
+
+    def run(own: OwnStepTracking, data: Any) -> Any:
+        model.__dict__[TRACKING_KEY] = own
+        try:
+            return model.train_step(state, data)
+        finally:
+            model.__dict__.pop(TRACKING_KEY, None)
+
+    def probed_inputs(data: Any) -> list[Any]:
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        recording = OwnStepTracking(tracking, state, batch_size_of(x), recording=True)
+        run(recording, data)
+        return recording.inputs
+
+    # Only the step knows which of its values are the batch: two abstract traces of
+    # it, at the batch and at one example more, find the calls that do not follow it.
+    batchless = batchless_calls(probed_inputs, data)
     x = keras.utils.unpack_x_y_sample_weight(data)[0]
-    own = OwnStepTracking(tracking, state, batch_size_of(x))
-    model.__dict__[TRACKING_KEY] = own
-    try:
-        logs, state = model.train_step(state, data)
-    finally:
-        model.__dict__.pop(TRACKING_KEY, None)
+    own = OwnStepTracking(tracking, state, batch_size_of(x), batchless=batchless)
+    logs, state = run(own, data)
     if own.payload is None:
         raise NotImplementedError(
             f"The train_step of {type(model).__name__} (a model's own train_step) did not "
@@ -125,7 +146,8 @@ def keras_step(
     same update, plus the statistics it leaves for the step); otherwise
     `keras_train_step`, Keras' step itself."""
     own = model.__dict__.get(TRACKING_KEY)
-    if own is None:
+    if own is None or own.recording:
+        # Recording: Keras' tracked step finds the batchless calls of its own.
         return keras_train_step(state, data)
     if own.payload is not None:
         raise ValueError(
@@ -158,6 +180,12 @@ def tracked_value_and_grad(
         own = model.__dict__.get(TRACKING_KEY)
         if own is None:
             return plain(*args, **kwargs)
+        if own.recording:
+            probes = Probes([tracked.layer for tracked in own.tracking.plan])
+            with probes.installed(None, frozenset(), own.batch):
+                result = plain(*args, **kwargs)
+            own.inputs = [call_inputs for _, call_inputs, _ in probes.calls]
+            return result
         if argnums != 0 or not args:
             raise ValueError(
                 "On a tracked step, `tracked_value_and_grad` differentiates with respect "
@@ -205,7 +233,7 @@ def tracked_call(
     input_probes = InputProbes(model, needs_input_gradients(tracking.statistics))
     recorders: list[LossRecorder] = []
 
-    batchless: frozenset[int] = frozenset()
+    batchless = own.batchless
 
     def forward(
         trainable: Any,
