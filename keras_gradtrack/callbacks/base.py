@@ -24,7 +24,12 @@ from keras_gradtrack.version import __version__
 
 
 def is_chief(model: Any) -> bool:
-    """Whether this process writes the log: always, except non-chief multi-worker tasks."""
+    """Whether this process writes the log: always, except non-chief multi-worker tasks
+    (on JAX: processes but the first)."""
+    if keras.backend.backend() == "jax":
+        from keras_gradtrack.backends.jax.distribution import writes_log
+
+        return writes_log()
     resolver = getattr(model.distribute_strategy, "cluster_resolver", None)
     if resolver is None or not resolver.task_type:
         return True

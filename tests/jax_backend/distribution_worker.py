@@ -31,6 +31,7 @@ import numpy as np
 
 import keras_gradtrack as kgt
 from keras_gradtrack.backends.jax import independence
+from keras_gradtrack.backends.jax.distribution import on_host
 
 MODELS = ("mlp", "sequence")
 EXAMPLES, BATCH, EPOCHS = 72, 16, 2  # per epoch 4 batches of 16 and a short one of 8
@@ -94,16 +95,39 @@ def adaptive_fit(name: str) -> dict[str, Any]:
     bound reached and the final weights."""
     model = build(name)
     x, y = data(name, 64)
+    rows = process_rows(64)
+    x, y = x[rows], y[rows]
     clip = kgt.privacy.AdaptiveClip(0.5, 0.2)
     model.make_private(
         l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=BATCH, adaptive_clip=clip
     )
-    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=local_batch(), epochs=3, shuffle=False, verbose=0)
     return {
         "bounds": history.history["dp_l2_norm_clip"],
-        "bound": float(model.__dict__["_adaptive_clip_bound"].numpy()),
-        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+        "bound": float(on_host(model.__dict__["_adaptive_clip_bound"].value)),
+        "weights": [w.tolist() for w in host_weights(model)],
     }
+
+
+def process_rows(examples: int) -> np.ndarray:
+    """This process's rows (all of them in one process): of each global batch of `BATCH`
+    in order, the process's equal part, so that the processes' batches of
+    `local_batch()` form the global batches of one process's fit."""
+    processes, index = jax.process_count(), jax.process_index()
+    rows = []
+    for start in range(0, examples, BATCH):
+        part = min(BATCH, examples - start) // processes
+        rows.extend(range(start + index * part, start + (index + 1) * part))
+    return np.asarray(rows)
+
+
+def local_batch() -> int:
+    return BATCH // jax.process_count()
+
+
+def host_weights(model: keras.Model) -> list[np.ndarray]:
+    """The model's weights on the host (gathered from every process)."""
+    return [on_host(v.value) for v in model.weights]
 
 
 def run(name: str, mode: str, out: Path) -> dict[str, Any]:
@@ -111,10 +135,12 @@ def run(name: str, mode: str, out: Path) -> dict[str, Any]:
     model = build(name)
     x, y = data(name)
     ids = np.arange(EXAMPLES, dtype=np.int64) + 1000
+    rows = process_rows(EXAMPLES)
+    x, y, ids = x[rows], y[rows], ids[rows]
     model.fit(
         {"x": x, "example_id": ids},
         y,
-        batch_size=BATCH,
+        batch_size=local_batch(),
         epochs=EPOCHS,
         shuffle=False,
         verbose=0,
@@ -126,9 +152,11 @@ def run(name: str, mode: str, out: Path) -> dict[str, Any]:
         "weight_devices": len(sharding.device_set),
         "weight_sharded": not sharding.is_fully_replicated,
     }
-    stats = model.gradient_statistics(x[:BATCH], y[:BATCH])
-    weights = {f"weight_{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
-    np.savez(out / "arrays.npz", **weights, **{f"stat_{k}": v for k, v in stats.items()})
+    first = local_batch()  # this process's part of the first global batch
+    stats = model.gradient_statistics(x[:first], y[:first])
+    weights = {f"weight_{i}": w for i, w in enumerate(host_weights(model))}
+    if jax.process_index() == 0:
+        np.savez(out / "arrays.npz", **weights, **{f"stat_{k}": v for k, v in stats.items()})
     if name == "mlp":
         report["adaptive"] = adaptive_fit(name)
     if mode == "data_parallel" and name == "mlp":
@@ -148,14 +176,25 @@ def distribution(mode: str) -> keras.distribution.Distribution | None:
         layouts["embed/embeddings"] = (None, "model")
         layouts["out/kernel"] = ("model", None)
         return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+    if mode == "processes":
+        # Each process reads its own rows (`process_rows`): no sharding of the dataset.
+        parallel = keras.distribution.DataParallel(devices=jax.devices())
+        parallel.auto_shard_dataset = False
+        return parallel
     assert mode == "one_device", mode
     return None
 
 
-def main(mode: str, out: Path) -> None:
+def main(mode: str, out: Path, process: str | None = None) -> None:
+    if mode == "processes":
+        # Two processes of 2 devices each; gloo carries the collectives between them.
+        assert process is not None
+        address, index = process.rsplit("/", 1)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        keras.distribution.initialize(address, num_processes=2, process_id=int(index))
     keras.distribution.set_distribution(distribution(mode))
     print(json.dumps({name: run(name, mode, out / name) for name in MODELS}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

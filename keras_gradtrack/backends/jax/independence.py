@@ -32,6 +32,7 @@ import numpy as np
 from keras import tree
 
 from keras_gradtrack._keras_seam import compute_loss
+from keras_gradtrack.backends.jax.distribution import on_host
 from keras_gradtrack.backends.jax.losses import per_example_values, recording_losses
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
@@ -147,4 +148,4 @@ def forward(model: Any, values: Any, x: Any, y: Any, sample_weight: Any) -> dict
 
 
 def as_numpy(found: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {name: np.asarray(value) for name, value in found.items()}
+    return {name: on_host(value) for name, value in found.items()}

@@ -14,6 +14,8 @@ from keras_gradtrack.backends.jax.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.coupled import coupled_path
 from keras_gradtrack.backends.jax.distribution import (
+    global_batch,
+    on_host,
     refuse_untracked_distribution,
     step_out_shardings,
 )
@@ -69,15 +71,12 @@ class GradientTrackingMixin(
     `gradient_statistics`), the example-independence guard runs, as on
     TensorFlow (`check_example_independence`).
 
-    Under `keras.distribution` (`DataParallel`, `ModelParallel`; one process) the
-    log is the one a single device writes (`distribution.py`).
+    Under `keras.distribution` (`DataParallel`, `ModelParallel`; one process or
+    several) the log is the one a single device writes (`distribution.py`).
 
     After `make_private(...)`, every step is a DP-SGD step (`private_step.py`).
     BatchNormalization in training is tracked with the model's opt-in,
-    `track_batch_normalization` (`coupled.py`), in Keras' own step.
-
-    Not on JAX yet (refused with an error naming the backend): `keras.distribution`
-    over several processes.
+    `track_batch_normalization` (`coupled.py`), in Keras' step or one's own.
 
     Example:
 
@@ -173,6 +172,7 @@ class GradientTrackingMixin(
     ) -> dict[str, np.ndarray]:
         self._refuse_untrackable(statistics, ())
         data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        data, ids = global_batch(data), global_batch(ids)
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if not self.built or (optimizer is not None and not optimizer.built):  # type: ignore[attr-defined]
             self._symbolic_build(data_batch=data)
@@ -201,13 +201,13 @@ class GradientTrackingMixin(
 
             functions[key] = (jax.jit(compute), layouts)
         compute, layouts = functions[key]
-        payload = unpacked(compute(state, data), layouts.of(data))
+        payload = unpacked(on_host(compute(state, data)), layouts.of(data))
         payload.pop(LEARNING_RATE)
         payload[BATCH_SIZE] = np.asarray(
             batch_size_of(keras.utils.unpack_x_y_sample_weight(data)[0]), np.int32
         )
         if ids is not None:
-            payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+            payload[EXAMPLE_ID] = on_host(ids).astype(np.int64)
         return {name: np.array(value) for name, value in payload.items()}
 
     # -- Keras hooks --------------------------------------------------------
@@ -354,7 +354,11 @@ class GradientTrackingMixin(
             vector, layout = logs.pop(PAYLOAD_KEY), layouts.of(data)
             host = {BATCH_SIZE: np.asarray(batch_size, np.int32)}
             if ids is not None:
-                host[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+                host[EXAMPLE_ID] = on_host(ids).astype(np.int64)
+            if jax.process_count() > 1:
+                # Over several processes every one gathers the step's rows now (a
+                # collective), though only the first writes them.
+                vector = on_host(vector)
             # One transfer of the whole payload, when first read: it waits for the
             # step, so not before (a logger reads it with its block).
             payload = DeviceRows(lambda: unpacked(vector, layout), [n for n, _ in layout], host)
