@@ -9,6 +9,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
+from keras_gradtrack.engine.repeatable_calls import unrepeatable_call
 from keras_gradtrack.rules import Rule, lookup
 
 FALLBACK_PATH = "fallback (per-layer vectorized Jacobian)"
@@ -80,25 +81,6 @@ def refuse_example_mixing_layers(model: keras.Model) -> None:
             raise ValueError(refusal)
 
 
-def refuse_unrepeatable_call(layer: Any, reason: str) -> None:
-    """Raises when the fallback's second run of a recurrent layer's call would differ
-    from the first: a stateful layer advances its states again, and dropout masks are
-    drawn anew (`reason`: why the layer has no rule)."""
-    cells = getattr(layer, "cell", None)
-    cells = getattr(cells, "cells", [cells])  # StackedRNNCells holds several
-    dropout = any(
-        getattr(cell, "dropout", 0) or getattr(cell, "recurrent_dropout", 0) for cell in cells
-    )
-    if getattr(layer, "stateful", False) or dropout:
-        raise ValueError(
-            f"Layer {layer.name!r} ({type(layer).__name__}) has no rule ({reason}), so the "
-            "exact fallback would run its call a second time, and with "
-            f"{'stateful=True' if getattr(layer, 'stateful', False) else 'dropout'} that "
-            "second run differs from the first. Use a built-in SimpleRNN, LSTM or GRU cell "
-            "(their rule runs the call once), or drop that option."
-        )
-
-
 def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]:
     """`(layer, its own trainable variables)` for every layer that has some, in the
     order of `model.trainable_variables` (Keras' own order of the model's weights).
@@ -166,7 +148,9 @@ def tracked_layers(model: keras.Model) -> Plan:
     for layer, own in layers_with_own_variables(model):
         found = lookup(layer)
         if found.rule is None and found.covers_sublayers:
-            refuse_unrepeatable_call(layer, found.reason)
+            refusal = unrepeatable_call(layer, found.reason)
+            if refusal:
+                raise ValueError(refusal)
         name = unique_name(layer.name, used_names)
         plan.append(TrackedLayer(name, layer, tuple(own), found.rule, found.reason))
     covered = {id(v) for tracked in plan for v in tracked.variables}

@@ -32,7 +32,7 @@ def fit_tracked(model: keras.Model, names: list[str] | None = None) -> None:
     [
         (
             keras.layers.RNN([keras.layers.LSTMCell(3, dropout=0.5), keras.layers.GRUCell(2)]),
-            "StackedRNNCells.*dropout in its cell.*JAX",
+            "StackedRNNCells.*dropout in its cell",
         ),
         (keras.layers.BatchNormalization(), "BatchNormalization.*track_batch_normalization = True"),
     ],

@@ -38,8 +38,14 @@ from keras import tree
 from keras_gradtrack._keras_seam import flatten_layers, keras_backend
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall, f32
+from keras_gradtrack.engine.repeatable_calls import unrepeatable_call
 from keras_gradtrack.recurrent_cells import loop_of, on_a_loop, per_example_gradients
 
+# Why a recurrent layer is off the rule, as the refusals say it.
+OFF_THE_RULE = (
+    "on JAX the recurrent rule covers Keras' SimpleRNN, LSTM and GRU cells with every "
+    "cell weight trained"
+)
 BUILT_IN = (keras.layers.SimpleRNN, keras.layers.LSTM, keras.layers.GRU, keras.layers.RNN)
 
 
@@ -77,38 +83,13 @@ def recurrent_refusal(layer: Any) -> str:
 
     Off the rule, a recurrent layer runs on the per-layer fallback, `vmap(grad)` of the
     layer's own call on each example: exact for any cell, provided the call on one
-    example computes what the step computed for it. Two settings break that, and are
-    refused: a `stateful` layer (its states hold a whole batch between calls) and a
-    cell with dropout (the fallback's call would draw other masks than the step's).
+    example computes what the step computed for it. A `stateful` layer and a cell with
+    dropout break that, and are refused as on TensorFlow (`engine/repeatable_calls.py`).
     Returned states are probed beside the output (`rules.output_rows`)."""
     cell = cell_of(layer)
     if cell is None or not layer.trainable_variables or on_the_rule(layer):
         return ""
-    name = f"Layer {layer.name!r} ({type(layer).__name__}, cell {type(cell).__name__})"
-    fallback = (
-        "On the JAX backend a recurrent layer off the recurrent rule (Keras' SimpleRNN, "
-        "LSTM and GRU with every cell weight trained) runs on the exact per-layer "
-        "fallback, which calls the layer again on each example"
-    )
-    if getattr(layer, "stateful", False):
-        return (
-            f"{name} is stateful: its states hold the whole batch between calls. "
-            f"{fallback}, so it cannot track a stateful one; set `stateful=False`, or "
-            "train with KERAS_BACKEND=tensorflow."
-        )
-    dropped = [
-        f"{type(c).__name__}.{attribute}={getattr(c, attribute)}"
-        for c in cell_layers(layer)
-        for attribute in ("dropout", "recurrent_dropout")
-        if isinstance(getattr(c, attribute, None), (int, float)) and getattr(c, attribute) > 0
-    ]
-    if dropped:
-        return (
-            f"{name} has dropout in its cell ({', '.join(dropped)}). {fallback}, which "
-            "would draw other dropout masks than the step's. Set the cell's dropout to "
-            "0, or train with KERAS_BACKEND=tensorflow."
-        )
-    return ""
+    return unrepeatable_call(layer, OFF_THE_RULE)
 
 
 def recurrent_call(
