@@ -73,6 +73,24 @@ def test_a_tracked_step_with_loss_scaling_trains_as_keras_does(optimizer: str) -
     assert_trains_as_plain(tracked, plain, X, Y, BATCH)
 
 
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_convolutions_summed_batch_gradient_is_scaled_as_keras_does(optimizer: str) -> None:
+    # A convolution's batch gradient is the sum of its per-example gradients, which the
+    # step multiplies by the loss scale for the optimizer (`JaxRule.sums_batch_gradient`).
+    # SGD: Adam's update would not show a gradient off by the scale.
+    sgd = {
+        "loss_scale_optimizer": lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9)
+        ),
+        "loss_scale_factor": lambda: keras.optimizers.SGD(0.1, loss_scale_factor=128.0),
+    }[optimizer]
+    build, shape = MODELS["cnn"]
+    x = rng.normal(size=(2 * BATCH, *shape)).astype("float32")
+    tracked = compiled_with(build(kgt.GradientTrackingModel), sgd())
+    plain = compiled_with(build(keras.Model), sgd())
+    assert_trains_as_plain(tracked, plain, x, Y, BATCH)
+
+
 def test_gradient_statistics_with_a_loss_scale_optimizer() -> None:
     model = compiled_with(
         MODELS["mlp"][0](kgt.GradientTrackingModel), OPTIMIZERS["loss_scale_optimizer"]()

@@ -166,6 +166,12 @@ def separable_per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-CONV = JaxRule("conv", conv_per_example, conv_primitives, applies=plain_weights)
-DEPTHWISE_CONV = JaxRule("depthwise_conv", conv_per_example, applies=plain_weights)
-SEPARABLE_CONV = JaxRule("separable_conv", separable_per_example, applies=plain_weights)
+CONV = JaxRule(
+    "conv", conv_per_example, conv_primitives, applies=plain_weights, sums_batch_gradient=True
+)
+DEPTHWISE_CONV = JaxRule(
+    "depthwise_conv", conv_per_example, applies=plain_weights, sums_batch_gradient=True
+)
+SEPARABLE_CONV = JaxRule(
+    "separable_conv", separable_per_example, applies=plain_weights, sums_batch_gradient=True
+)

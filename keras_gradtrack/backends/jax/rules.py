@@ -84,6 +84,12 @@ class JaxRule:
         gram: The Gram matrix of the per-example gradients in a factored form, for a
             layer called once in the step (None, or returning None: from `per_example`;
             `pairwise_cosine` asks for it).
+        sums_batch_gradient: Whether the layer's batch gradient is taken as the sum of
+            its per-example gradients where the step materializes them and the loss
+            is `c sum_i l_i` alone (`step.layer_primitives`): the backward pass's own
+            weight gradient then goes unused and the compiler drops it. Set where that
+            is measured faster (the convolutions: XLA's batched filter gradient costs
+            on a CPU what the per-example windows' products cost).
     """
 
     name: str
@@ -91,6 +97,7 @@ class JaxRule:
     primitives: Primitives | None = None
     applies: Callable[[Any], bool] | None = None
     gram: Gram | None = None
+    sums_batch_gradient: bool = False
 
 
 def f32(value: Any) -> Any:

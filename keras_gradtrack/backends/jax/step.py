@@ -125,14 +125,21 @@ def layer_primitives(
     lookup_value: Any,
     lookup_gradient: Any,
     factor: float | None = None,
+    sums: dict[int, Any] | None = None,
 ) -> tuple[LayerPrimitives, Any]:
     """One layer's primitives and `||G^(k)||^2`, from its calls in the step.
 
     With `factor` (`c`, when the loss is `c sum_i l_i` and nothing else), `||sum_i
     g_i||^2` is `||G||^2 / c^2`, and what the rule computes for it is left unused
-    (the compiler drops it).
+    (the compiler drops it). With `sums` too, a layer whose per-example gradients are
+    materialized takes its batch gradient as `c sum_i g_i` (kept in `sums` by
+    variable id, for the optimizer): the backward pass's own weight gradient of the
+    layer is then unused, and the compiler drops it (for the rules that ask for it:
+    `JaxRule.sums_batch_gradient`).
     """
-    primitives, reference_sq_norm = _layer_primitives(tracked, calls, lookup_value, lookup_gradient)
+    primitives, reference_sq_norm = _layer_primitives(
+        tracked, calls, lookup_value, lookup_gradient, None if factor is None else sums, factor
+    )
     if factor is not None:
         sum_sq_norm = reference_sq_norm / factor**2
         primitives = LayerPrimitives(primitives.sq_norm, primitives.dot, sum_sq_norm)
@@ -144,6 +151,8 @@ def _layer_primitives(
     calls: Sequence[ProbedCall],
     lookup_value: Any,
     lookup_gradient: Any,
+    sums: dict[int, Any] | None = None,
+    factor: float | None = None,
 ) -> tuple[LayerPrimitives, Any]:
     layer = tracked.layer
     all_variables = list(layer.trainable_variables)
@@ -160,10 +169,23 @@ def _layer_primitives(
     summed = summed_per_example(layer, rule, values, calls, others)
     batch = summed[0].shape[0]
     flat = jnp.concatenate([summed[i].reshape(batch, -1) for i in own], axis=1)
-    reference = jnp.concatenate([references[i].reshape(-1) for i in own])
-    primitives = LayerPrimitives(
-        jnp.sum(flat**2, axis=1), flat @ reference, jnp.sum(jnp.sum(flat, axis=0) ** 2)
-    )
+    total = jnp.sum(flat, axis=0)
+    summing = sums is not None and factor is not None
+    if summing and rule is not None and rule.sums_batch_gradient:
+        # G^(k) = c sum_i g_i exactly: the per-example gradients' sum serves as the
+        # batch gradient (as on TensorFlow), and the backward's own one goes unused.
+        reference = factor * total
+        reference_sq_norm = jnp.sum(reference**2)
+        start = 0
+        for i in own:
+            size = math.prod(summed[i].shape[1:])
+            sums[id(all_variables[i])] = reference[start : start + size].reshape(
+                summed[i].shape[1:]
+            )
+            start += size
+    else:
+        reference = jnp.concatenate([references[i].reshape(-1) for i in own])
+    primitives = LayerPrimitives(jnp.sum(flat**2, axis=1), flat @ reference, jnp.sum(total**2))
     return primitives, reference_sq_norm
 
 
@@ -276,9 +298,23 @@ def tracked_train_step(
         trainable,
         grads,
     )
+    # The batch gradient of each layer with materialized per-example gradients is their
+    # sum (for the optimizer too, times the loss scale), unless the step is private.
+    sums: dict[int, Any] | None = {} if tracking.private is None else None
     columns, payload = step_payload(
-        model, tracking, probed, losses, batch, factor, exact_factor, optimizer_variables, coupling
+        model,
+        tracking,
+        probed,
+        losses,
+        batch,
+        factor,
+        exact_factor,
+        optimizer_variables,
+        coupling,
+        sums,
     )
+    if sums:
+        grads = summed_gradients(model, grads, sums, scale)
     rows: dict[str, Any] = {}
     if tracking.private is not None:
         # After the statistics: they read the step's adaptive bound before its update.
@@ -293,6 +329,21 @@ def tracked_train_step(
     )
     state = (new_trainable, new_non_trainable, new_optimizer_variables, new_metrics_variables)
     return {**logs, **rows, PAYLOAD_KEY: payload}, state
+
+
+def summed_gradients(
+    model: keras.Model, grads: Sequence[Any], sums: Mapping[int, Any], scale: Any
+) -> list[Any]:
+    """`grads` (the loss-scaled batch gradient, per trainable variable) with the
+    unscaled `sums` (by variable id) in place, times the loss scale `scale` (or None)."""
+    found = []
+    for variable, gradient in zip(model.trainable_variables, grads):
+        value = sums.get(id(variable))
+        if value is not None:
+            value = value if scale is None else value * scale
+            gradient = value.astype(gradient.dtype)
+        found.append(gradient)
+    return found
 
 
 @contextlib.contextmanager
@@ -349,6 +400,7 @@ def step_payload(
     exact_factor: Any,
     optimizer_variables: Any,
     coupling: Coupling | None = None,
+    sums: dict[int, Any] | None = None,
 ) -> tuple[Columns, dict[str, Any]]:
     """`(columns, payload)`: the tracked layers' columns (`layer_columns`; those that
     BatchNormalization in training couples from `coupling`), and from them and the
@@ -356,7 +408,7 @@ def step_payload(
     the learning rate, by key."""
     plan, statistics = tracking.plan, tracking.statistics
     coupling = coupling or Coupling()
-    columns = layer_columns(model, plan, probed, factor, exact_factor, coupling.columns)
+    columns = layer_columns(model, plan, probed, factor, exact_factor, coupling.columns, sums)
     opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupling)
     payload = columns_payload(statistics, columns, losses, batch, opt_in)
     payload.update(requested_rows(model, plan, tracking.requests, probed, factor, coupling.columns))
@@ -371,6 +423,7 @@ def layer_columns(
     factor: Any,
     exact_factor: Any,
     coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
+    sums: dict[int, Any] | None = None,
 ) -> Columns:
     """Per tracked layer, its primitives and `||G^(k)||^2` (`layer_primitives`), from
     the probed pass and the loss's factor `c` (`loss = c sum_i l_i`, plus penalties
@@ -392,7 +445,9 @@ def layer_columns(
         if exact_factor is not None and len(layer_calls) == 1:
             layer_calls = [dataclasses.replace(layer_calls[0], reference_factor=exact_factor)]
         columns.append(
-            layer_primitives(tracked, layer_calls, lookup_value, lookup_gradient, exact_factor)
+            layer_primitives(
+                tracked, layer_calls, lookup_value, lookup_gradient, exact_factor, sums
+            )
         )
     return columns
 
