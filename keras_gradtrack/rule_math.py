@@ -386,6 +386,21 @@ def position_sums(output_grad: Any) -> Any:
     return ops.sum(d, axis=tuple(range(1, len(d.shape) - 1)))
 
 
+def prelu_gradients(inputs: Any, output_grad: Any, shared_axes: Sequence[int]) -> Any:
+    """PReLU (`y = max(x, 0) + alpha * min(x, 0)`): example i's gradient of `alpha`,
+    `d_i * min(x_i, 0)`, summed along the `shared_axes` (kept, as `alpha` keeps them)."""
+    grad = f32(output_grad) * ops.minimum(f32(inputs), 0.0)
+    shared = sorted(shared_axes or [])
+    return ops.sum(grad, axis=shared, keepdims=True) if shared else grad
+
+
+def layer_scale_gradients(inputs: Any, output_grad: Any) -> Any:
+    """ConvNeXt's LayerScale (`y = x * gamma`, `gamma` along the last axis): example i's
+    gradient of `gamma`, `sum_pos x_i * d_i`."""
+    products = f32(inputs) * f32(output_grad)
+    return ops.sum(products, axis=tuple(range(1, len(products.shape) - 1)))
+
+
 # -- normalizations -----------------------------------------------------------
 #
 # LayerNormalization, RMSNormalization and GroupNormalization compute

@@ -61,7 +61,7 @@ CONFIGURATION_RULES: dict[type, tuple[str, ...]] = {
 }
 
 # The rules the JAX engine does not have: their layers take its fallback there.
-NO_JAX_RULE = frozenset({"conv_transpose", "prelu", "layer_scale"})
+NO_JAX_RULE: frozenset[str] = frozenset()
 
 RuleT = TypeVar("RuleT")
 

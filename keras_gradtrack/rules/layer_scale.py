@@ -12,6 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack import rule_math
 from keras_gradtrack.rules.contract import LayerCall, Rule
 
 
@@ -24,11 +25,7 @@ def layer_scale_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tupl
     # x: (B, H, W, C)  =>  g_i(gamma) = sum_{h,w} x_ihw * d_ihw   (C,)
     ```
     """
-    grads = []
-    for call in calls:
-        x = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grad, tf.float32)
-        grads.append(tf.reduce_sum(x * d, axis=list(range(1, x.shape.rank - 1))))
+    grads = [rule_math.layer_scale_gradients(call.inputs, call.output_grad) for call in calls]
     return [(layer.gamma, tf.add_n(grads))]
 
 

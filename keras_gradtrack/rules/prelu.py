@@ -8,18 +8,16 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack import rule_math
 from keras_gradtrack.rules.contract import LayerCall, Rule
 
 
 def prelu_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
     """Per-example gradients of `alpha`: `d_i * min(x_i, 0)`, summed along the shared axes."""
-    shared = sorted(layer.shared_axes or [])
-    grads = []
-    for call in calls:
-        x = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grad, tf.float32)
-        grad = d * tf.minimum(x, 0.0)
-        grads.append(tf.reduce_sum(grad, axis=shared, keepdims=True) if shared else grad)
+    grads = [
+        rule_math.prelu_gradients(call.inputs, call.output_grad, layer.shared_axes)
+        for call in calls
+    ]
     return [(layer.alpha, tf.add_n(grads))]
 
 

@@ -1,4 +1,4 @@
-"""The JAX engine's rules for Conv1D/2D/3D, DepthwiseConv1D/2D and SeparableConv1D/2D.
+"""The JAX engine's rules for Conv1D/2D/3D, their transposes, DepthwiseConv1D/2D and SeparableConv1D/2D.
 
 The math is `keras_gradtrack.rule_math` (`keras.ops`); what is JAX's own here is
 cutting the layer's input into windows: for each kernel offset k, `lax.slice` of
@@ -50,8 +50,12 @@ def input_windows(layer: Any, x: Any, output_spatial: Sequence[int]) -> list[Any
     if layer.padding == "causal":
         pads = [(dilation[0] * (kernel_size[0] - 1), 0)]
     elif layer.padding == "same":
-        effective = [(k - 1) * r + 1 for k, r in zip(kernel_size, dilation)]
-        pads = lax.padtype_to_pads(spatial, effective, strides, "SAME")
+        # What a "valid" window at every output position needs, the extra after (for a
+        # convolution, lax's SAME; for a transposed one, at the input's positions).
+        pads = []
+        for size, out, k, s, r in zip(spatial, output_spatial, kernel_size, strides, dilation):
+            total = max((out - 1) * s + (k - 1) * r + 1 - size, 0)
+            pads.append((total // 2, total - total // 2))
     else:
         pads = [(0, 0)] * len(spatial)
     x = jnp.pad(x, [(0, 0), *pads, (0, 0)])
@@ -166,6 +170,34 @@ def separable_per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
+def conv_transpose_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """Conv1D/2D/3DTranspose, the adjoint of the convolution with its kernel
+    (`*kernel_size, filters, C_in`) from its output space to its input's: example i's
+    kernel gradient is that convolution's filter gradient with the roles swapped, the
+    windows sliding over the output gradient `D_i` at the input's positions,
+    `g_i[k] = S_k(D_i)^T x_i`; the bias's `sum_p D_i[p]`."""
+    trainable = _trainable_names(layer)
+    x = f32(channels_last(layer, call.inputs))
+    d = f32(channels_last(layer, call.output_grad))
+    batch = d.shape[0]
+    grads = {}
+    if "kernel" in trainable:
+        kernel_shape = tuple(_by_name(layer, values, others)["kernel"].shape)
+        windows = input_windows(layer, d, x.shape[1:-1])
+        kernel = rule_math.kernel_gradients(windows, x)
+        grads["kernel"] = kernel.reshape(batch, *kernel_shape)
+    if "bias" in trainable:
+        grads["bias"] = rule_math.position_sums(d)
+    return [grads[v.name] for v in layer.trainable_variables]
+
+
+def conv_transpose_applies(layer: Any) -> bool:
+    """As the TensorFlow rule: plain weights, not dilated."""
+    return plain_weights(layer) and all(rate == 1 for rate in layer.dilation_rate)
+
+
 CONV = JaxRule(
     "conv", conv_per_example, conv_primitives, applies=plain_weights, sums_batch_gradient=True
 )
@@ -174,4 +206,10 @@ DEPTHWISE_CONV = JaxRule(
 )
 SEPARABLE_CONV = JaxRule(
     "separable_conv", separable_per_example, applies=plain_weights, sums_batch_gradient=True
+)
+CONV_TRANSPOSE = JaxRule(
+    "conv_transpose",
+    conv_transpose_per_example,
+    applies=conv_transpose_applies,
+    sums_batch_gradient=True,
 )

@@ -397,6 +397,24 @@ def embedding_per_example(
 EMBEDDING = JaxRule("embedding", embedding_per_example, embedding_primitives, applies=plain_weights)
 
 
+def prelu_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """PReLU's `alpha`: `rule_math.prelu_gradients`."""
+    return [rule_math.prelu_gradients(call.inputs, call.output_grad, layer.shared_axes)]
+
+
+def layer_scale_per_example(
+    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+) -> list[Any]:
+    """ConvNeXt's LayerScale `gamma`: `rule_math.layer_scale_gradients`."""
+    return [rule_math.layer_scale_gradients(call.inputs, call.output_grad)]
+
+
+PRELU = JaxRule("prelu", prelu_per_example)
+LAYER_SCALE = JaxRule("layer_scale", layer_scale_per_example)
+
+
 # -- LoRA -------------------------------------------------------------------
 
 
