@@ -20,6 +20,8 @@ import keras
 import numpy as np
 from tolerance import assert_matches_oracle  # noqa: F401 (the one tolerance rule)
 
+from keras_gradtrack._keras_seam import LossFunctionWrapper
+
 
 def layer_columns(model: Any) -> list[list[int]]:
     """Positions in `model.trainable_variables` of each owning layer's variables; a
@@ -37,7 +39,11 @@ def layer_columns(model: Any) -> list[list[int]]:
 
 
 def _loss_function(model: Any) -> Any:
+    """The compiled loss as `compile` reduces it: a name or a function of the examples'
+    values wrapped with the default reduction (`sum_over_batch_size`), as Keras does."""
     loss = keras.losses.get(model.loss) if isinstance(model.loss, str) else model.loss
+    if not isinstance(loss, keras.losses.Loss):
+        loss = LossFunctionWrapper(loss)
     return loss
 
 
