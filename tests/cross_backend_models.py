@@ -10,6 +10,8 @@ paths) are the same in every process whatever ran before.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,7 @@ import keras
 import numpy as np
 from keras import layers
 from keras_io_layers import TokenAndPositionEmbedding
+from zoo_models import ZOO
 
 import keras_gradtrack as kgt
 
@@ -239,6 +242,30 @@ def attribution() -> Run:
     return mlp(sgd, targets=targets)
 
 
+# The zoo (`zoo_models.py`: keras-io and Keras-guide models as their authors write them),
+# but the guide's `train_step` written with `tf.GradientTape`.
+ZOO_CASES = sorted(set(ZOO) - {"custom_train_step"})
+
+
+def zoo(name: str) -> Run:
+    """The zoo model `name` on `EXAMPLES` examples, without dropout (each backend draws
+    its own masks), compiled as its author compiles it but with SGD (momentum) in place
+    of Adam or RMSprop: those divide each gradient by its running magnitude, so where
+    the exact gradient is 0 (a convolution's bias before BatchNormalization in
+    training, a frozen base's cancelling sums) each backend's float32 rounding becomes
+    an update of the learning rate's size, and plain Keras' own sparse update of an
+    Embedding differs by backend (`embedding_adam`). Adam crosses in `mlp_adam`."""
+    builder = ZOO[name]
+    kwargs: dict[str, Any] = {"batch": EXAMPLES}
+    if "dropout" in inspect.signature(builder).parameters:
+        kwargs["dropout"] = 0.0
+    found = builder(**kwargs)
+    config = found.model.get_compile_config()
+    config["optimizer"] = keras.optimizers.serialize(sgd())
+    found.model.compile_from_config(config)
+    return Run(found.model, found.x, found.y, found.sample_weight)
+
+
 # name -> builder
 CASES: dict[str, Callable[[], Run]] = {
     "mlp_sgd": lambda: mlp(sgd),
@@ -260,6 +287,7 @@ CASES: dict[str, Callable[[], Run]] = {
     "private_adaptive": private_adaptive,
     "private_loss_scale": private_loss_scale,
     "attribution": attribution,
+    **{f"zoo_{name}": functools.partial(zoo, name) for name in ZOO_CASES},
 }
 
 # Cases whose model crosses as a whole (`model.save` to `.keras`, `keras.saving.load_model`

@@ -19,7 +19,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import layers
 from keras_io_layers import TokenAndPositionEmbedding
 
@@ -212,6 +211,8 @@ def ticket_classifier(batch: int = 6) -> Zoo:
 
 class CustomModel(kgt.GradientTrackingModel):
     def train_step(self, data):
+        import tensorflow as tf  # the guide's step is TensorFlow's (the zoo builds on JAX too)
+
         x, y = data
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)  # Forward pass
