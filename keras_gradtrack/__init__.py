@@ -83,16 +83,36 @@ _JAX_ENGINE = "keras_gradtrack.backends.jax"
 _JAX_NAMES = ("GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential")
 
 
+# The Keras backends whose steps are tracked; on others (PyTorch) the model classes are
+# refused by name, and reading logs (GradientLog, the command line) works as anywhere.
+_TRACKED_BACKENDS = ("tensorflow", "jax")
+
+
 def _keras_runs_on_jax() -> bool:
     import keras
 
     return bool(keras.backend.backend() == "jax")
 
 
+def _refuse_untracked_backend(name: str) -> None:
+    import keras
+
+    backend = keras.backend.backend()
+    if backend not in _TRACKED_BACKENDS:
+        raise NotImplementedError(
+            f"keras_gradtrack.{name} tracks per-example gradients on Keras' TensorFlow "
+            f"and JAX backends; the {backend} backend is not tracked yet (GradientLog and "
+            "the command line read logs on any). Set KERAS_BACKEND=tensorflow or "
+            f"KERAS_BACKEND=jax. Received: keras.backend.backend() == {backend!r}"
+        )
+
+
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'keras_gradtrack' has no attribute {name!r}")
     module = _LAZY[name]
+    if name in _JAX_NAMES:
+        _refuse_untracked_backend(name)
     if name in _JAX_NAMES and _keras_runs_on_jax():
         module = _JAX_ENGINE
     value = (
@@ -110,5 +130,5 @@ def __dir__() -> list[str]:
 
 # `keras.models.load_model` finds the model classes only once they are
 # registered: when Keras is already in use, register them now.
-if "keras" in sys.modules:
+if "keras" in sys.modules and sys.modules["keras"].backend.backend() in _TRACKED_BACKENDS:
     importlib.import_module(_JAX_ENGINE if _keras_runs_on_jax() else "keras_gradtrack.models.model")
