@@ -8,6 +8,17 @@ from typing import Any
 import keras
 
 
+class ChannelScale(keras.layers.Layer):
+    """A layer of one's own with a weight and no rule (`y = x * w` over the last axis):
+    the per-layer fallback's."""
+
+    def build(self, input_shape: Any) -> None:
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x: Any) -> Any:
+        return x * self.w
+
+
 def head(model_class: type, inputs: Any, features: Any, classes: int = 3) -> Any:
     if len(features.shape) > 2:
         features = keras.layers.Flatten()(features)

@@ -14,7 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS, head
+from jax_models import MODELS, ChannelScale, head
 from jax_oracle import per_example_gradients, target_gradients
 from sketch_oracle import oracle_sketches
 from tolerance import RTOL
@@ -51,11 +51,12 @@ def compiled(model: Any) -> Any:
 
 
 def tokens(model_class: type) -> Any:
-    """Embedding (repeated ids), a Dense layer called twice, PReLU on the fallback."""
+    """Embedding (repeated ids), a Dense layer called twice, a layer of one's own on the
+    fallback."""
     inputs = keras.Input((5,), dtype="int32")
     shared = keras.layers.Dense(4, activation="tanh")
     hidden = shared(shared(keras.layers.Embedding(7, 4)(inputs)))
-    hidden = keras.layers.PReLU()(keras.layers.GlobalAveragePooling1D()(hidden))
+    hidden = ChannelScale()(keras.layers.GlobalAveragePooling1D()(hidden))
     return head(model_class, inputs, hidden)
 
 

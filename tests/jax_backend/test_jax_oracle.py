@@ -8,7 +8,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS, compiled
+from jax_models import MODELS, ChannelScale, compiled
 from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
 
 import keras_gradtrack as kgt
@@ -219,7 +219,7 @@ def test_the_summary_names_each_layers_path() -> None:
 
 def test_the_summary_names_the_fallback_of_a_layer_without_a_rule() -> None:
     inputs = keras.Input((4,))
-    model = classifier(inputs, keras.layers.PReLU()(inputs))
+    model = classifier(inputs, ChannelScale()(inputs))
     text = model.gradient_tracking_summary(print_fn=lambda _: None)
     assert "fallback" in text.splitlines()[2] and "rule:dense" in text.splitlines()[3]
 
