@@ -35,10 +35,15 @@ class SummedPositions(layers.Layer):
         return x + ops.sum(positions, axis=0)
 
 
-def classifier(body: Any, input_shape: tuple[int, ...], dtype: str = "float32") -> Any:
+def classifier(
+    body: Any,
+    input_shape: tuple[int, ...],
+    dtype: str = "float32",
+    model_class: type = kgt.GradientTrackingModel,
+) -> Any:
     inputs = keras.Input(input_shape, dtype=dtype)
     hidden = layers.Flatten()(body(inputs))
-    model = kgt.GradientTrackingModel(inputs, layers.Dense(3)(hidden))
+    model = model_class(inputs, layers.Dense(3)(hidden))
     model.compile(
         optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
@@ -100,14 +105,9 @@ def test_a_position_table_is_exact_under_a_compute_loss_of_ones_own() -> None:
 def test_a_position_table_is_exact_inside_a_train_step_of_ones_own(maxlen: int) -> None:
     # The step's data is known to the step only: its batchless calls are found by two
     # abstract traces of the whole train_step, at the batch and at one example more.
-    inputs = keras.Input((maxlen,), dtype="int32")
-    hidden = layers.Flatten()(TokenAndPositionEmbedding(maxlen, 7, 4)(inputs))
-    model = keras_step_class(kgt.GradientTrackingModel, tracked=True)(
-        inputs, layers.Dense(3)(hidden)
-    )
-    model.compile(
-        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
+    own_step = keras_step_class(kgt.GradientTrackingModel, tracked=True)
+    body = TokenAndPositionEmbedding(maxlen, 7, 4)
+    model = classifier(body, (maxlen,), dtype="int32", model_class=own_step)
     x = rng.integers(0, 7, (BATCH, maxlen)).astype("int32")
     y = rng.integers(0, 3, BATCH)
     expected = oracle_statistics(model, x, y)
