@@ -3,7 +3,7 @@ that both engines' registries read.
 
 Data only, in Keras and plain Python (no TensorFlow, no JAX): the TensorFlow
 registry (`rules/__init__.py`) maps each name to its `Rule`, the JAX engine's
-(`backends/jax/registry.py`) to its `JaxRule`; the layers of `NO_JAX_RULE`'s rules
+(`backends/jax/registry.py`) to its `ProbedRule`; the layers of `NO_JAX_RULE`'s rules
 run on the JAX engine's exact per-layer fallback. A class's rule covers its
 subclasses that keep its `call` (each registry's `lookup`).
 

@@ -14,7 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS, ChannelScale, head
+from backend_models import MODELS, ChannelScale, head
 from jax_oracle import per_example_gradients, target_gradients
 from sketch_oracle import oracle_sketches
 from tolerance import RTOL

@@ -12,7 +12,8 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
+from backend_oracle import tracked_statistics
+from jax_oracle import assert_matches_oracle, oracle_statistics
 from keras import layers, ops
 from keras_io_layers import PatchEncoder, TokenAndPositionEmbedding
 from test_jax_own_train_step import keras_step_class

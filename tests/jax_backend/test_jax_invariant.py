@@ -5,9 +5,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from backend_models import MODELS, compiled
+from backend_oracle import assert_trains_as_plain
 from extended import with_extended
-from jax_models import MODELS, compiled
-from jax_oracle import assert_trains_as_plain
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics

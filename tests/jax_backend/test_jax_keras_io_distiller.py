@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jax_oracle import assert_trains_as_plain
+from backend_oracle import assert_trains_as_plain
 from keras_io_distiller import assert_logs_every_example, distiller, mnist_shaped
 
 

@@ -23,9 +23,10 @@ from jax_oracle import assert_matches_oracle, oracle_statistics
 import keras_gradtrack as kgt
 from keras_gradtrack import rule_math
 from keras_gradtrack._keras_seam import LayerScale
-from keras_gradtrack.backends.jax import conv as jax_conv
 from keras_gradtrack.backends.jax import rules as jax_rules
 from keras_gradtrack.backends.jax.plan import FALLBACK_PATH
+from keras_gradtrack.backends.ops import conv as ops_conv
+from keras_gradtrack.backends.ops import rules as ops_rules
 
 BATCH = 5
 NORM_ONLY = ["loss", "grad_norm", "layer_grad_norm", "batch_grad_norm", "gradient_diversity"]
@@ -247,7 +248,7 @@ def probed_call(model: Any, x: np.ndarray, seed: int = 1) -> tuple[Any, Any]:
     inputs = keras.Model(model.input, layer.input)(x)
     output_shape = layer.compute_output_shape(inputs.shape)
     output_grad = jax.random.normal(jax.random.PRNGKey(seed), output_shape)
-    return layer, jax_rules.ProbedCall(jnp.asarray(inputs), {}, output_grad)
+    return layer, ops_rules.ProbedCall(jnp.asarray(inputs), {}, output_grad)
 
 
 # Keras' LayerScale has no `compute_output_shape`, which the fallback's trace needs:
@@ -281,15 +282,15 @@ def test_the_conv_gram_form_gives_the_per_example_primitives(
     layer, call = probed_call(model, x)
     values = [v.value for v in layer.trainable_variables]
     flat = jnp.concatenate(
-        [g.reshape(BATCH, -1) for g in jax_conv.conv_per_example(layer, values, call)], axis=1
+        [g.reshape(BATCH, -1) for g in ops_conv.conv_per_example(layer, values, call)], axis=1
     )
     refs = [jax.random.normal(jax.random.PRNGKey(2), v.shape) for v in layer.trainable_variables]
     reference = jnp.concatenate([r.reshape(-1) for r in refs])
-    primitives = jax_conv.conv_primitives(layer, call, refs)
+    primitives = ops_conv.conv_primitives(layer, call, refs)
     np.testing.assert_allclose(primitives.sq_norm, jnp.sum(flat**2, axis=1), rtol=1e-4)
     np.testing.assert_allclose(primitives.dot, flat @ reference, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(primitives.sum_sq_norm, jnp.sum(jnp.sum(flat, 0) ** 2), rtol=1e-4)
-    norm_only = jax_conv.conv_primitives(layer, call, None)
+    norm_only = ops_conv.conv_primitives(layer, call, None)
     assert norm_only.dot is None
     np.testing.assert_allclose(norm_only.sq_norm, primitives.sq_norm, rtol=1e-6)
 
@@ -340,9 +341,9 @@ def test_dense_takes_the_gram_form_only_where_it_holds_fewer_values() -> None:
     # GPT-2 small's MLP kernel (768 x 3072): at batch 64 its per-example gradients are over
     # the budget; two (128, 128) Gram matrices per example hold fewer values, two
     # (4096, 4096) ones far more. Under the budget, materialized at any length.
-    assert jax_rules.dense_takes_gram_form(64, 128, 768, 3072)
-    assert not jax_rules.dense_takes_gram_form(64, 4096, 768, 3072)
-    assert not jax_rules.dense_takes_gram_form(8, 128, 768, 3072)
+    assert ops_rules.dense_takes_gram_form(64, 128, 768, 3072)
+    assert not ops_rules.dense_takes_gram_form(64, 4096, 768, 3072)
+    assert not ops_rules.dense_takes_gram_form(8, 128, 768, 3072)
 
 
 @pytest.mark.parametrize("form", ["materialized", "gram"])
@@ -350,17 +351,17 @@ def test_dense_on_sequences_gives_the_per_example_primitives(
     form: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if form == "gram":  # `rule_math.gram_sq_norms`, as for layers too large to materialize
-        monkeypatch.setattr(jax_rules, "MATERIALIZED_VALUES", 0)
+        monkeypatch.setattr(ops_rules, "MATERIALIZED_VALUES", 0)
     rng = np.random.default_rng(3)
     layer = L.Dense(4)
     layer.build((None, 3, 6))
     a = jnp.asarray(rng.normal(size=(BATCH, 3, 6)), jnp.float32)
     d = jnp.asarray(rng.normal(size=(BATCH, 3, 4)), jnp.float32)
-    call = jax_rules.ProbedCall(inputs=a, kwargs={}, output_grad=d)
+    call = ops_rules.ProbedCall(inputs=a, kwargs={}, output_grad=d)
     values = [v.value for v in layer.trainable_variables]
-    flat = flat_per_example(jax_rules.dense_per_example(layer, values, call))
+    flat = flat_per_example(ops_rules.dense_per_example(layer, values, call))
     refs = [jnp.asarray(rng.normal(size=v.shape), jnp.float32) for v in layer.trainable_variables]
-    assert_primitives_match(jax_rules.dense_primitives(layer, call, refs), flat, refs)
+    assert_primitives_match(ops_rules.dense_primitives(layer, call, refs), flat, refs)
 
 
 @pytest.mark.parametrize("reference_factor", [None, 0.5])
@@ -373,15 +374,15 @@ def test_dense_on_rows_gives_the_per_example_primitives(reference_factor: float 
     assert rule_math.gram_has_fewer_products(BATCH, 6, 40)
     a = jnp.asarray(rng.normal(size=(BATCH, 6)), jnp.float32)
     d = jnp.asarray(rng.normal(size=(BATCH, 40)), jnp.float32)
-    call = jax_rules.ProbedCall(
+    call = ops_rules.ProbedCall(
         inputs=a, kwargs={}, output_grad=d, reference_factor=reference_factor
     )
     values = [v.value for v in layer.trainable_variables]
-    grads = jax_rules.dense_per_example(layer, values, call)
+    grads = ops_rules.dense_per_example(layer, values, call)
     factor = 1.0 if reference_factor is None else reference_factor
     refs = [factor * jnp.sum(g, axis=0) for g in grads]  # the batch gradient, c sum_i g_i
     assert_primitives_match(
-        jax_rules.dense_primitives(layer, call, refs), flat_per_example(grads), refs
+        ops_rules.dense_primitives(layer, call, refs), flat_per_example(grads), refs
     )
 
 
@@ -392,8 +393,8 @@ def test_embedding_primitives_group_repeated_and_negative_ids() -> None:
     layer.build((None, 4))
     ids = jnp.asarray([[0, -1, 6, 2], [2, -5, 3, 3], [1, 1, 1, 1], [4, 5, -7, 0], [6, 6, -1, 2]])
     d = jnp.asarray(rng.normal(size=(BATCH, 4, 3)), jnp.float32)
-    call = jax_rules.ProbedCall(inputs=ids, kwargs={}, output_grad=d)
+    call = ops_rules.ProbedCall(inputs=ids, kwargs={}, output_grad=d)
     values = [v.value for v in layer.trainable_variables]
-    flat = flat_per_example(jax_rules.embedding_per_example(layer, values, call))
+    flat = flat_per_example(ops_rules.embedding_per_example(layer, values, call))
     refs = [jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)]
-    assert_primitives_match(jax_rules.embedding_primitives(layer, call, refs), flat, refs)
+    assert_primitives_match(ops_rules.embedding_primitives(layer, call, refs), flat, refs)

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import patience
 import pytest
-from jax_models import compiled, mlp
+from backend_models import compiled, mlp
 from without_tensorflow import run_without_tensorflow
 
 import keras_gradtrack as kgt

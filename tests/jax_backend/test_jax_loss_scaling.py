@@ -13,14 +13,9 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS
-from jax_oracle import (
-    assert_matches_oracle,
-    assert_trains_as_plain,
-    input_grad_norms,
-    oracle_statistics,
-    tracked_statistics,
-)
+from backend_models import MODELS
+from backend_oracle import assert_trains_as_plain, tracked_statistics
+from jax_oracle import assert_matches_oracle, input_grad_norms, oracle_statistics
 from test_jax_own_train_step import keras_step_class
 
 import keras_gradtrack as kgt
@@ -76,7 +71,7 @@ def test_a_tracked_step_with_loss_scaling_trains_as_keras_does(optimizer: str) -
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_a_convolutions_summed_batch_gradient_is_scaled_as_keras_does(optimizer: str) -> None:
     # A convolution's batch gradient is the sum of its per-example gradients, which the
-    # step multiplies by the loss scale for the optimizer (`JaxRule.sums_batch_gradient`).
+    # step multiplies by the loss scale for the optimizer (`ProbedRule.sums_batch_gradient`).
     # SGD: Adam's update would not show a gradient off by the scale.
     sgd = {
         "loss_scale_optimizer": lambda: keras.optimizers.LossScaleOptimizer(

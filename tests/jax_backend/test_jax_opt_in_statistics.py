@@ -8,13 +8,9 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS, compiled
-from jax_oracle import (
-    assert_matches_oracle,
-    input_grad_norms,
-    oracle_statistics,
-    tracked_statistics,
-)
+from backend_models import MODELS, compiled
+from backend_oracle import tracked_statistics
+from jax_oracle import assert_matches_oracle, input_grad_norms, oracle_statistics
 
 import keras_gradtrack as kgt
 

@@ -8,11 +8,13 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS, ChannelScale, compiled
-from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
+from backend_models import MODELS, ChannelScale, compiled
+from backend_oracle import tracked_statistics
+from jax_oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
-from keras_gradtrack.backends.jax import rules as jax_rules
+from keras_gradtrack import rule_math
+from keras_gradtrack.backends.ops import rules as ops_rules
 
 BATCH = 6
 rng = np.random.default_rng(0)
@@ -130,7 +132,7 @@ def test_sample_weights_and_sum_reduction() -> None:
 
 def test_sequence_dense_in_the_gram_form(monkeypatch: pytest.MonkeyPatch) -> None:
     # Per-example gradients too large to hold: the Gram form `<A_i A_i^T, D_i D_i^T>`.
-    monkeypatch.setattr(jax_rules, "MATERIALIZED_VALUES", 0)
+    monkeypatch.setattr(ops_rules, "MATERIALIZED_VALUES", 0)
     model, x = LAYERS["dense_sequence"]()
     y = labels()
     expected = oracle_statistics(model, x, y)
@@ -144,15 +146,15 @@ def test_sequence_dense_over_budget_takes_the_form_that_holds_fewer_values(
     # Per-example gradients over the budget: the Gram form at 3 positions (2 * 3^2 < 4 * 5
     # values per example), materialized at 48 (its (48, 48) Gram matrices would hold more
     # than the 4 x 5 kernel gradient), and exact either way.
-    monkeypatch.setattr(jax_rules, "MATERIALIZED_VALUES", 0)
+    monkeypatch.setattr(ops_rules, "MATERIALIZED_VALUES", 0)
     gram_calls = []
-    gram_sq_norms = jax_rules.rule_math.gram_sq_norms
+    gram_sq_norms = rule_math.gram_sq_norms
 
     def counted(a: Any, d: Any) -> Any:
         gram_calls.append(a.shape)
         return gram_sq_norms(a, d)
 
-    monkeypatch.setattr(jax_rules.rule_math, "gram_sq_norms", counted)
+    monkeypatch.setattr(rule_math, "gram_sq_norms", counted)
     model, x = image_layer(lambda: keras.layers.Dense(5, activation="tanh"), (steps, 4))()
     y = labels()
     expected = oracle_statistics(model, x, y)
@@ -167,7 +169,7 @@ def test_embedding_past_the_gram_form_s_length_sorts_and_sums_segments(
     def no_gram(ids: Any, d: Any) -> Any:
         raise AssertionError(f"the token Gram form at {ids.shape[1]} tokens")
 
-    monkeypatch.setattr(jax_rules.rule_math, "token_gram_sq_norms", no_gram)
+    monkeypatch.setattr(rule_math, "token_gram_sq_norms", no_gram)
     inputs = keras.Input((40,), dtype="int32")
     model = classifier(inputs, keras.layers.Embedding(7, 4)(inputs))
     x = rng.integers(0, 7, (BATCH, 40)).astype("int32")

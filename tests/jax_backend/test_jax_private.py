@@ -9,7 +9,7 @@ from unittest import mock
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS
+from backend_models import MODELS
 from jax_oracle import layer_columns, per_example_gradients
 from tolerance import FLOOR, RTOL
 

@@ -11,7 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from jax_models import MODELS
+from backend_models import MODELS
 from jax_oracle import per_example_gradients
 from test_jax_private import (
     RATE,

@@ -14,14 +14,10 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from backend_models import compiled
+from backend_oracle import assert_trains_as_plain, tracked_statistics
 from extended import with_extended
-from jax_models import compiled
-from jax_oracle import (
-    assert_matches_oracle,
-    assert_trains_as_plain,
-    oracle_statistics,
-    tracked_statistics,
-)
+from jax_oracle import assert_matches_oracle, oracle_statistics
 from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 
 import keras_gradtrack as kgt

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import keras
 import numpy as np
 import pytest
-from jax_oracle import assert_matches_oracle, oracle_statistics, tracked_statistics
+from backend_oracle import tracked_statistics
+from jax_oracle import assert_matches_oracle, oracle_statistics
 from keras import ops
 
 import keras_gradtrack as kgt

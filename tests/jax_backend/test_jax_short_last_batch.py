@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jax_models import mlp
+from backend_models import mlp
 from jax_oracle import assert_matches_oracle, oracle_statistics
 from short_last_batch import assert_every_step_is_logged_oracle_exact
 

@@ -39,13 +39,8 @@ from keras_gradtrack import attribution_math, rule_math
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
-from keras_gradtrack.backends.jax.rules import (
-    DENSE,
-    EMBEDDING,
-    ProbedCall,
-    f32,
-    summed_per_example,
-)
+from keras_gradtrack.backends.jax.rules import f32, summed_per_example
+from keras_gradtrack.backends.ops.rules import DENSE, EMBEDDING, ProbedCall
 from keras_gradtrack.engine.attribution_requests import (
     SketchRequest,
     TargetExamples,

@@ -25,7 +25,7 @@ from keras import ops
 
 from keras_gradtrack import rule_math
 from keras_gradtrack._keras_seam import batch_moments
-from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall
+from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule
 
 
 def moments_of_call(layer: Any, x: Any, call: ProbedCall, others: Sequence[Any]) -> tuple[Any, Any]:
@@ -60,6 +60,6 @@ def per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-BATCH_NORMALIZATION = JaxRule(
+BATCH_NORMALIZATION = ProbedRule(
     "batch_normalization", per_example, applies=lambda layer: not getattr(layer, "renorm", False)
 )

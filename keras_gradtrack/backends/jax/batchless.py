@@ -32,10 +32,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 from keras import tree
+
+from keras_gradtrack.backends.ops.batchless import mixing_rows_error
 
 
 def with_one_example_more(data: Any) -> Any:
@@ -70,16 +71,6 @@ def batchless_calls(inputs_of: Callable[[Any], Sequence[Any]], data: Any) -> fro
         for position, (before, after) in enumerate(zip(as_is, grown))
         if hasattr(before, "shape") and tuple(before.shape) == tuple(after.shape)
     )
-
-
-def broadcast_to_batch(value: Any, batch_size: int) -> Any:
-    """`value` with a batch axis in front: a leading axis of one becomes it (a
-    `(1, maxlen)` index), otherwise one is prepended (a `(maxlen,)` index gives
-    `(B, maxlen, dim)` outputs, which broadcast against the batch as `(maxlen, dim)` did)."""
-    value = jnp.asarray(value)
-    if value.ndim and value.shape[0] == 1:
-        return jnp.broadcast_to(value, (batch_size, *value.shape[1:]))
-    return jnp.broadcast_to(value[None], (batch_size, *value.shape))
 
 
 def refuse_batchless_outputs_mixing_rows(
@@ -123,14 +114,4 @@ def refuse_batchless_outputs_mixing_rows(
             for a, b in zip(plain, broadcast)
         ):
             layer = probes.layers[probes.calls[position][0]]
-            raise ValueError(
-                f"Layer {layer.name!r} ({type(layer).__name__}) is called on values that do "
-                "not depend on the batch (the same for every example), so its per-example "
-                "gradients are taken where its outputs meet the batch: the tracked step "
-                "broadcasts the call to the batch size. Its outputs must then reach the "
-                "batch through operations that keep the batch axis first and treat it row "
-                "by row (`x + positions`), but with the broadcast the model's outputs "
-                "change (a reduction or reshape over the broadcast axis). Combine the "
-                "output with the batch by broadcasting instead. Received: an input of "
-                f"shape {tuple(np.shape(probes.calls[position][1]))} after the broadcast."
-            )
+            raise mixing_rows_error(layer, tuple(np.shape(probes.calls[position][1])))

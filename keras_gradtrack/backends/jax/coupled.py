@@ -46,7 +46,8 @@ from jax.extend.core import Var
 from keras_gradtrack._keras_seam import flatten_layers, functional_inputs
 from keras_gradtrack._patching import patched_each
 from keras_gradtrack.backends.jax.plan import TrackedLayer
-from keras_gradtrack.backends.jax.rules import LayerPrimitives, f32
+from keras_gradtrack.backends.jax.rules import f32
+from keras_gradtrack.backends.ops.rules import LayerPrimitives
 from keras_gradtrack.engine.batch_normalization_tracking import DEFAULT_CHUNK_SIZE
 from keras_gradtrack.rule_math import uses_batch_statistics
 

@@ -36,7 +36,6 @@ from keras_gradtrack.backends.jax.distribution import on_host
 from keras_gradtrack.backends.jax.losses import per_example_values, recording_losses
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
-    IndependenceGuard,
     Mixing,
     checked_once,
     find_mixing,
@@ -48,18 +47,6 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
     the check before the first tracked step (the mixin's `fit` says whether one is
     wanted, by an `IndependenceGuard`; its train function calls
     `_check_independence_once`)."""
-
-    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        # A loop of train_on_batch calls: checked once per model (fit: per signature).
-        self.__dict__["_independence_guard"] = IndependenceGuard(
-            self.check_example_independence
-            and self.gradient_tracking.subscribed()  # type: ignore[attr-defined]
-            and not self.__dict__.get("_examples_independent")
-        )
-        try:
-            return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.__dict__["_independence_guard"] = None
 
     def _check_independence_once(self, state: Any, data: Any) -> None:
         """Runs the example-independence guard on the first tracked step's batch of a

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,29 +28,18 @@ from keras_gradtrack.backends.jax.own_step import (
 from keras_gradtrack.backends.jax.plan import TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.private_model import JaxPrivateTraining
 from keras_gradtrack.backends.jax.probes import Probes
-from keras_gradtrack.backends.jax.step import (
-    Layouts,
-    Tracking,
-    batch_size_of,
-    packed,
-    split_example_ids,
-    unpacked,
-)
+from keras_gradtrack.backends.jax.step import Layouts, packed, unpacked
+from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
+from keras_gradtrack.backends.ops.plan import plan_summary
+from keras_gradtrack.backends.ops.step import Tracking, batch_size_of, split_example_ids
 from keras_gradtrack.engine import private_training
-from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine.device_rows import DeviceRows
-from keras_gradtrack.engine.example_independence import (
-    IndependenceGuard,
-    subscribes_to_gradients,
-)
-from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients, first_data_batch
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
 
-class GradientTrackingMixin(
-    JaxPrivateTraining, ExampleIndependenceChecks, TracksGradients, BatchNormalizationTracking
-):
+class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, ProbedTrackingMixin):
     """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
@@ -89,11 +77,6 @@ class GradientTrackingMixin(
     model.fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5")])
     ```
     """
-
-    @property
-    def distribute_strategy(self) -> None:
-        """None: `tf.distribute` strategies do not exist on JAX (loggers ask for one)."""
-        return None
 
     def tracked_value_and_grad(
         self, fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False
@@ -153,19 +136,9 @@ class GradientTrackingMixin(
         # 0       hidden  Dense  8256    rule:dense
         ```
         """
-        rows = [("column", "layer", "class", "params", "path")]
-        for column, tracked in enumerate(self.gradient_tracking_plan()):
-            params = sum(math.prod(v.shape) for v in tracked.variables)
-            path = coupled_path(self, tracked)
-            rows.append(
-                (str(column), tracked.name, type(tracked.layer).__name__, str(params), path)
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        text = "\n".join(lines)
-        (print_fn or print)(text)
-        return text
+        return plan_summary(
+            self.gradient_tracking_plan(), lambda tracked: coupled_path(self, tracked), print_fn
+        )
 
     def _gradient_statistics(
         self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]
@@ -212,19 +185,6 @@ class GradientTrackingMixin(
 
     # -- Keras hooks --------------------------------------------------------
 
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
-        self.__dict__["_independence_guard"] = IndependenceGuard(
-            self.check_example_independence
-            and (subscribes_to_gradients(callbacks) or self.privacy_settings is not None)
-        )
-        try:
-            return super().fit(*args, **kwargs)
-        finally:
-            self.__dict__["_independence_guard"] = None
-            # However fit ends, its subscribers finish: their files get every step.
-            self.gradient_tracking.end_fit()
-
     def train_step(self, state: Any, data: Any) -> Any:
         """Keras' `train_step`: a model's own step may call `super().train_step(state,
         data)`, and on its tracked steps the statistics come from that call. A class of
@@ -233,22 +193,6 @@ class GradientTrackingMixin(
         if getattr(following, "__func__", None) is not keras.Model.train_step:
             return following(state, data)
         return keras_step(self, state, data, following)
-
-    def _has_own_step(self) -> bool:
-        """Whether a class of the model other than this mixin and Keras' own defines
-        `train_step` (the first such in the method resolution order)."""
-        for klass in type(self).__mro__:
-            if klass is GradientTrackingMixin or "train_step" not in vars(klass):
-                continue
-            return vars(klass)["train_step"] is not keras.Model.train_step
-        return False
-
-    def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
-        if data_batch is None and iterator is not None:
-            data_batch = first_data_batch(iterator)
-        if data_batch is not None:
-            data_batch, _ = split_example_ids(data_batch)
-        return super()._symbolic_build(data_batch=data_batch)
 
     def test_step(self, state: Any, data: Any) -> Any:
         return super().test_step(state, split_example_ids(data)[0])  # type: ignore[misc]

@@ -31,10 +31,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_gradtrack import rule_math
 from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.jax.plan import TrackedLayer
-from keras_gradtrack.backends.jax.rules import ProbedCall, f32, summed_per_example
 from keras_gradtrack.statistics import Statistic
 
 
@@ -110,32 +107,3 @@ class InputProbes:
 
 def is_float(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
-
-
-def input_sq_norm(input_grads: Sequence[Any], factor: Any) -> Any:
-    """`(B,)` `||d l_i / d x_i||^2` over the probed inputs, from their probes' gradients
-    `c d l_i / d x_i` (unscaled) and `c`."""
-    terms = [jnp.sum((f32(g) / factor).reshape(g.shape[0], -1) ** 2, axis=1) for g in input_grads]
-    return sum(terms[1:], terms[0])
-
-
-def layer_gram(
-    tracked: TrackedLayer, calls: Sequence[ProbedCall], lookup_value: Callable[[Any], Any]
-) -> Any:
-    """`(B, B)` `<g_i^(k), g_j^(k)>` of one tracked layer: its rule's factored form (one
-    call, every trainable variable of the layer tracked), else from its per-example
-    gradients."""
-    layer, rule = tracked.layer, tracked.rule
-    all_variables = list(layer.trainable_variables)
-    whole = len(tracked.variables) == len(all_variables)
-    if len(calls) == 1 and whole and rule is not None and rule.gram is not None:
-        gram = rule.gram(layer, calls[0])
-        if gram is not None:
-            return gram
-    values = [lookup_value(v) for v in all_variables]
-    others = [lookup_value(v) for v in layer.non_trainable_variables]
-    summed = summed_per_example(layer, rule, values, calls, others)
-    own = {id(v) for v in tracked.variables}
-    batch = summed[0].shape[0]
-    flat = [g.reshape(batch, -1) for v, g in zip(all_variables, summed) if id(v) in own]
-    return rule_math.per_example_gram(flat)

@@ -51,14 +51,13 @@ from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradien
 from keras_gradtrack.backends.jax.penalties import probing_penalties, regularized_variables
 from keras_gradtrack.backends.jax.plan import BACKEND
 from keras_gradtrack.backends.jax.probes import Probes
+from keras_gradtrack.backends.jax.rules import fallback_per_example
 from keras_gradtrack.backends.jax.step import (
-    ProbedPass,
-    Tracking,
-    batch_size_of,
     recording_added_losses,
     step_payload,
     tracked_train_step,
 )
+from keras_gradtrack.backends.ops.step import ProbedPass, Tracking, batch_size_of
 from keras_gradtrack.engine.reductions import LossRecorder, per_example_shares
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 
@@ -304,6 +303,7 @@ def tracked_call(
         trainable,
         own.state[1],
         unscaled(grads, scale),
+        fallback_per_example,
         unscaled(input_grads, scale),
     )
     # Through BatchNormalization in training (opted in): `l` as a function of the

@@ -33,7 +33,7 @@ from keras_gradtrack.backends.jax.private_step import (
     logical_iterations,
     private_gradients,
 )
-from keras_gradtrack.backends.jax.step import Tracking, batch_size_of
+from keras_gradtrack.backends.ops.step import Tracking, batch_size_of
 from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.private_model import PrivateTraining
 

@@ -64,14 +64,10 @@ import keras
 
 from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
-from keras_gradtrack.backends.jax.rules import (
-    ProbedCall,
-    f32,
-    preactivation_call,
-    summed_per_example,
-)
+from keras_gradtrack.backends.jax.rules import f32, preactivation_call, summed_per_example
 from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
-from keras_gradtrack.backends.jax.step import direct_primitives, probed_calls, value_lookup
+from keras_gradtrack.backends.ops.rules import ProbedCall
+from keras_gradtrack.backends.ops.step import direct_primitives, probed_calls, value_lookup
 from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound

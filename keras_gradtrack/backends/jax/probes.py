@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.jax.batchless import broadcast_to_batch
 from keras_gradtrack.backends.jax.recurrent import on_the_rule, recurrent_call
-from keras_gradtrack.backends.jax.rules import from_output_rows, output_rows, splits_activation
+from keras_gradtrack.backends.jax.rules import from_output_rows, output_rows
+from keras_gradtrack.backends.ops.batchless import broadcast_to_batch
+from keras_gradtrack.backends.ops.rules import splits_activation
 from keras_gradtrack.engine.preactivation import marked_preactivation_call
 
 

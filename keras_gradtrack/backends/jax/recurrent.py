@@ -37,7 +37,8 @@ from keras import tree
 
 from keras_gradtrack._keras_seam import flatten_layers, keras_backend
 from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall, f32
+from keras_gradtrack.backends.jax.rules import f32
+from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule
 from keras_gradtrack.engine.repeatable_calls import unrepeatable_call
 from keras_gradtrack.recurrent_cells import loop_of, on_a_loop, per_example_gradients
 
@@ -179,4 +180,4 @@ def recurrent_per_example(
     return [f32(grads[id(v)]) for v in layer.trainable_variables]
 
 
-RECURRENT = JaxRule("recurrent", recurrent_per_example, applies=on_the_rule)
+RECURRENT = ProbedRule("recurrent", recurrent_per_example, applies=on_the_rule)

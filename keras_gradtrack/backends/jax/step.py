@@ -20,206 +20,41 @@ logs[PAYLOAD_KEY]["cosine"]     # (B,)
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from keras import tree
 
-from keras_gradtrack._keras_seam import LossFunctionWrapper, update_metrics_variables
+from keras_gradtrack._keras_seam import update_metrics_variables
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import Coupling, step_coupling
 from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
-from keras_gradtrack.backends.jax.opt_in import (
-    InputProbes,
-    input_sq_norm,
-    layer_gram,
-    needs_gram,
-    needs_input_gradients,
-)
-from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
+from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_gram, needs_input_gradients
+from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
-from keras_gradtrack.backends.jax.rules import (
-    LayerPrimitives,
-    ProbedCall,
-    f32,
-    summed_per_example,
+from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
+from keras_gradtrack.backends.ops.step import (
+    Columns,
+    ProbedPass,
+    Tracking,
+    batch_size_of,
+    columns_payload,
+    input_sq_norm,
+    layer_columns,
+    layer_gram,
+    per_example_losses,
+    probed_calls,
+    value_lookup,
 )
-from keras_gradtrack.engine.reductions import MEAN_REDUCTIONS
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
-from keras_gradtrack.statistics import Statistic, StepPrimitives
-
-EXAMPLE_ID_KEY = "example_id"
-
-
-def split_example_ids(data: Any) -> tuple[Any, Any]:
-    """`(data without ids, ids or None)`: a dict `x` holding `"example_id"` loses the key
-    (and, with exactly one other entry, becomes that entry's value)."""
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if not isinstance(x, dict) or EXAMPLE_ID_KEY not in x:
-        return data, None
-    rest = {k: v for k, v in x.items() if k != EXAMPLE_ID_KEY}
-    ids = x[EXAMPLE_ID_KEY]
-    x = next(iter(rest.values())) if len(rest) == 1 else rest
-    return keras.utils.pack_x_y_sample_weight(x, y, sample_weight), ids
-
-
-def batch_size_of(x: Any) -> int:
-    return int(next(t for t in tree.flatten(x) if t is not None).shape[0])
-
-
-def loss_object(model: keras.Model) -> Any:
-    """The compiled loss as one `keras.losses.Loss`, or a clear refusal."""
-    loss = model.loss
-    if isinstance(loss, str):
-        loss = keras.losses.get(loss)
-    if isinstance(loss, keras.losses.Loss):
-        return loss
-    if callable(loss):
-        return LossFunctionWrapper(loss)
-    raise ValueError(
-        f"On the {BACKEND} backend a tracked model is compiled with one loss (a name, a "
-        f"function or a keras.losses.Loss) for its one output. Received: loss={loss!r}"
-    )
-
-
-def per_example_losses(
-    model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
-) -> tuple[Any, float]:
-    """`(l, c)`: the `(B,)` losses `l_i` (sample weights included) and the factor `c`
-    with which the compiled loss reduces them (`loss = c sum_i l_i`)."""
-    loss = loss_object(model)
-    if loss.reduction not in (*MEAN_REDUCTIONS, "sum"):
-        raise ValueError(
-            f"On the {BACKEND} backend a tracked model's loss reduces with "
-            f"'sum_over_batch_size' (the default) or 'sum'. Received: reduction={loss.reduction!r}"
-        )
-    y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
-    y = keras.ops.convert_to_tensor(y, dtype=loss.dtype)
-    values = f32(loss.call(y, y_pred))
-    batch = values.shape[0]
-    if sample_weight is not None:
-        weights = f32(sample_weight)
-        while weights.ndim > values.ndim and weights.shape[-1] == 1:
-            weights = weights[..., 0]
-        weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))
-        values = values * weights
-    per_example = jnp.sum(values.reshape(batch, -1), axis=1)
-    if loss.reduction in MEAN_REDUCTIONS:
-        elements = math.prod(values.shape[1:])
-        return per_example / elements, 1.0 / batch
-    return per_example, 1.0
-
-
-def layer_primitives(
-    tracked: TrackedLayer,
-    calls: Sequence[ProbedCall],
-    lookup_value: Any,
-    lookup_gradient: Any,
-    factor: float | None = None,
-    sums: dict[int, Any] | None = None,
-) -> tuple[LayerPrimitives, Any]:
-    """One layer's primitives and `||G^(k)||^2`, from its calls in the step.
-
-    With `factor` (`c`, when the loss is `c sum_i l_i` and nothing else), `||sum_i
-    g_i||^2` is `||G||^2 / c^2`, and what the rule computes for it is left unused
-    (the compiler drops it). With `sums` too, a layer whose per-example gradients are
-    materialized takes its batch gradient as `c sum_i g_i` (kept in `sums` by
-    variable id, for the optimizer): the backward pass's own weight gradient of the
-    layer is then unused, and the compiler drops it (for the rules that ask for it:
-    `JaxRule.sums_batch_gradient`).
-    """
-    primitives, reference_sq_norm = _layer_primitives(
-        tracked, calls, lookup_value, lookup_gradient, None if factor is None else sums, factor
-    )
-    if factor is not None:
-        sum_sq_norm = reference_sq_norm / factor**2
-        primitives = LayerPrimitives(primitives.sq_norm, primitives.dot, sum_sq_norm)
-    return primitives, reference_sq_norm
-
-
-def _layer_primitives(
-    tracked: TrackedLayer,
-    calls: Sequence[ProbedCall],
-    lookup_value: Any,
-    lookup_gradient: Any,
-    sums: dict[int, Any] | None = None,
-    factor: float | None = None,
-) -> tuple[LayerPrimitives, Any]:
-    layer = tracked.layer
-    all_variables = list(layer.trainable_variables)
-    references = [f32(lookup_gradient(v)) for v in all_variables]
-    positions = {id(v): i for i, v in enumerate(all_variables)}
-    own = [positions[id(v)] for v in tracked.variables]
-    reference_sq_norm = sum(jnp.sum(references[i] ** 2) for i in own)
-    rule = tracked.rule
-    direct = direct_primitives(tracked, calls, references)
-    if direct is not None:
-        return direct, reference_sq_norm
-    values = [lookup_value(v) for v in all_variables]
-    others = [lookup_value(v) for v in layer.non_trainable_variables]
-    summed = summed_per_example(layer, rule, values, calls, others)
-    batch = summed[0].shape[0]
-    flat = jnp.concatenate([summed[i].reshape(batch, -1) for i in own], axis=1)
-    total = jnp.sum(flat, axis=0)
-    summing = sums is not None and factor is not None
-    if summing and rule is not None and rule.sums_batch_gradient:
-        # G^(k) = c sum_i g_i exactly: the per-example gradients' sum serves as the
-        # batch gradient (as on TensorFlow), and the backward's own one goes unused.
-        reference = factor * total
-        reference_sq_norm = jnp.sum(reference**2)
-        start = 0
-        for i in own:
-            size = math.prod(summed[i].shape[1:])
-            sums[id(all_variables[i])] = reference[start : start + size].reshape(
-                summed[i].shape[1:]
-            )
-            start += size
-    else:
-        reference = jnp.concatenate([references[i].reshape(-1) for i in own])
-    primitives = LayerPrimitives(jnp.sum(flat**2, axis=1), flat @ reference, jnp.sum(total**2))
-    return primitives, reference_sq_norm
-
-
-@dataclasses.dataclass(frozen=True)
-class Tracking:
-    """What a tracked step computes besides Keras' update.
-
-    Attributes:
-        plan: The tracked layers.
-        statistics: The statistics asked for.
-        requests: The loggers' attribution requests.
-        private: For a private model, `(model, plan, probed, columns, factor,
-            added_losses, optimizer_variables, loss_scale) -> (gradients, rows)`: what
-            the optimizer receives in place of the batch gradient (times the loss
-            scale, which it unscales) and the values it adds to the logs
-            (`private_step.py`); None otherwise.
-    """
-
-    plan: Sequence[TrackedLayer]
-    statistics: Sequence[Statistic]
-    requests: Sequence[Any] = ()
-    private: Callable[..., Any] | None = None
-
-
-def direct_primitives(
-    tracked: TrackedLayer, calls: Sequence[ProbedCall], references: Sequence[Any]
-) -> LayerPrimitives | None:
-    """The layer's primitives by its rule's direct form (one call, and the rule takes
-    it for these shapes), else None: its primitives then come from its per-example
-    gradients (`summed_per_example`)."""
-    rule = tracked.rule
-    if len(calls) == 1 and rule is not None and rule.primitives is not None:
-        return rule.primitives(tracked.layer, calls[0], references)
-    return None
+from keras_gradtrack.statistics import Statistic
 
 
 def tracked_train_step(
@@ -284,6 +119,7 @@ def tracked_train_step(
         trainable,
         non_trainable,
         unscaled(grads, scale),
+        fallback_per_example,
         unscaled(input_grads, scale),
     )
     # Seen to add no losses, the loss is `c sum_i l_i`, so `sum_i g_i = G / c`.
@@ -363,33 +199,6 @@ def recording_added_losses(model: keras.Model) -> Iterator[list[int]]:
         yield added_losses
 
 
-@dataclasses.dataclass(frozen=True)
-class ProbedPass:
-    """What one `jax.value_and_grad` with the probes gives.
-
-    Attributes:
-        calls: Per probed call, `(position of its layer in the plan, its kwargs)`.
-        inputs: Per probed call, the layer's inputs.
-        probe_grads: Per probed call, its probe's gradient (`c d l_i / d z_i`).
-        trainable: The values of `model.trainable_variables` differentiated at.
-        non_trainable: The values of `model.non_trainable_variables`.
-        grads: The gradients of the loss with respect to `trainable` (`G`).
-        input_grads: Per probed float input of the model, its probe's gradient
-            (`c d l_i / d x_i`), when a statistic asks for them.
-    """
-
-    calls: Sequence[tuple[int, dict[str, Any]]]
-    inputs: Sequence[Any]
-    probe_grads: Sequence[Any]
-    trainable: Sequence[Any]
-    non_trainable: Sequence[Any]
-    grads: Sequence[Any]
-    input_grads: Sequence[Any] = ()
-
-
-Columns = list[tuple[LayerPrimitives, Any]]
-
-
 def step_payload(
     model: keras.Model,
     tracking: Tracking,
@@ -414,42 +223,6 @@ def step_payload(
     payload.update(requested_rows(model, plan, tracking.requests, probed, factor, coupling.columns))
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     return columns, payload
-
-
-def layer_columns(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    probed: ProbedPass,
-    factor: Any,
-    exact_factor: Any,
-    coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
-    sums: dict[int, Any] | None = None,
-) -> Columns:
-    """Per tracked layer, its primitives and `||G^(k)||^2` (`layer_primitives`), from
-    the probed pass and the loss's factor `c` (`loss = c sum_i l_i`, plus penalties
-    unless `exact_factor`, which is then `c`); the columns in `coupled` (by position
-    in the plan) are given (`coupled.py`)."""
-    lookup_value = value_lookup(model, probed)
-    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-
-    def lookup_gradient(variable: Any) -> Any:
-        return probed.grads[position[id(variable)]]
-
-    columns = []
-    for index, (layer_calls, tracked) in enumerate(
-        zip(probed_calls(probed, factor, len(plan)), plan)
-    ):
-        if coupled and index in coupled:
-            columns.append(coupled[index])
-            continue
-        if exact_factor is not None and len(layer_calls) == 1:
-            layer_calls = [dataclasses.replace(layer_calls[0], reference_factor=exact_factor)]
-        columns.append(
-            layer_primitives(
-                tracked, layer_calls, lookup_value, lookup_gradient, exact_factor, sums
-            )
-        )
-    return columns
 
 
 def opt_in_primitives(
@@ -484,7 +257,7 @@ def opt_in_primitives(
         grams = [
             coupled_grams[index]
             if index in coupled_grams
-            else layer_gram(tracked, layer_calls, lookup_value)
+            else layer_gram(tracked, layer_calls, lookup_value, probed.fallback)
             for index, (layer_calls, tracked) in enumerate(
                 zip(probed_calls(probed, factor, len(plan)), plan)
             )
@@ -493,61 +266,6 @@ def opt_in_primitives(
     if probed.input_grads:
         found["input_sq_norm"] = input_sq_norm(probed.input_grads, factor)
     return found
-
-
-def columns_payload(
-    statistics: Sequence[Statistic],
-    columns: Columns,
-    losses: Any,
-    batch: int,
-    opt_in: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Each statistic of the step, from its layers' columns, the losses `l_i` and the
-    opt-in primitives (`opt_in_primitives`)."""
-    opt_in = opt_in or {}
-    primitives = StepPrimitives(
-        loss=losses,
-        sq_norm=jnp.stack([c.sq_norm for c, _ in columns], axis=1),
-        dot=jnp.stack([c.dot for c, _ in columns], axis=1),
-        reference_sq_norm=jnp.stack([r for _, r in columns]),
-        sum_sq_norm=jnp.stack([c.sum_sq_norm for c, _ in columns]),
-        batch_size=jnp.asarray(batch, jnp.float32),
-        gram=opt_in.get("gram"),
-        input_sq_norm=opt_in.get("input_sq_norm"),
-    )
-    return {s.name: f32(s.compute(primitives)) for s in statistics}
-
-
-def value_lookup(model: keras.Model, probed: ProbedPass) -> Any:
-    """variable -> its value in the probed pass (trainable or not)."""
-    return variable_values(model, probed.trainable, probed.non_trainable)
-
-
-def variable_values(
-    model: keras.Model, trainable: Sequence[Any], non_trainable: Sequence[Any]
-) -> Callable[[Any], Any]:
-    """variable -> its value among `trainable` and `non_trainable`, the values of
-    `model.trainable_variables` and `model.non_trainable_variables` in their order."""
-    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    others = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-
-    def lookup_value(variable: Any) -> Any:
-        if id(variable) in position:
-            return trainable[position[id(variable)]]
-        return non_trainable[others[id(variable)]]
-
-    return lookup_value
-
-
-def probed_calls(probed: ProbedPass, factor: Any, layers: int) -> list[list[ProbedCall]]:
-    """Per tracked layer, its calls with the output gradients `d l_i / d z_i` (the
-    probes' gradients divided by the loss's factor `c`)."""
-    calls: list[list[ProbedCall]] = [[] for _ in range(layers)]
-    for n, (owner, kwargs) in enumerate(probed.calls):
-        calls[owner].append(
-            ProbedCall(probed.inputs[n], kwargs, f32(probed.probe_grads[n]) / factor)
-        )
-    return calls
 
 
 def requested_rows(

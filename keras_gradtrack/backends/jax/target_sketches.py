@@ -27,7 +27,7 @@ import keras
 
 from keras_gradtrack.backends.jax.attribution import lazy_per_example, sketches, target_calls
 from keras_gradtrack.backends.jax.plan import TrackedLayer
-from keras_gradtrack.backends.jax.step import per_example_losses, variable_values
+from keras_gradtrack.backends.ops.step import per_example_losses, variable_values
 from keras_gradtrack.engine.attribution_requests import SketchRequest
 
 

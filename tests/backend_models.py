@@ -1,5 +1,5 @@
-"""Models of the JAX engine's tests: an MLP, a CNN and a Transformer block, each built
-with a given model class (`kgt.GradientTrackingModel` or `keras.Model`)."""
+"""Models of the probed engines' tests (JAX, PyTorch): an MLP, a CNN and a Transformer
+block, each built with a given model class (`kgt.GradientTrackingModel` or `keras.Model`)."""
 
 from __future__ import annotations
 

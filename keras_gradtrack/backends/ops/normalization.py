@@ -1,4 +1,4 @@
-"""The JAX engine's rules for LayerNormalization, RMSNormalization and GroupNormalization.
+"""Rules over `keras.ops` for LayerNormalization, RMSNormalization and GroupNormalization.
 
 Each computes `y = n(x) * scale + offset`, `n(x)` normalized within one example, so
 example i's parameter gradients are `sum d_i * n(x_i)` and `sum d_i` over the axes
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from keras_gradtrack import rule_math
-from keras_gradtrack.backends.jax.rules import JaxRule, ProbedCall
+from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule
 
 # (layer, the input, the axes the scale spans, the output gradient) -> the scale's
 # per-example gradient.
@@ -59,7 +59,7 @@ def normalization_rule(
     scale: str,
     offset: str | None,
     applies: Callable[[Any], bool],
-) -> JaxRule:
+) -> ProbedRule:
     """A rule for `y = n(x) * <scale> + <offset>` (variables named `scale` and `offset`;
     either may be absent or frozen), `scale_gradient` giving the scale's."""
 
@@ -76,7 +76,7 @@ def normalization_rule(
                 grads[variable.name] = rule_math.affine_per_example(call.output_grad, None, axes)
         return [grads[v.name] for v in layer.trainable_variables]
 
-    return JaxRule(name, per_example, applies=applies)
+    return ProbedRule(name, per_example, applies=applies)
 
 
 LAYER_NORMALIZATION = normalization_rule(

@@ -1,8 +1,8 @@
-"""The JAX engine's rules for Conv1D/2D/3D, their transposes, DepthwiseConv1D/2D and SeparableConv1D/2D.
+"""Rules over `keras.ops` for Conv1D/2D/3D, their transposes, DepthwiseConv1D/2D and SeparableConv1D/2D.
 
-The math is `keras_gradtrack.rule_math` (`keras.ops`); what is JAX's own here is
-cutting the layer's input into windows: for each kernel offset k, `lax.slice` of
-the padded input with the layer's strides and dilation gives `S_ik`, example i's
+The math is `keras_gradtrack.rule_math`; what is this module's own is cutting the
+layer's input into windows: for each kernel offset k, a strided slice of the
+padded input with the layer's strides and dilation (on JAX one `lax.slice`) gives `S_ik`, example i's
 input under offset k at each output position (`(B, *spatial, C)`, channels last). No
 patches tensor of `K^2` cost (as `lax.conv_general_dilated_patches` builds), no
 vmap: example i's kernel gradient is `S_ik^T D_i` per offset and group.
@@ -21,22 +21,21 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
-from jax import lax
+from keras import ops
 
 from keras_gradtrack import rule_math
-from keras_gradtrack.backends.jax.rules import (
-    JaxRule,
+from keras_gradtrack.backends.ops.rules import (
     LayerPrimitives,
     ProbedCall,
-    f32,
+    ProbedRule,
     plain_weights,
 )
+from keras_gradtrack.rule_math import f32
 
 
 def channels_last(layer: Any, tensor: Any) -> Any:
     if getattr(layer, "data_format", "channels_last") == "channels_first":
-        return jnp.moveaxis(tensor, 1, -1)
+        return ops.moveaxis(tensor, 1, -1)
     return tensor
 
 
@@ -58,14 +57,13 @@ def input_windows(layer: Any, x: Any, output_spatial: Sequence[int]) -> list[Any
             pads.append((total // 2, total - total // 2))
     else:
         pads = [(0, 0)] * len(spatial)
-    x = jnp.pad(x, [(0, 0), *pads, (0, 0)])
-    batch, channels = x.shape[0], x.shape[-1]
+    x = ops.pad(x, [(0, 0), *pads, (0, 0)])
     windows = []
     for offset in itertools.product(*(range(k) for k in kernel_size)):
         start = [o * r for o, r in zip(offset, dilation)]
         limit = [b + (n - 1) * s + 1 for b, n, s in zip(start, output_spatial, strides)]
-        window = lax.slice(x, [0, *start, 0], [batch, *limit, channels], [1, *strides, 1])
-        windows.append(window)
+        spans = tuple(slice(b, e, s) for b, e, s in zip(start, limit, strides))
+        windows.append(x[(slice(None), *spans, slice(None))])
     return windows
 
 
@@ -103,7 +101,7 @@ def conv_per_example(
         else:
             groups = layer.groups
         kernel = rule_math.kernel_gradients(windows, d, groups)
-        grads["kernel"] = kernel.reshape(batch, *kernel_shape)
+        grads["kernel"] = ops.reshape(kernel, (batch, *kernel_shape))
     if "bias" in trainable:
         grads["bias"] = rule_math.position_sums(d)
     return [grads[v.name] for v in layer.trainable_variables]
@@ -130,18 +128,20 @@ def conv_primitives(
         return None
     windows, d = _windows_and_grads(layer, call)
     sq_norm = rule_math.kernel_gram_sq_norms(windows, d)
-    summed = rule_math.kernel_sum(windows, d)
-    sum_sq_norm = jnp.sum(summed**2)
+    sum_sq_norm = None  # with a reference factor, the step's ||G||^2 / c^2
+    if call.reference_factor is None:
+        sum_sq_norm = ops.sum(rule_math.kernel_sum(windows, d) ** 2)
     dot = None
     if refs is not None:
-        kernel_ref = f32(refs[names.index("kernel")]).reshape(-1, channels, filters)
+        kernel_ref = ops.reshape(f32(refs[names.index("kernel")]), (-1, channels, filters))
         dot = rule_math.kernel_dots(windows, d, kernel_ref)
     if "bias" in names:
         bias_grad = rule_math.position_sums(d)
-        sq_norm = sq_norm + jnp.sum(bias_grad**2, axis=1)
-        sum_sq_norm = sum_sq_norm + jnp.sum(jnp.sum(bias_grad, axis=0) ** 2)
+        sq_norm = sq_norm + ops.sum(bias_grad**2, axis=1)
+        if sum_sq_norm is not None:
+            sum_sq_norm = sum_sq_norm + ops.sum(ops.sum(bias_grad, axis=0) ** 2)
         if refs is not None:
-            dot = dot + bias_grad @ f32(refs[names.index("bias")])
+            dot = dot + ops.matmul(bias_grad, f32(refs[names.index("bias")]))
     return LayerPrimitives(sq_norm, dot, sum_sq_norm)
 
 
@@ -158,12 +158,12 @@ def separable_per_example(
     depthwise_grads, pointwise_grads = rule_math.separable_gradients(
         windows,
         d,
-        f32(depthwise).reshape(-1, *depthwise.shape[-2:]),
-        f32(pointwise).reshape(pointwise.shape[-2:]),
+        ops.reshape(f32(depthwise), (-1, *depthwise.shape[-2:])),
+        ops.reshape(f32(pointwise), tuple(pointwise.shape[-2:])),
     )
     grads = {
-        "depthwise_kernel": depthwise_grads.reshape(batch, *depthwise.shape),
-        "pointwise_kernel": pointwise_grads.reshape(batch, *pointwise.shape),
+        "depthwise_kernel": ops.reshape(depthwise_grads, (batch, *depthwise.shape)),
+        "pointwise_kernel": ops.reshape(pointwise_grads, (batch, *pointwise.shape)),
     }
     if "bias" in trainable:
         grads["bias"] = rule_math.position_sums(d)
@@ -187,7 +187,7 @@ def conv_transpose_per_example(
         kernel_shape = tuple(_by_name(layer, values, others)["kernel"].shape)
         windows = input_windows(layer, d, x.shape[1:-1])
         kernel = rule_math.kernel_gradients(windows, x)
-        grads["kernel"] = kernel.reshape(batch, *kernel_shape)
+        grads["kernel"] = ops.reshape(kernel, (batch, *kernel_shape))
     if "bias" in trainable:
         grads["bias"] = rule_math.position_sums(d)
     return [grads[v.name] for v in layer.trainable_variables]
@@ -198,16 +198,16 @@ def conv_transpose_applies(layer: Any) -> bool:
     return plain_weights(layer) and all(rate == 1 for rate in layer.dilation_rate)
 
 
-CONV = JaxRule(
+CONV = ProbedRule(
     "conv", conv_per_example, conv_primitives, applies=plain_weights, sums_batch_gradient=True
 )
-DEPTHWISE_CONV = JaxRule(
+DEPTHWISE_CONV = ProbedRule(
     "depthwise_conv", conv_per_example, applies=plain_weights, sums_batch_gradient=True
 )
-SEPARABLE_CONV = JaxRule(
+SEPARABLE_CONV = ProbedRule(
     "separable_conv", separable_per_example, applies=plain_weights, sums_batch_gradient=True
 )
-CONV_TRANSPOSE = JaxRule(
+CONV_TRANSPOSE = ProbedRule(
     "conv_transpose",
     conv_transpose_per_example,
     applies=conv_transpose_applies,

@@ -1,0 +1,136 @@
+"""Which layers a probed engine (JAX, PyTorch) tracks, in column order.
+
+A backend gives its registry's `lookup`, its refusals and how its fallback is named;
+the plan is the same on every backend: one column per layer with trainable variables
+of its own (a recurrent layer's column holds its cell's), in Keras' order of the
+model's weights, as on TensorFlow.
+
+Example:
+
+```python
+plan = planned_layers(model, lookup, refusal, "fallback (torch.func)")
+[tracked.name for tracked in plan]    # the per-layer columns
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+
+from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
+from keras_gradtrack.backends.ops.rules import ProbedRule, backend_name
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackedLayer:
+    """One column of the per-layer statistics.
+
+    Attributes:
+        name: Column name (the layer's name, made unique within the model).
+        layer: The Keras layer.
+        variables: The layer's own trainable variables.
+        rule: Its rule, or None for the backend's exact per-layer fallback.
+        fallback: How the fallback is named in the layer's path.
+    """
+
+    name: str
+    layer: Any
+    variables: tuple[Any, ...]
+    rule: ProbedRule | None
+    fallback: str = "fallback"
+
+    @property
+    def path(self) -> str:
+        return f"rule:{self.rule.name}" if self.rule else self.fallback
+
+
+def no_cell(layer: Any) -> tuple[Any, Sequence[Any]]:
+    """A backend without recurrent rules: no layer holds a cell's variables."""
+    return None, ()
+
+
+def planned_layers(
+    model: keras.Model,
+    lookup: Callable[[Any], ProbedRule | None],
+    refusal: Callable[[Any, bool], str],
+    fallback: str,
+    cell: Callable[[Any], tuple[Any, Sequence[Any]]] = no_cell,
+) -> list[TrackedLayer]:
+    """The tracked layers of a built model, in column order.
+
+    Args:
+        model: The model.
+        lookup: The backend's registry: a layer's rule, or None (the fallback).
+        refusal: `(layer, tracks BatchNormalization) -> why the backend cannot track
+            it` (empty when it can).
+        fallback: The fallback's name in the layers' paths.
+        cell: `layer -> (its cell whose variables its column holds, or None; the cell's
+            layers)`.
+
+    Raises:
+        ValueError: For a layer the backend refuses, trainable variables of the model
+            itself, or a model without trainable variables.
+    """
+    if own_trainable_variables(model):
+        raise ValueError(
+            f"Model {model.name!r} holds trainable variables of its own (not in a layer): "
+            f"the {backend_name()} backend tracks the variables of layers. Move "
+            "them into a layer."
+        )
+    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    groups = []
+    cells: set[int] = set()  # those whose variables their recurrent layer's column holds
+    opted_in = bool(getattr(model, "track_batch_normalization", False))
+    for layer in flatten_layers(model, include_self=False):
+        reason = refusal(layer, opted_in)
+        if reason:
+            raise ValueError(reason)
+        if id(layer) in cells:
+            continue
+        own_cell, inner = cell(layer)
+        cells.update(id(layer) for layer in inner)
+        variables = (
+            own_trainable_variables(layer) if own_cell is None else own_cell.trainable_variables
+        )
+        own = [v for v in variables if id(v) in position]
+        if own:
+            groups.append((layer, sorted(own, key=lambda v: position[id(v)])))
+    # Columns in Keras' own order of the model's weights, as on TensorFlow.
+    groups.sort(key=lambda group: position[id(group[1][0])])
+    plan: list[TrackedLayer] = []
+    used: set[str] = set()
+    for layer, own in groups:
+        name, suffix = layer.name, 1
+        while name in used:
+            name, suffix = f"{layer.name}_{suffix}", suffix + 1
+        used.add(name)
+        plan.append(TrackedLayer(name, layer, tuple(own), lookup(layer), fallback))
+    if not plan:
+        raise ValueError(f"Model {model.name!r} has no trainable variables to track.")
+    return plan
+
+
+def plan_summary(
+    plan: Sequence[TrackedLayer],
+    path_of: Callable[[TrackedLayer], str],
+    print_fn: Callable[[str], Any] | None = None,
+) -> str:
+    """Prints (and returns) the plan as a table: column, layer, class, parameters and the
+    path (`path_of`) that computes each layer's per-example gradients."""
+    rows = [("column", "layer", "class", "params", "path")]
+    for column, tracked in enumerate(plan):
+        params = sum(math.prod(v.shape) for v in tracked.variables)
+        rows.append(
+            (str(column), tracked.name, type(tracked.layer).__name__, str(params), path_of(tracked))
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    text = "\n".join(lines)
+    (print_fn or print)(text)
+    return text
