@@ -77,44 +77,37 @@ __all__ = [
 ]
 
 
-# On the JAX backend the model classes come from the JAX engine (which imports no
+# On JAX and PyTorch the model classes come from that backend's engine (neither imports
 # TensorFlow); everything else is shared.
-_JAX_ENGINE = "keras_gradtrack.backends.jax"
-_JAX_NAMES = ("GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential")
+_ENGINES = {
+    "tensorflow": "keras_gradtrack.models.model",
+    "jax": "keras_gradtrack.backends.jax",
+    "torch": "keras_gradtrack.backends.torch",
+}
+_MODEL_NAMES = ("GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential")
 
 
-# The Keras backends whose steps are tracked; on others (PyTorch) the model classes are
-# refused by name, and reading logs (GradientLog, the command line) works as anywhere.
-_TRACKED_BACKENDS = ("tensorflow", "jax")
-
-
-def _keras_runs_on_jax() -> bool:
-    import keras
-
-    return bool(keras.backend.backend() == "jax")
-
-
-def _refuse_untracked_backend(name: str) -> None:
+def _engine() -> str:
+    """The module of the model classes for Keras' backend."""
     import keras
 
     backend = keras.backend.backend()
-    if backend not in _TRACKED_BACKENDS:
+    if backend not in _ENGINES:
         raise NotImplementedError(
-            f"keras_gradtrack.{name} tracks per-example gradients on Keras' TensorFlow "
-            f"and JAX backends; the {backend} backend is not tracked yet (GradientLog and "
-            "the command line read logs on any). Set KERAS_BACKEND=tensorflow or "
-            f"KERAS_BACKEND=jax. Received: keras.backend.backend() == {backend!r}"
+            "keras_gradtrack tracks per-example gradients on Keras' TensorFlow, JAX and "
+            f"PyTorch backends; the {backend} backend is not tracked (GradientLog and the "
+            "command line read logs on any). Received: keras.backend.backend() == "
+            f"{backend!r}"
         )
+    return _ENGINES[backend]
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'keras_gradtrack' has no attribute {name!r}")
     module = _LAZY[name]
-    if name in _JAX_NAMES:
-        _refuse_untracked_backend(name)
-    if name in _JAX_NAMES and _keras_runs_on_jax():
-        module = _JAX_ENGINE
+    if name in _MODEL_NAMES and _engine() != _ENGINES["tensorflow"]:
+        module = _engine()
     value = (
         importlib.import_module(f"keras_gradtrack.{name}")
         if module is None
@@ -130,5 +123,5 @@ def __dir__() -> list[str]:
 
 # `keras.models.load_model` finds the model classes only once they are
 # registered: when Keras is already in use, register them now.
-if "keras" in sys.modules and sys.modules["keras"].backend.backend() in _TRACKED_BACKENDS:
-    importlib.import_module(_JAX_ENGINE if _keras_runs_on_jax() else "keras_gradtrack.models.model")
+if "keras" in sys.modules and sys.modules["keras"].backend.backend() in _ENGINES:
+    importlib.import_module(_engine())

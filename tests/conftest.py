@@ -17,9 +17,14 @@ import tensorflow as tf
 
 patience.imports_done()
 
-# The JAX engine's tests need Keras on JAX, chosen when Keras is imported: they run
-# in a process of their own (`KERAS_BACKEND=jax pytest tests/jax_backend`).
-collect_ignore = [] if keras.backend.backend() == "jax" else ["jax_backend"]
+# The JAX and PyTorch engines' tests need Keras on their backend, chosen when Keras is
+# imported: they run in a process of their own (`KERAS_BACKEND=jax pytest
+# tests/jax_backend`, `KERAS_BACKEND=torch pytest tests/torch_backend`).
+collect_ignore = [
+    folder
+    for backend, folder in (("jax", "jax_backend"), ("torch", "torch_backend"))
+    if keras.backend.backend() != backend
+]
 
 # Two logical CPU devices, so tf.distribute.MirroredStrategy runs real replicas here.
 # This must happen before TensorFlow initializes its devices.

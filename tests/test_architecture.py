@@ -164,8 +164,12 @@ def test_the_rule_registry_imports_no_engine() -> None:
     }
 
 
+BACKEND_PACKAGES = ("tensorflow", "jax", "torch")
+
+
 def backends_imported(module: str) -> set[str]:
-    """`tensorflow` and `jax` where the module imports them (at any depth of its code)."""
+    """`tensorflow`, `jax` and `torch` where the module imports them (at any depth of its
+    code)."""
     found = set()
     for node in runtime_nodes(ast.parse((PACKAGE / module_path(module)).read_text())):
         if isinstance(node, ast.Import):
@@ -174,7 +178,7 @@ def backends_imported(module: str) -> set[str]:
             names = [node.module or ""]
         else:
             continue
-        found.update(n.split(".")[0] for n in names if n.split(".")[0] in ("tensorflow", "jax"))
+        found.update(n.split(".")[0] for n in names if n.split(".")[0] in BACKEND_PACKAGES)
     return found
 
 
@@ -189,6 +193,25 @@ def backends_imported(module: str) -> set[str]:
 )
 def test_the_backend_free_modules_import_no_backend(module: str) -> None:
     assert backends_imported(module) == set()
+
+
+def in_package(prefix: str) -> list[str]:
+    return sorted(m for m in GRAPH if m == prefix or m.startswith(prefix + "."))
+
+
+@pytest.mark.parametrize(
+    ("prefix", "allowed"),
+    [
+        ("keras_gradtrack.backends.ops", set()),
+        ("keras_gradtrack.backends.jax", {"jax"}),
+        ("keras_gradtrack.backends.torch", {"torch"}),
+    ],
+)
+def test_each_probed_engine_imports_only_its_backend(prefix: str, allowed: set[str]) -> None:
+    modules = in_package(prefix)
+    assert modules, prefix
+    for module in modules:
+        assert backends_imported(module) <= allowed, module
 
 
 @pytest.mark.parametrize("module", [SEAM, PATCHING])

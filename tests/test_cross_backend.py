@@ -1,9 +1,9 @@
-"""The same model, weights and data give the same log on TensorFlow and JAX.
+"""The same model, weights and data give the same log on TensorFlow, JAX and PyTorch.
 
 tests/cross_backend_worker.py runs every case of tests/cross_backend_models.py once per
 backend, each in a process of its own (Keras picks its backend when imported): first on
-TensorFlow, which saves each model's first weights, then on JAX, which loads them
-(`.weights.h5`; one case the whole `.keras` model). Each run fits 3 steps of 8 examples
+TensorFlow, which saves each model's first weights, then on JAX and on PyTorch, which
+load them (`.weights.h5`; one case the whole `.keras` model). Each run fits 3 steps of 8 examples
 in order with `HDF5GradientLogger`'s default statistics. Every dataset of the two logs
 (the per-example and per-step columns, per layer too, the layer names) and every weight
 after the steps (the optimizer's too) must agree, by the oracle's tolerance rule
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "cross_backend_worker.py"
-BACKENDS = ("tensorflow", "jax")
+BACKENDS = ("tensorflow", "jax", "torch")
 
 # Attributes of the log that name the run, not its numbers: {object path: names}.
 DIFFERING_ATTRIBUTES = {"/": {"backend", "created"}}
@@ -40,9 +40,19 @@ class RefusedOnJax(Exception):
     """The JAX run of a case was refused (a feature the JAX engine lacks today)."""
 
 
+class RefusedOnTorch(Exception):
+    """The PyTorch run of a case was refused (a feature the PyTorch engine lacks today)."""
+
+
 def refused(feature: str) -> Any:
     return pytest.mark.xfail(
         strict=True, raises=RefusedOnJax, reason=f"{feature} is refused on JAX today"
+    )
+
+
+def refused_on_torch(feature: str) -> Any:
+    return pytest.mark.xfail(
+        strict=True, raises=RefusedOnTorch, reason=f"{feature} is refused on PyTorch today"
     )
 
 
@@ -104,11 +114,13 @@ def runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     """Each backend's output folder, with the cases this session runs (and `mlp_sgd`);
-    JAX's models start from TensorFlow's weights."""
+    JAX's and PyTorch's models start from TensorFlow's weights."""
     cases = ",".join(selected_cases(request))
     out = tmp_path_factory.mktemp("cross_backend")
     run_worker("tensorflow", out / "tensorflow", "--cases", cases)
-    run_worker("jax", out / "jax", "--weights-from", str(out / "tensorflow"), "--cases", cases)
+    for backend in BACKENDS[1:]:
+        weights = str(out / "tensorflow")
+        run_worker(backend, out / backend, "--weights-from", weights, "--cases", cases)
     return {backend: out / backend for backend in BACKENDS}
 
 
@@ -181,29 +193,56 @@ def assert_same_weights(got: Path, want: Path) -> None:
             assert_same_values(path, got_items[path][()], values, atol=atol)
 
 
+# What the PyTorch engine refuses today (each says so, before any weight changes), and
+# what differs there as on JAX.
+TORCH_EXPECTED = {
+    "dropout_in_training": EXPECTED_FAILURES["dropout_in_training"],
+    "embedding_adam": EXPECTED_FAILURES["embedding_adam"],
+    "several_outputs": refused_on_torch("a compiled loss over several outputs"),
+    "lstm": refused_on_torch("a recurrent layer"),
+    "stacked_cells": refused_on_torch("a recurrent layer"),
+    "zoo_bidirectional_lstm": refused_on_torch("a recurrent layer"),
+    "zoo_lstm_forecasting": refused_on_torch("a recurrent layer"),
+    "zoo_ticket_classifier": refused_on_torch("a recurrent layer"),
+    "batch_normalization": refused_on_torch("BatchNormalization in training"),
+    "zoo_timeseries_classifier": refused_on_torch("BatchNormalization in training"),
+    "private": refused_on_torch("make_private"),
+    "private_adaptive": refused_on_torch("make_private"),
+    "private_loss_scale": refused_on_torch("make_private"),
+    "attribution": refused_on_torch("targets and sketches"),
+}
+EXPECTED = {"jax": EXPECTED_FAILURES, "torch": TORCH_EXPECTED}
+REFUSED = {"jax": RefusedOnJax, "torch": RefusedOnTorch}
+
+
 @pytest.mark.parametrize(
-    "case",
+    ("backend", "case"),
     [
         pytest.param(
+            backend,
             name,
             marks=[
-                *([EXPECTED_FAILURES[name]] if name in EXPECTED_FAILURES else []),
+                *([EXPECTED[backend][name]] if name in EXPECTED[backend] else []),
                 *([pytest.mark.extended] if name in EXTENDED else []),
             ],
+            id=f"{backend}-{name}",
         )
+        for backend in BACKENDS[1:]
         for name in CASES
     ],
 )
-def test_the_same_log_and_weights_on_both_backends(runs: dict[str, Path], case: str) -> None:
-    tensorflow, jax = (runs[backend] / case for backend in BACKENDS)
-    results = [json.loads((folder / "result.json").read_text()) for folder in (tensorflow, jax)]
+def test_the_same_log_and_weights_as_on_tensorflow(
+    runs: dict[str, Path], backend: str, case: str
+) -> None:
+    tensorflow, other = runs["tensorflow"] / case, runs[backend] / case
+    results = [json.loads((folder / "result.json").read_text()) for folder in (tensorflow, other)]
     assert results[0]["error"] is None, f"on TensorFlow: {results[0].get('traceback')}"
     if results[1]["error"] is not None:
-        raise RefusedOnJax(results[1]["error"])
-    # The JAX run started from the weights the TensorFlow run wrote.
+        raise REFUSED[backend](results[1]["error"])
+    # The run started from the weights the TensorFlow run wrote.
     assert Path(results[1]["weights_from"]).parent == tensorflow
-    assert_same_log(jax / "log.h5", tensorflow / "log.h5")
-    assert_same_weights(jax / "final.weights.h5", tensorflow / "final.weights.h5")
+    assert_same_log(other / "log.h5", tensorflow / "log.h5")
+    assert_same_weights(other / "final.weights.h5", tensorflow / "final.weights.h5")
 
 
 def test_the_differing_attributes_name_the_backends(runs: dict[str, Path]) -> None:

@@ -25,7 +25,9 @@ from keras_gradtrack.version import __version__
 
 def is_chief(model: Any) -> bool:
     """Whether this process writes the log: always, except non-chief multi-worker tasks
-    (on JAX: processes but the first)."""
+    (on JAX: processes but the first; on PyTorch, one process writes)."""
+    if keras.backend.backend() == "torch":
+        return True
     if keras.backend.backend() == "jax":
         from keras_gradtrack.backends.jax.distribution import writes_log
 
@@ -46,6 +48,10 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
         from keras_gradtrack.backends.jax import GradientTrackingMixin as JaxTrackingMixin
 
         tracking_mixin: type = JaxTrackingMixin
+    elif keras.backend.backend() == "torch":
+        from keras_gradtrack.backends.torch import GradientTrackingMixin as TorchTrackingMixin
+
+        tracking_mixin = TorchTrackingMixin
     else:
         from keras_gradtrack.models.trainer import GradientTrackingMixin
 

@@ -52,8 +52,9 @@ from keras_gradtrack.statistics import Statistic
 def attribution_classes() -> tuple[type[TargetExamples], type[SketchRequest]]:
     """The classes of the targets' and the sketches' requests on the Keras backend: the
     TensorFlow engine's (imported only when asked for), or on JAX the requests as data,
-    which the JAX engine computes itself (`backends/jax/attribution.py`)."""
-    if keras.backend.backend() == "jax":
+    which the JAX engine computes itself (`backends/jax/attribution.py`; on PyTorch the
+    tracked step refuses them)."""
+    if keras.backend.backend() != "tensorflow":
         return TargetExamples, SketchRequest
     from keras_gradtrack.attribution.sketches import GradientSketch
     from keras_gradtrack.attribution.targets import TargetSet

@@ -1,0 +1,83 @@
+"""The example-independence guard on PyTorch: the same two inference passes.
+
+As on TensorFlow and JAX (`engine/example_independence.py` holds the comparison and
+the refusal), the model runs in inference mode on a batch and on the same batch with
+its second half replaced by the first half's examples reversed; the first half's
+outputs and per-example losses must not change. Both passes run without gradients,
+inside a `keras.StatelessScope` holding the variables' values: whatever a layer
+assigns stays in the scope, so no state and no metric of the model changes.
+
+Example:
+
+```python
+mixing = find_example_mixing(model, x, y)
+if mixing is not None:
+    raise mixing_error(model, mixing)
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+from keras import tree
+
+from keras_gradtrack.backends.ops.step import per_example_losses
+from keras_gradtrack.engine.example_independence import (
+    ExampleIndependenceSetting,
+    Mixing,
+    checked_once,
+    find_mixing,
+)
+
+
+class ExampleIndependenceChecks(ExampleIndependenceSetting):
+    """The guard's part of the PyTorch engine's `GradientTrackingMixin`: the setting,
+    and the check before the first tracked step of a fit (or a loop of
+    `train_on_batch`) that wants it, once per model, compiled loss and batch signature
+    (as on the other backends; `ops.mixin.ProbedTrackingMixin` says whether one is)."""
+
+    def _check_independence_once(self, data: Any) -> None:
+        guard = self.__dict__.get("_independence_guard")
+        if guard is None or not guard.wanted:
+            return
+        guard.wanted = False
+        self._check_examples_independent(data)
+
+    def _check_examples_independent(self, data: Any) -> None:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        checked_once(
+            self,
+            (x, y, sample_weight),
+            lambda: find_example_mixing(self, x, y, sample_weight),
+        )
+
+
+def find_example_mixing(
+    model: Any, x: Any, y: Any = None, sample_weight: Any = None
+) -> Mixing | None:
+    """Runs the guard on one batch: `Mixing` where it fails, None where it holds."""
+
+    def passes(batch: tuple[Any, ...], variant: tuple[Any, ...]) -> Any:
+        return forward(model, *batch), forward(model, *variant)
+
+    return find_mixing(x, y, sample_weight, passes)
+
+
+def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndarray]:
+    """`{what: (B, ...) values}`: the outputs and, with targets, the per-example losses
+    of the compiled loss, at the variables' current values, changing nothing."""
+    mapping = [(v, v.value.detach().clone()) for v in model.variables]
+    with torch.no_grad(), keras.StatelessScope(state_mapping=mapping):
+        y_pred = model(x, training=False)
+        found: dict[str, np.ndarray] = {}
+        for index, output in enumerate(tree.flatten(y_pred)):
+            if isinstance(output, torch.Tensor) and output.ndim and output.is_floating_point():
+                found[f"output {index}"] = output.cpu().numpy()
+        if y is not None and model.loss is not None:
+            losses, _ = per_example_losses(model, y, y_pred, sample_weight)
+            found["loss 0"] = losses.cpu().numpy()
+    return found

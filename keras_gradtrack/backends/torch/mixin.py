@@ -1,0 +1,317 @@
+"""`GradientTrackingMixin` on the PyTorch backend: per-example tracking in Keras' torch trainer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+from keras import ops
+
+from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
+from keras_gradtrack.backends.ops.plan import TrackedLayer, plan_summary
+from keras_gradtrack.backends.ops.step import (
+    ProbedPass,
+    Tracking,
+    batch_size_of,
+    columns_payload,
+    input_sq_norm,
+    layer_columns,
+    layer_gram,
+    per_example_losses,
+    probed_calls,
+    split_example_ids,
+    value_lookup,
+)
+from keras_gradtrack.backends.torch.batchless import find_batchless_calls
+from keras_gradtrack.backends.torch.fallback import fallback_per_example
+from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
+from keras_gradtrack.backends.torch.plan import build_plan
+from keras_gradtrack.backends.torch.probes import Probes
+from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
+from keras_gradtrack.statistics import Statistic
+
+BACKEND = "PyTorch"
+
+
+def refusal_of_step(model: Any, requests: Sequence[Any], own_step: bool) -> str:
+    """Why the PyTorch engine cannot track this step of `model` yet (empty when it can;
+    `own_step`: whether its class defines a `train_step` of its own)."""
+    if requests:
+        return (
+            "Targets and gradient sketches (HDF5GradientLogger's targets= and sketch_dim=) "
+            f"are TensorFlow's and JAX's for now; the {BACKEND} engine logs the statistics."
+        )
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        return (
+            f"The {BACKEND} engine does not track steps of a LossScaleOptimizer yet "
+            "(TensorFlow and JAX do); train in float32, or on another backend."
+        )
+    if own_step:
+        return (
+            f"Model {model.name!r} has a train_step of its own: the {BACKEND} engine tracks "
+            "Keras' own step for now (TensorFlow's `tracked_gradient` and JAX's "
+            "`tracked_value_and_grad` track steps of one's own)."
+        )
+    return ""
+
+
+class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
+    """Adds per-example gradient tracking to a `keras.Model` on the PyTorch backend.
+
+    Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
+    Untracked steps are Keras' own torch `train_step`. On the steps a gradient callback
+    asks for, the step is Keras' with `loss.backward()` replaced by one
+    `torch.autograd.grad` over the trainable weights and every tracked layer's
+    (pre-activation) output (`probes.py`): the optimizer receives the same gradients,
+    and the outputs' gradients give the per-example statistics through the rules the
+    JAX engine runs too (`backends/ops/`).
+
+    Example:
+
+    ```python
+    import os; os.environ["KERAS_BACKEND"] = "torch"
+    import keras, keras_gradtrack as kgt
+
+    model = kgt.GradientTrackingModel(inputs, outputs)    # this class on PyTorch
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5")])
+    ```
+    """
+
+    def make_private(self, *args: Any, **kwargs: Any) -> None:
+        """Not on PyTorch yet: private training is TensorFlow's and JAX's."""
+        raise NotImplementedError(
+            f"make_private: private training runs on TensorFlow and JAX; the {BACKEND} "
+            "engine tracks statistics only for now. Set KERAS_BACKEND=tensorflow or jax."
+        )
+
+    @property
+    def privacy_settings(self) -> None:
+        """None: no private training on PyTorch yet (`make_private` says so)."""
+        return None
+
+    def _build_tracking_plan(self) -> list[TrackedLayer]:
+        return build_plan(self)
+
+    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
+        """Prints (and returns) which path computes each layer's per-example gradients.
+
+        Example:
+
+        ```python
+        model.gradient_tracking_summary()
+        # column  layer   class  params  path
+        # 0       hidden  Dense  8256    rule:dense
+        ```
+        """
+        return plan_summary(self.gradient_tracking_plan(), lambda t: t.path, print_fn)
+
+    def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
+        reason = refusal_of_step(self, requests, self._has_own_step())
+        if reason:
+            raise ValueError(reason)
+
+    # -- the tracked step ---------------------------------------------------
+
+    def _probed_step(
+        self, data: Any, tracking: Tracking, training_step: bool
+    ) -> tuple[dict[str, Any], list[Any], Any]:
+        """Keras' torch step up to the update, with the probes: `(payload, gradients,
+        y_pred)`, the gradients those `loss.backward()` would leave on the weights. On a
+        training step the loss tracker counts the loss and the optimizer scales it, as
+        Keras' step does."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        probes = Probes([tracked.layer for tracked in tracking.plan])
+        inputs: list[Any] = []
+        if needs_input_gradients(tracking.statistics):
+            x, inputs = watched_inputs(x)
+        batch = batch_size_of(x)
+        with probes.installed(tracking.batchless, batch):
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+        self.zero_grad()
+        loss = self._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        if training_step:
+            self._loss_tracker.update_state(loss, sample_weight=batch)
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+        variables = self.trainable_variables
+        marked = [*probes.probed, *inputs]
+        grads = torch.autograd.grad(loss, [v.value for v in variables] + marked, allow_unused=True)
+        weight_grads = list(grads[: len(variables)])
+        with torch.no_grad():
+            marked_grads = [
+                torch.zeros_like(tensor) if grad is None else grad
+                for tensor, grad in zip(marked, grads[len(variables) :])
+            ]
+            probe_grads = marked_grads[: len(probes.probed)]
+            losses, factor = per_example_losses(self, y, y_pred, sample_weight)
+            probed = ProbedPass(
+                calls=[(index, kwargs) for index, _, kwargs in probes.calls],
+                inputs=[detached(inputs) for _, inputs, _ in probes.calls],
+                probe_grads=probe_grads,
+                trainable=[v.value.detach() for v in variables],
+                non_trainable=[v.value.detach() for v in self.non_trainable_variables],
+                grads=[
+                    torch.zeros_like(v.value) if g is None else g
+                    for v, g in zip(variables, weight_grads)
+                ],
+                fallback=fallback_per_example,
+                input_grads=marked_grads[len(probes.probed) :],
+            )
+            # Without penalties or added losses the loss is `c sum_i l_i` exactly.
+            exact_factor = factor if not self.losses else None
+            columns = layer_columns(self, tracking.plan, probed, factor, exact_factor)
+            opt_in = opt_in_primitives(self, tracking, probed, factor)
+            payload = columns_payload(tracking.statistics, columns, losses, batch, opt_in)
+            if self.optimizer is not None:
+                payload[LEARNING_RATE] = ops.convert_to_tensor(
+                    self.optimizer.learning_rate, "float32"
+                )
+            payload = {k: v.detach().cpu().numpy() for k, v in payload.items()}
+        return payload, weight_grads, y_pred
+
+    def _tracked_train_step(self, data: Any, tracking: Tracking) -> tuple[Any, dict[str, Any]]:
+        """Keras' torch `train_step`, its backward pass the probed one: `(logs, payload)`."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        payload, gradients, y_pred = self._probed_step(data, tracking, training_step=True)
+        trainable_weights = self.trainable_weights[:]
+        with torch.no_grad():
+            self.optimizer.apply(gradients, trainable_weights)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight), payload
+
+    def _tracking(self, data: Any, statistics: Sequence[Statistic]) -> Tracking:
+        """What the tracked steps of these statistics compute: the plan, and the calls
+        that do not follow the batch (read from this batch's inputs)."""
+        plan = build_plan(self)
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        probes = Probes([tracked.layer for tracked in plan])
+        return Tracking(plan, statistics, batchless=find_batchless_calls(self, probes, x))
+
+    # -- Keras hooks --------------------------------------------------------
+
+    def test_step(self, data: Any) -> Any:
+        return super().test_step(split_example_ids(data)[0])  # type: ignore[misc]
+
+    def predict_step(self, data: Any) -> Any:
+        return super().predict_step(split_example_ids(data)[0])  # type: ignore[misc]
+
+    def make_train_function(self, force: bool = False) -> Any:
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force)  # type: ignore[misc]
+        untracked = self.train_function
+        tracking = self.gradient_tracking
+        plans: dict[Any, Tracking] = {}
+
+        def train_function(data: Any) -> Any:
+            batch, ids = split_example_ids(data[0])
+            batch_size = batch_size_of(keras.utils.unpack_x_y_sample_weight(batch)[0])
+            due = tracking.due()
+            if not due:
+                logs = untracked([batch])
+                tracking.report(batch_size, None, due)
+                return logs
+            statistics, requests = tracking.statistics(due), tracking.requests(due)
+            key = tuple(s.name for s in statistics)
+            self._check_independence_once(batch)
+            if key not in plans:
+                self._refuse_untrackable(statistics, requests)
+                plans[key] = self._tracking(batch, statistics)
+            logs, payload = self._tracked_train_step(batch, plans[key])
+            payload[BATCH_SIZE] = np.asarray(batch_size, np.int32)
+            if ids is not None:
+                payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+            tracking.report(batch_size, payload, due)
+            return logs
+
+        self.train_function = train_function
+        return train_function
+
+    def _gradient_statistics(
+        self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]
+    ) -> dict[str, np.ndarray]:
+        self._refuse_untrackable(statistics, ())
+        data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = (
+            keras.tree.map_structure(ops.convert_to_tensor, value) if value is not None else None
+            for value in (x, y, sample_weight)
+        )
+        data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        if not self.built or (self.optimizer is not None and not self.optimizer.built):
+            self._symbolic_build(data_batch=data)
+        if self.check_example_independence and not self.__dict__.get("_examples_independent"):
+            self._check_examples_independent(data)
+        # What the step would assign (a dropout's seed, metrics) stays in the scope.
+        mapping = [
+            (v, v.value.detach().clone())
+            for v in [*self.non_trainable_variables, *self.metrics_variables]
+        ]
+        with keras.StatelessScope(state_mapping=mapping):
+            payload, _, _ = self._probed_step(
+                data, self._tracking(data, statistics), training_step=False
+            )
+        payload.pop(LEARNING_RATE, None)
+        payload[BATCH_SIZE] = np.asarray(batch_size_of(x), np.int32)
+        if ids is not None:
+            payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
+        return {name: np.array(value) for name, value in payload.items()}
+
+
+def opt_in_primitives(
+    model: Any, tracking: Tracking, probed: ProbedPass, factor: Any
+) -> dict[str, Any]:
+    """What the opt-in statistics need: the `(B, B)` Gram matrix summed over the layers
+    (each layer's factored form, or its per-example gradients), and the input
+    gradients' `(B,)` squared norms."""
+    found: dict[str, Any] = {}
+    if any(statistic.needs_gram for statistic in tracking.statistics):
+        lookup_value = value_lookup(model, probed)
+        grams = [
+            layer_gram(tracked, layer_calls, lookup_value, probed.fallback)
+            for layer_calls, tracked in zip(
+                probed_calls(probed, factor, len(tracking.plan)), tracking.plan
+            )
+        ]
+        found["gram"] = sum(grams[1:], grams[0])
+    if probed.input_grads:
+        found["input_sq_norm"] = input_sq_norm(probed.input_grads, factor)
+    return found
+
+
+def needs_input_gradients(statistics: Sequence[Statistic]) -> bool:
+    return any(statistic.needs_input_gradients for statistic in statistics)
+
+
+def watched_inputs(x: Any) -> tuple[Any, list[Any]]:
+    """`(x, its float tensors)`: `x` with each float tensor replaced by a leaf of its own
+    that autograd differentiates with respect to (the caller's tensors stay as they
+    are)."""
+    floats: list[Any] = []
+
+    def watched(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            floats.append(leaf.detach().requires_grad_(True))
+            return floats[-1]
+        return leaf
+
+    x = keras.tree.map_structure(watched, x)
+    if not floats:
+        raise ValueError(
+            "input_grad_norm is the gradient of each example's loss with respect to its "
+            "float inputs; the model has none (the gradient with respect to integer "
+            "inputs, such as token ids, is not defined)."
+        )
+    return x, floats
+
+
+def detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,56 @@
+"""Which layers the PyTorch engine tracks, and what it refuses before training.
+
+Example:
+
+```python
+plan = build_plan(model)
+[tracked.name for tracked in plan]    # the per-layer columns
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from keras_gradtrack._keras_seam import own_trainable_variables
+from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers
+from keras_gradtrack.backends.torch.registry import lookup
+
+FALLBACK_PATH = "fallback (per-layer torch.func.vmap of grad)"
+
+
+def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
+    """Why the PyTorch engine cannot track the layer yet (empty when it can)."""
+    name = f"Layer {layer.name!r} ({type(layer).__name__})"
+    if isinstance(layer, keras.layers.RNN):
+        return (
+            f"{name} is a recurrent layer: the PyTorch engine does not track recurrent "
+            "layers yet (TensorFlow and JAX do, exactly). Run this model with "
+            "KERAS_BACKEND=tensorflow or jax to track it."
+        )
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+        return (
+            f"{name} normalizes with statistics of the whole batch in training, so example "
+            "i's loss depends on the other examples; the PyTorch engine does not track "
+            "through it yet (`track_batch_normalization` is TensorFlow's and JAX's). Freeze "
+            "it (`layer.trainable = False`: exact and cheap), or replace it with "
+            "GroupNormalization (`kgt.convert_to_group_normalization`)."
+        )
+    if getattr(layer, "activity_regularizer", None) is not None and own_trainable_variables(layer):
+        return (
+            f"{name} has an activity regularizer, a penalty on its output that mixes into "
+            "the output gradients; the PyTorch engine does not track such layers yet."
+        )
+    return ""
+
+
+def build_plan(model: keras.Model) -> list[TrackedLayer]:
+    """The tracked layers of a built model, in column order (`ops.plan.planned_layers`).
+
+    Raises:
+        ValueError: For a layer the PyTorch engine refuses (`refusal`), trainable
+            variables of the model itself, or a model without trainable variables.
+    """
+    return planned_layers(model, lookup, refusal, FALLBACK_PATH)

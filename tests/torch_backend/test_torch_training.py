@@ -1,0 +1,211 @@
+"""The PyTorch engine in `fit`: a tracked step trains exactly as Keras' own torch step,
+the log is the one `gradient_statistics` gives, and what the engine cannot track yet is
+refused before any weight changes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import patience
+import pytest
+import torch
+from backend_models import MODELS, compiled
+from backend_oracle import assert_trains_as_plain, tracked_statistics
+from test_torch_oracle import BATCH, BUILDERS, data
+from torch_oracle import assert_matches_oracle, oracle_statistics
+
+import keras_gradtrack as kgt
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_a_tracked_step_trains_as_keras_does(name: str) -> None:
+    build, _ = BUILDERS[name]
+    x, y = data(name, seed=5)
+    x, y = np.concatenate([x, x[::-1]]), np.concatenate([y, y[::-1]])
+    tracked, plain = compiled(build(kgt.GradientTrackingModel)), compiled(build(keras.Model))
+    assert_trains_as_plain(tracked, plain, x, y, BATCH)
+    assert tracked.gradient_tracking.step == 2
+
+
+def test_the_opt_in_statistics_match_the_oracle() -> None:
+    model = compiled(MODELS["cnn"][0](kgt.GradientTrackingModel))
+    x, y = data("cnn", seed=6)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    batch = keras.ops.convert_to_tensor(x)
+    norms = []
+    for i in range(BATCH):
+        xi = batch[i : i + 1].clone().requires_grad_(True)
+        loss = model.loss(keras.ops.convert_to_tensor(y[i : i + 1]), model(xi, training=True))
+        (grad,) = torch.autograd.grad(loss, [xi])
+        norms.append(float(grad.norm()))
+    got = tracked_statistics(model, x, y, names=["pairwise_cosine", "input_grad_norm"])
+    assert_matches_oracle({"pairwise_cosine": got["pairwise_cosine"]}, expected)
+    np.testing.assert_allclose(got["input_grad_norm"], norms, rtol=1e-4, atol=1e-7)
+
+
+def test_the_log_holds_the_steps_statistics_and_ids(tmp_path: Path) -> None:
+    model = compiled(MODELS["mlp"][0](kgt.GradientTrackingModel))
+    x, y = data("mlp", seed=7)
+    model(x[:1])
+    expected = model.gradient_statistics(x[:3], y[:3])
+    ids = np.arange(100, 100 + BATCH)
+    path = tmp_path / "run.h5"
+    model.fit(
+        {"x": x, "example_id": ids},
+        y,
+        batch_size=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kgt.HDF5GradientLogger(path)],
+    )
+    log = kgt.GradientLog(path)
+    assert log.attrs["backend"] == "torch"
+    np.testing.assert_array_equal(log.per_example("example_id"), ids)
+    first = log.per_example("grad_norm")[:3]
+    np.testing.assert_allclose(first, expected["grad_norm"], rtol=1e-5)
+    assert model.gradient_tracking.step == 2
+
+
+def lstm() -> Any:
+    inputs = keras.Input((4, 3))
+    return kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(keras.layers.LSTM(4)(inputs)))
+
+
+def batch_normalization() -> Any:
+    inputs = keras.Input((6,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    return kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(hidden))
+
+
+class OwnStep(kgt.GradientTrackingModel):
+    def train_step(self, data: Any) -> Any:
+        return super().train_step(data)
+
+
+def own_step() -> Any:
+    inputs = keras.Input((6,))
+    return OwnStep(inputs, keras.layers.Dense(3)(inputs))
+
+
+def loss_scale() -> Any:
+    model = MODELS["mlp"][0](kgt.GradientTrackingModel)
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def mixing() -> Any:
+    """Subtracts the batch's mean: each example's output depends on the others."""
+    inputs = keras.Input((6,))
+    centered = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0))(inputs)
+    return kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(centered))
+
+
+REFUSED = {
+    "lstm": (lstm, (4, 3), "recurrent"),
+    "batch_normalization": (batch_normalization, (6,), "BatchNormalization"),
+    "own_step": (own_step, (6,), "train_step of its own"),
+    "loss_scale": (loss_scale, (12,), "LossScaleOptimizer"),
+    "mixing": (mixing, (6,), "mixes the examples"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_is_not_tracked_yet_is_refused_before_any_weight_changes(
+    name: str, tmp_path: Path
+) -> None:
+    build, shape, words = REFUSED[name]
+    model = build()
+    if getattr(model, "optimizer", None) is None:
+        compiled(model)
+    x = np.random.default_rng(8).normal(size=(BATCH, *shape)).astype("float32")
+    y = np.zeros(BATCH, "int64")
+    model(x[:1])
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(ValueError, match=words):
+        model.fit(
+            x, y, batch_size=3, verbose=0, callbacks=[kgt.HDF5GradientLogger(tmp_path / "r.h5")]
+        )
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_private_training_and_targets_say_where_they_run() -> None:
+    model = compiled(MODELS["mlp"][0](kgt.GradientTrackingModel))
+    with pytest.raises(NotImplementedError, match="TensorFlow and JAX"):
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
+
+
+SCRIPT = """
+import sys
+import keras, numpy as np
+import keras_gradtrack as kgt
+inputs = keras.Input((4,))
+model = kgt.GradientTrackingModel(inputs, keras.layers.Dense(2)(inputs))
+model.compile(optimizer="sgd", loss="mse")
+x, y = np.ones((6, 4), "float32"), np.zeros((6, 2), "float32")
+model.fit(x, y, batch_size=3, verbose=0, callbacks=[kgt.HDF5GradientLogger(sys.argv[1])])
+log = kgt.GradientLog(sys.argv[1])
+print(log.num_examples, log.attrs["backend"], "tensorflow" in sys.modules)
+"""
+
+
+def test_the_engine_imports_no_tensorflow(tmp_path: Path) -> None:
+    env = {"KERAS_BACKEND": "torch", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(tmp_path / "run.h5")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patience.seconds(2),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["6", "torch", "False"]
+
+
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """keras-io's layer, as written there: the position table called on
+    `ops.arange(maxlen)`, a value without the batch's rows."""
+
+    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.token_emb = keras.layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = keras.layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x: Any) -> Any:
+        maxlen = keras.ops.shape(x)[-1]
+        positions = self.pos_emb(keras.ops.arange(start=0, stop=maxlen, step=1))
+        return self.token_emb(x) + positions
+
+
+def positions_model(model_class: type, length: int) -> Any:
+    inputs = keras.Input((length,), dtype="int32")
+    hidden = TokenAndPositionEmbedding(length, 7, 4)(inputs)
+    return compiled(model_class(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))))
+
+
+@pytest.mark.parametrize("length", [BATCH, BATCH + 1])
+def test_a_position_table_is_exact_whatever_its_length(length: int) -> None:
+    """The position table's call has no batch axis: with `length == batch size` a
+    per-example reading of its output would be silently wrong, any other length a shape
+    error; broadcast to the batch, each example's gradient is exact."""
+    model = positions_model(kgt.GradientTrackingModel, length)
+    rng = np.random.default_rng(9)
+    x, y = rng.integers(0, 7, (BATCH, length)).astype("int32"), rng.integers(0, 3, BATCH)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)
+    plain = positions_model(keras.Model, length)
+    x2, y2 = np.concatenate([x, x[::-1]]), np.concatenate([y, y[::-1]])
+    assert_trains_as_plain(positions_model(kgt.GradientTrackingModel, length), plain, x2, y2, BATCH)
