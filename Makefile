@@ -73,6 +73,8 @@ GPU_WHEEL_PACKAGES := keras optree absl-py rich namex markdown-it-py mdurl pygme
 # benchmarks/long_sequence.py.
 GPU_WHEEL_PACKAGES += keras-hub kagglehub kagglesdk protobuf regex sentencepiece tokenizers \
 	pyyaml requests urllib3 idna certifi charset-normalizer tqdm
+# Opacus (pure Python) for the torch table beside it (it imports the machine's scipy).
+GPU_WHEEL_PACKAGES += opacus opt_einsum
 
 gpu-wheels: $(STAMP)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)

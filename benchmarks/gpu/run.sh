@@ -14,7 +14,8 @@
 # (ms/step of plain and tracked fit, their ratio, peak GPU memory), writing the
 # markdown table to the file given (default benchmarks/gpu/results-<time>.md); then
 # benchmarks/long_sequence.py's causal LMs (GPT-2, Qwen3) at T = 128 to 4096 on JAX,
-# its table to the same name with `-long-sequence` before `.md`.
+# its table to the same name with `-long-sequence` before `.md`; then, where the machine
+# has PyTorch, benchmarks/torch_overhead.py (Keras on PyTorch beside Opacus) to `-torch`.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -72,3 +73,12 @@ LONG_OUT="${OUT%.md}-long-sequence.md"
     --variants tracked,norms \
     --out "$LONG_OUT"
 echo "Table written to $LONG_OUT"
+# Keras on PyTorch (the machine's torch with CUDA) beside Opacus, where the wheels hold it.
+TORCH_OUT="${OUT%.md}-torch.md"
+if "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" "${TARGET[@]}" \
+        opacus || echo "No Opacus wheel: the torch table leaves its columns out." >&2
+    KERAS_BACKEND=torch "$PY" benchmarks/torch_overhead.py --batch-sizes 128,512 --rounds 3 \
+        --out "$TORCH_OUT"
+    echo "Table written to $TORCH_OUT"
+fi

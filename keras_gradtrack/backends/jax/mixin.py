@@ -30,7 +30,6 @@ from keras_gradtrack.backends.jax.private_model import JaxPrivateTraining
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import Layouts, packed, unpacked
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
-from keras_gradtrack.backends.ops.plan import plan_summary
 from keras_gradtrack.backends.ops.step import Tracking, batch_size_of, split_example_ids
 from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.device_rows import DeviceRows
@@ -125,20 +124,9 @@ class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, Probe
     def _build_tracking_plan(self) -> list[TrackedLayer]:
         return build_plan(self)
 
-    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
-        """Prints (and returns) which path computes each layer's per-example gradients.
-
-        Example:
-
-        ```python
-        model.gradient_tracking_summary()
-        # column  layer   class  params  path
-        # 0       hidden  Dense  8256    rule:dense
-        ```
-        """
-        return plan_summary(
-            self.gradient_tracking_plan(), lambda tracked: coupled_path(self, tracked), print_fn
-        )
+    def _layer_path(self, tracked: TrackedLayer) -> str:
+        """The layer's path, through BatchNormalization in training where coupled."""
+        return coupled_path(self, tracked)
 
     def _gradient_statistics(
         self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]

@@ -18,10 +18,12 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
 
+from keras_gradtrack.backends.ops.plan import TrackedLayer, plan_summary
 from keras_gradtrack.backends.ops.step import split_example_ids
 from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine.example_independence import (
@@ -36,6 +38,22 @@ ENGINES = "keras_gradtrack.backends."
 
 class ProbedTrackingMixin(TracksGradients, BatchNormalizationTracking):
     """Keras' hooks of a probed engine's mixin (see the module)."""
+
+    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
+        """Prints (and returns) which path computes each layer's per-example gradients.
+
+        Example:
+
+        ```python
+        model.gradient_tracking_summary()
+        # column  layer   class  params  path
+        # 0       hidden  Dense  8256    rule:dense
+        ```
+        """
+        return plan_summary(self.gradient_tracking_plan(), self._layer_path, print_fn)
+
+    def _layer_path(self, tracked: TrackedLayer) -> str:
+        return tracked.path
 
     @property
     def distribute_strategy(self) -> None:

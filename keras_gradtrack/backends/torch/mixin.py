@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -11,7 +11,7 @@ import torch
 from keras import ops
 
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
-from keras_gradtrack.backends.ops.plan import TrackedLayer, plan_summary
+from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.step import (
     ProbedPass,
     Tracking,
@@ -95,19 +95,6 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
 
     def _build_tracking_plan(self) -> list[TrackedLayer]:
         return build_plan(self)
-
-    def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
-        """Prints (and returns) which path computes each layer's per-example gradients.
-
-        Example:
-
-        ```python
-        model.gradient_tracking_summary()
-        # column  layer   class  params  path
-        # 0       hidden  Dense  8256    rule:dense
-        ```
-        """
-        return plan_summary(self.gradient_tracking_plan(), lambda t: t.path, print_fn)
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         reason = refusal_of_step(self, requests, self._has_own_step())
