@@ -112,7 +112,14 @@ def mixing() -> Any:
     return kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(centered))
 
 
+def activity_regularized() -> Any:
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, activity_regularizer="l2")(inputs)
+    return kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(hidden))
+
+
 REFUSED = {
+    "activity_regularizer": (activity_regularized, (6,), "activity regularizer"),
     "lstm": (lstm, (4, 3), "recurrent"),
     "batch_normalization": (batch_normalization, (6,), "BatchNormalization"),
     "own_step": (own_step, (6,), "train_step of its own"),

@@ -14,7 +14,6 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack._keras_seam import own_trainable_variables
 from keras_gradtrack.backends.jax.recurrent import cell_layers, cell_of, recurrent_refusal
 from keras_gradtrack.backends.jax.registry import lookup
 from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers
@@ -40,11 +39,6 @@ def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
             "example through the layers before the last BatchNormalization); or freeze it "
             "(`layer.trainable = False`: exact and cheap), or replace it with "
             "GroupNormalization (`kgt.convert_to_group_normalization`)."
-        )
-    if getattr(layer, "activity_regularizer", None) is not None and own_trainable_variables(layer):
-        return (
-            f"{name} has an activity regularizer, a penalty on its output that mixes into "
-            "the output gradients; the JAX backend does not track such layers yet."
         )
     return ""
 

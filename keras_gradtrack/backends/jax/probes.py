@@ -26,10 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.recurrent import on_the_rule, recurrent_call
 from keras_gradtrack.backends.jax.rules import from_output_rows, output_rows
-from keras_gradtrack.backends.ops.batchless import broadcast_to_batch
+from keras_gradtrack.backends.ops.probes import ProbeRecords
 from keras_gradtrack.backends.ops.rules import splits_activation
 from keras_gradtrack.engine.preactivation import marked_preactivation_call
 
@@ -55,7 +54,7 @@ def tensor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-class Probes:
+class Probes(ProbeRecords):
     """Installs probes on `layers` and records, per call, the inputs and probed tensors.
 
     Args:
@@ -63,12 +62,8 @@ class Probes:
     """
 
     def __init__(self, layers: Sequence[Any]):
-        self.layers = list(layers)
-        self.calls: list[tuple[int, Any, dict[str, Any]]] = []
-        self.probed: list[Any] = []
+        super().__init__(layers)
         self._probes: Sequence[Any] | None = None
-        self._batchless: frozenset[int] = frozenset()
-        self._batch_size: int | None = None
 
     @contextlib.contextmanager
     def installed(
@@ -81,11 +76,8 @@ class Probes:
         (a first trace that records the probed shapes). The calls at the positions in
         `batchless` (in call order) are made on their input broadcast to `batch_size`
         examples (`batchless.py`)."""
-        self.calls, self.probed, self._probes = [], [], probes
-        self._batchless, self._batch_size = batchless, batch_size
-        with contextlib.ExitStack() as stack:
-            for index, layer in enumerate(self.layers):
-                stack.enter_context(patched(layer, "call", self._probing_call(index, layer)))
+        self._probes = probes
+        with self.patched_calls(batchless, batch_size):
             yield self
 
     def call_tensors(self) -> list[dict[str, Any]]:
@@ -112,15 +104,7 @@ class Probes:
         original = layer.call
 
         def probing_call(*args: Any, **kwargs: Any) -> Any:
-            if not args:
-                raise ValueError(
-                    f"Layer {layer.name!r} ({type(layer).__name__}) was called without a "
-                    "positional input: the JAX engine tracks a layer's first argument."
-                )
-            if len(self.calls) in self._batchless:
-                assert self._batch_size is not None
-                args = (broadcast_to_batch(args[0], self._batch_size), *args[1:])
-            self.calls.append((index, args[0], dict(kwargs)))
+            args = self._recorded(index, layer, args, kwargs)
             if on_the_rule(layer):  # the probe goes on the gate pre-activations
                 outputs, saved = recurrent_call(layer, original, args, kwargs, self._add_probe)
                 self.calls[-1] = (index, saved, dict(kwargs))

@@ -49,6 +49,17 @@ class TrackedLayer:
         return f"rule:{self.rule.name}" if self.rule else self.fallback
 
 
+def activity_regularizer_refusal(layer: Any) -> str:
+    """Why a layer with an activity regularizer is not tracked (empty without one)."""
+    if getattr(layer, "activity_regularizer", None) is None or not own_trainable_variables(layer):
+        return ""
+    return (
+        f"Layer {layer.name!r} ({type(layer).__name__}) has an activity regularizer, a "
+        "penalty on its output that mixes into the output gradients; the "
+        f"{backend_name()} backend does not track such layers yet."
+    )
+
+
 def no_cell(layer: Any) -> tuple[Any, Sequence[Any]]:
     """A backend without recurrent rules: no layer holds a cell's variables."""
     return None, ()
@@ -67,7 +78,7 @@ def planned_layers(
         model: The model.
         lookup: The backend's registry: a layer's rule, or None (the fallback).
         refusal: `(layer, tracks BatchNormalization) -> why the backend cannot track
-            it` (empty when it can).
+            it` (empty when it can); an activity regularizer is refused on every one.
         fallback: The fallback's name in the layers' paths.
         cell: `layer -> (its cell whose variables its column holds, or None; the cell's
             layers)`.
@@ -87,7 +98,7 @@ def planned_layers(
     cells: set[int] = set()  # those whose variables their recurrent layer's column holds
     opted_in = bool(getattr(model, "track_batch_normalization", False))
     for layer in flatten_layers(model, include_self=False):
-        reason = refusal(layer, opted_in)
+        reason = activity_regularizer_refusal(layer) or refusal(layer, opted_in)
         if reason:
             raise ValueError(reason)
         if id(layer) in cells:

@@ -10,9 +10,7 @@ assigns stays in the scope, so no state and no metric of the model changes.
 Example:
 
 ```python
-mixing = find_example_mixing(model, x, y)
-if mixing is not None:
-    raise mixing_error(model, mixing)
+assert find_example_mixing(model, x, y) is None     # the examples do not mix
 ```
 """
 
@@ -26,15 +24,10 @@ import torch
 from keras import tree
 
 from keras_gradtrack.backends.ops.step import per_example_losses
-from keras_gradtrack.engine.example_independence import (
-    ExampleIndependenceSetting,
-    Mixing,
-    checked_once,
-    find_mixing,
-)
+from keras_gradtrack.engine import example_independence as independence
 
 
-class ExampleIndependenceChecks(ExampleIndependenceSetting):
+class ExampleIndependenceChecks(independence.ExampleIndependenceSetting):
     """The guard's part of the PyTorch engine's `GradientTrackingMixin`: the setting,
     and the check before the first tracked step of a fit (or a loop of
     `train_on_batch`) that wants it, once per model, compiled loss and batch signature
@@ -49,7 +42,7 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
 
     def _check_examples_independent(self, data: Any) -> None:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        checked_once(
+        independence.checked_once(
             self,
             (x, y, sample_weight),
             lambda: find_example_mixing(self, x, y, sample_weight),
@@ -58,13 +51,13 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
 
 def find_example_mixing(
     model: Any, x: Any, y: Any = None, sample_weight: Any = None
-) -> Mixing | None:
+) -> independence.Mixing | None:
     """Runs the guard on one batch: `Mixing` where it fails, None where it holds."""
 
     def passes(batch: tuple[Any, ...], variant: tuple[Any, ...]) -> Any:
         return forward(model, *batch), forward(model, *variant)
 
-    return find_mixing(x, y, sample_weight, passes)
+    return independence.find_mixing(x, y, sample_weight, passes)
 
 
 def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndarray]:

@@ -10,21 +10,10 @@ import numpy as np
 import torch
 from keras import ops
 
+from keras_gradtrack.backends.ops import step as shared
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.backends.ops.plan import TrackedLayer
-from keras_gradtrack.backends.ops.step import (
-    ProbedPass,
-    Tracking,
-    batch_size_of,
-    columns_payload,
-    input_sq_norm,
-    layer_columns,
-    layer_gram,
-    per_example_losses,
-    probed_calls,
-    split_example_ids,
-    value_lookup,
-)
+from keras_gradtrack.backends.ops.step import ProbedPass, Tracking
 from keras_gradtrack.backends.torch.batchless import find_batchless_calls
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
@@ -69,15 +58,13 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
     and the outputs' gradients give the per-example statistics through the rules the
     JAX engine runs too (`backends/ops/`).
 
-    Example:
+    Example (`KERAS_BACKEND=torch` set before Keras is imported):
 
     ```python
-    import os; os.environ["KERAS_BACKEND"] = "torch"
-    import keras, keras_gradtrack as kgt
+    class Classifier(kgt.GradientTrackingMixin, keras.Model):
+        ...
 
-    model = kgt.GradientTrackingModel(inputs, outputs)    # this class on PyTorch
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    model.fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5")])
+    Classifier().fit(x, y, callbacks=[kgt.HDF5GradientLogger("run.h5")])
     ```
     """
 
@@ -115,7 +102,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
         inputs: list[Any] = []
         if needs_input_gradients(tracking.statistics):
             x, inputs = watched_inputs(x)
-        batch = batch_size_of(x)
+        batch = shared.batch_size_of(x)
         with probes.installed(tracking.batchless, batch):
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
@@ -139,7 +126,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
                 for tensor, grad in zip(marked, grads[len(variables) :])
             ]
             probe_grads = marked_grads[: len(probes.probed)]
-            losses, factor = per_example_losses(self, y, y_pred, sample_weight)
+            losses, factor = shared.per_example_losses(self, y, y_pred, sample_weight)
             probed = ProbedPass(
                 calls=[(index, kwargs) for index, _, kwargs in probes.calls],
                 inputs=[detached(inputs) for _, inputs, _ in probes.calls],
@@ -155,9 +142,9 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
             )
             # Without penalties or added losses the loss is `c sum_i l_i` exactly.
             exact_factor = factor if not self.losses else None
-            columns = layer_columns(self, tracking.plan, probed, factor, exact_factor)
+            columns = shared.layer_columns(self, tracking.plan, probed, factor, exact_factor)
             opt_in = opt_in_primitives(self, tracking, probed, factor)
-            payload = columns_payload(tracking.statistics, columns, losses, batch, opt_in)
+            payload = shared.columns_payload(tracking.statistics, columns, losses, batch, opt_in)
             if self.optimizer is not None:
                 payload[LEARNING_RATE] = ops.convert_to_tensor(
                     self.optimizer.learning_rate, "float32"
@@ -185,10 +172,10 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
     # -- Keras hooks --------------------------------------------------------
 
     def test_step(self, data: Any) -> Any:
-        return super().test_step(split_example_ids(data)[0])  # type: ignore[misc]
+        return super().test_step(shared.split_example_ids(data)[0])  # type: ignore[misc]
 
     def predict_step(self, data: Any) -> Any:
-        return super().predict_step(split_example_ids(data)[0])  # type: ignore[misc]
+        return super().predict_step(shared.split_example_ids(data)[0])  # type: ignore[misc]
 
     def make_train_function(self, force: bool = False) -> Any:
         if self.train_function is not None and not force:
@@ -199,8 +186,8 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
         plans: dict[Any, Tracking] = {}
 
         def train_function(data: Any) -> Any:
-            batch, ids = split_example_ids(data[0])
-            batch_size = batch_size_of(keras.utils.unpack_x_y_sample_weight(batch)[0])
+            batch, ids = shared.split_example_ids(data[0])
+            batch_size = shared.batch_size_of(keras.utils.unpack_x_y_sample_weight(batch)[0])
             due = tracking.due()
             if not due:
                 logs = untracked([batch])
@@ -226,7 +213,9 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
         self, x: Any, y: Any, sample_weight: Any, statistics: list[Statistic]
     ) -> dict[str, np.ndarray]:
         self._refuse_untrackable(statistics, ())
-        data, ids = split_example_ids(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        data, ids = shared.split_example_ids(
+            keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        )
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, y, sample_weight = (
             keras.tree.map_structure(ops.convert_to_tensor, value) if value is not None else None
@@ -247,7 +236,7 @@ class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
                 data, self._tracking(data, statistics), training_step=False
             )
         payload.pop(LEARNING_RATE, None)
-        payload[BATCH_SIZE] = np.asarray(batch_size_of(x), np.int32)
+        payload[BATCH_SIZE] = np.asarray(shared.batch_size_of(x), np.int32)
         if ids is not None:
             payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
         return {name: np.array(value) for name, value in payload.items()}
@@ -261,16 +250,16 @@ def opt_in_primitives(
     gradients' `(B,)` squared norms."""
     found: dict[str, Any] = {}
     if any(statistic.needs_gram for statistic in tracking.statistics):
-        lookup_value = value_lookup(model, probed)
+        lookup_value = shared.value_lookup(model, probed)
         grams = [
-            layer_gram(tracked, layer_calls, lookup_value, probed.fallback)
+            shared.layer_gram(tracked, layer_calls, lookup_value, probed.fallback)
             for layer_calls, tracked in zip(
-                probed_calls(probed, factor, len(tracking.plan)), tracking.plan
+                shared.probed_calls(probed, factor, len(tracking.plan)), tracking.plan
             )
         ]
         found["gram"] = sum(grams[1:], grams[0])
     if probed.input_grads:
-        found["input_sq_norm"] = input_sq_norm(probed.input_grads, factor)
+        found["input_sq_norm"] = shared.input_sq_norm(probed.input_grads, factor)
     return found
 
 

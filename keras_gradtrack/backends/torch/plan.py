@@ -1,10 +1,9 @@
-"""Which layers the PyTorch engine tracks, and what it refuses before training.
+"""The PyTorch engine's plan: the shared one (`ops.plan`) with its registry and refusals.
 
 Example:
 
 ```python
-plan = build_plan(model)
-[tracked.name for tracked in plan]    # the per-layer columns
+build_plan(model)[0].path    # "rule:dense"
 ```
 """
 
@@ -14,7 +13,6 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack._keras_seam import own_trainable_variables
 from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers
 from keras_gradtrack.backends.torch.registry import lookup
 
@@ -37,11 +35,6 @@ def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
             "through it yet (`track_batch_normalization` is TensorFlow's and JAX's). Freeze "
             "it (`layer.trainable = False`: exact and cheap), or replace it with "
             "GroupNormalization (`kgt.convert_to_group_normalization`)."
-        )
-    if getattr(layer, "activity_regularizer", None) is not None and own_trainable_variables(layer):
-        return (
-            f"{name} has an activity regularizer, a penalty on its output that mixes into "
-            "the output gradients; the PyTorch engine does not track such layers yet."
         )
     return ""
 

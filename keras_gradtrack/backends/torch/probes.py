@@ -21,43 +21,25 @@ grads = torch.autograd.grad(loss, probes.probed)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.ops.batchless import broadcast_to_batch
+from keras_gradtrack.backends.ops.probes import ProbeRecords
 from keras_gradtrack.backends.ops.rules import splits_activation
 from keras_gradtrack.engine.preactivation import marked_preactivation_call
 
 
-class Probes:
-    """Installs probes on `layers` and records, per call, the inputs and probed tensors.
-
-    Args:
-        layers: The tracked layers.
-    """
-
-    def __init__(self, layers: Sequence[Any]):
-        self.layers = list(layers)
-        self.calls: list[tuple[int, Any, dict[str, Any]]] = []
-        self.probed: list[Any] = []
-        self._batchless: frozenset[int] = frozenset()
-        self._batch_size = 0
+class Probes(ProbeRecords):
+    """Records, per call of `layers`, the inputs and the probed outputs."""
 
     @contextlib.contextmanager
     def installed(
         self, batchless: frozenset[int] = frozenset(), batch_size: int = 0
     ) -> Iterator[Probes]:
-        """The probes on their layers for the block. The calls at the positions in
-        `batchless` (in call order) are made on their input broadcast to `batch_size`
-        examples (`batchless.py`)."""
-        self.calls, self.probed = [], []
-        self._batchless, self._batch_size = batchless, batch_size
-        with contextlib.ExitStack() as stack:
-            for index, layer in enumerate(self.layers):
-                stack.enter_context(patched(layer, "call", self._probing_call(index, layer)))
+        """The probing calls on their layers for the block (`ProbeRecords.patched_calls`)."""
+        with self.patched_calls(batchless, batch_size):
             yield self
 
     def _probe(self, tensor: Any) -> Any:
@@ -68,14 +50,7 @@ class Probes:
         original = layer.call
 
         def probing_call(*args: Any, **kwargs: Any) -> Any:
-            if not args:
-                raise ValueError(
-                    f"Layer {layer.name!r} ({type(layer).__name__}) was called without a "
-                    "positional input: the PyTorch engine tracks a layer's first argument."
-                )
-            if len(self.calls) in self._batchless:
-                args = (broadcast_to_batch(args[0], self._batch_size), *args[1:])
-            self.calls.append((index, args[0], dict(kwargs)))
+            args = self._recorded(index, layer, args, kwargs)
             if splits_activation(layer):
                 outputs, _ = marked_preactivation_call(
                     layer, original, args, kwargs, self._probe, "probed."

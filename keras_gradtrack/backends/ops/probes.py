@@ -1,0 +1,69 @@
+"""What the probed engines' probes share: the record of each tracked call, the calls
+without the batch's rows, and installing a backend's probing `call` on every layer.
+
+A backend's `Probes` subclasses `ProbeRecords` with `_probing_call(index, layer)`: the
+layer's `call` that records `(index, input, kwargs)` in `calls` and each probed output
+in `probed` (JAX adds a zero probe to it, PyTorch keeps the output itself).
+
+Example:
+
+```python
+with probes.patched_calls(batchless, batch_size):
+    model(x)
+probes.calls     # [(layer position, its input, its kwargs), ...] in call order
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from keras_gradtrack._patching import patched
+from keras_gradtrack.backends.ops.batchless import broadcast_to_batch
+
+
+class ProbeRecords:
+    """The calls of `layers` in a pass and their probed tensors.
+
+    Args:
+        layers: The tracked layers.
+    """
+
+    def __init__(self, layers: Sequence[Any]):
+        self.layers = list(layers)
+        self.calls: list[tuple[int, Any, dict[str, Any]]] = []
+        self.probed: list[Any] = []
+        self._batchless: frozenset[int] = frozenset()
+        self._batch_size: int | None = None
+
+    @contextlib.contextmanager
+    def patched_calls(
+        self, batchless: frozenset[int] = frozenset(), batch_size: int | None = None
+    ) -> Iterator[None]:
+        """Every layer's `call` the backend's probing one for the block, the records
+        emptied; the calls at the positions in `batchless` (in call order) are made on
+        their input broadcast to `batch_size` examples (`batchless.py`)."""
+        self.calls, self.probed = [], []
+        self._batchless, self._batch_size = batchless, batch_size
+        with contextlib.ExitStack() as stack:
+            for index, layer in enumerate(self.layers):
+                stack.enter_context(patched(layer, "call", self._probing_call(index, layer)))
+            yield
+
+    def _recorded(self, index: int, layer: Any, args: tuple[Any, ...], kwargs: Any) -> tuple:
+        """The call's arguments (its input broadcast where it is batchless), recorded."""
+        if not args:
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) was called without a "
+                "positional input: the engine tracks a layer's first argument."
+            )
+        if len(self.calls) in self._batchless:
+            assert self._batch_size is not None
+            args = (broadcast_to_batch(args[0], self._batch_size), *args[1:])
+        self.calls.append((index, args[0], dict(kwargs)))
+        return args
+
+    def _probing_call(self, index: int, layer: Any) -> Any:
+        raise NotImplementedError
