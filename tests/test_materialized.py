@@ -94,7 +94,12 @@ def test_updates_equal_plain_keras_and_the_summary_names_each_form(tmp_path: Pat
     # differences of the weights after six steps (a wrong entry moves by 1e-3 a step).
     assert_same_weights(tracked, plain, atol=5e-5)
     np.testing.assert_allclose(
-        tracked_history.history["loss"], plain_history.history["loss"], rtol=1e-4
+        # The losses follow those weights: up to 1.2e-4 apart with oneDNN on under a
+        # loaded machine (its reductions' order follows the threads); a wrong step moves
+        # them by 1e-2.
+        tracked_history.history["loss"],
+        plain_history.history["loss"],
+        rtol=3e-4,
     )
     assert tracked.gradient_tracking.forms == FORMS
     summary = tracked.gradient_tracking_summary(print_fn=lambda _: None)

@@ -32,13 +32,20 @@ from keras_gradtrack.backends.jax.step import Layouts, packed, unpacked
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.backends.ops.step import Tracking, batch_size_of, split_example_ids
 from keras_gradtrack.engine import private_training
+from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine.device_rows import DeviceRows
-from keras_gradtrack.engine.schedule import PAYLOAD_KEY
+from keras_gradtrack.engine.schedule import PAYLOAD_KEY, TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
 
-class GradientTrackingMixin(JaxPrivateTraining, ExampleIndependenceChecks, ProbedTrackingMixin):
+class GradientTrackingMixin(
+    ProbedTrackingMixin,
+    JaxPrivateTraining,
+    ExampleIndependenceChecks,
+    TracksGradients,
+    BatchNormalizationTracking,
+):
     """Adds per-example gradient tracking to a `keras.Model` on the JAX backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.

@@ -11,7 +11,7 @@ step.
 Example:
 
 ```python
-class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
+class GradientTrackingMixin(ProbedTrackingMixin, ExampleIndependenceChecks, ...):
     def make_train_function(self, force=False): ...
 ```
 """
@@ -25,19 +25,20 @@ import keras
 
 from keras_gradtrack.backends.ops.plan import TrackedLayer, plan_summary
 from keras_gradtrack.backends.ops.step import split_example_ids
-from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
     subscribes_to_gradients,
 )
-from keras_gradtrack.engine.schedule import TracksGradients, first_data_batch
+from keras_gradtrack.engine.schedule import first_data_batch
 
 # The package whose classes define the engines' own steps (not a user's).
 ENGINES = "keras_gradtrack.backends."
 
 
-class ProbedTrackingMixin(TracksGradients, BatchNormalizationTracking):
-    """Keras' hooks of a probed engine's mixin (see the module)."""
+class ProbedTrackingMixin:
+    """Keras' hooks of a probed engine's mixin (see the module). It comes first among the
+    mixin's bases: its `fit` and `_symbolic_build` run before the private training's
+    (which reads the first batch these give it, ids taken off)."""
 
     def gradient_tracking_summary(self, print_fn: Callable[[str], Any] | None = None) -> str:
         """Prints (and returns) which path computes each layer's per-example gradients.

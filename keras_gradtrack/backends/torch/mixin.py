@@ -19,6 +19,8 @@ from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.torch.plan import build_plan
 from keras_gradtrack.backends.torch.probes import Probes
+from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
+from keras_gradtrack.engine.schedule import TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
@@ -47,7 +49,9 @@ def refusal_of_step(model: Any, requests: Sequence[Any], own_step: bool) -> str:
     return ""
 
 
-class GradientTrackingMixin(ExampleIndependenceChecks, ProbedTrackingMixin):
+class GradientTrackingMixin(
+    ProbedTrackingMixin, ExampleIndependenceChecks, TracksGradients, BatchNormalizationTracking
+):
     """Adds per-example gradient tracking to a `keras.Model` on the PyTorch backend.
 
     Put it before the Keras class: `class M(GradientTrackingMixin, keras.Model)`.
