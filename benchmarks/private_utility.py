@@ -1,4 +1,4 @@
-"""Private training side by side on utility: keras_gradtrack (on TensorFlow and on JAX),
+"""Private training side by side on utility: keras_gradtrack (on TensorFlow, JAX and PyTorch),
 TensorFlow Privacy, Opacus and jax-privacy on one task, model and set of DP-SGD
 hyperparameters.
 
@@ -14,7 +14,7 @@ one JSON line per seed; this script only starts them and prints the table (accur
 python benchmarks/private_utility.py --seeds 0,1,2,3,4
 python benchmarks/private_utility.py --noise-multiplier 3 --seeds 0,1,2
 python benchmarks/private_utility.py --tools keras_gradtrack,opacus --torch-python /venv/bin/python
-python benchmarks/private_utility.py --tools keras_gradtrack,keras_gradtrack_jax
+python benchmarks/private_utility.py --tools keras_gradtrack,keras_gradtrack_jax,keras_gradtrack_torch
 ```
 
 The peers' interpreters default to `/tmp/peers-torch`, `/tmp/peers-tfp` and
@@ -22,7 +22,8 @@ The peers' interpreters default to `/tmp/peers-torch`, `/tmp/peers-tfp` and
 (each a virtualenv's folder); a tool whose interpreter is missing is skipped with a line
 saying so. keras_gradtrack runs in this interpreter (`--kgt-python`), with the project
 root on its path: `keras_gradtrack` with `KERAS_BACKEND=tensorflow`, `keras_gradtrack_jax`
-(the same driver, the JAX engine's private step) with `KERAS_BACKEND=jax`.
+(the same driver, the JAX engine's private step) with `KERAS_BACKEND=jax`,
+`keras_gradtrack_torch` (the PyTorch engine's) with `KERAS_BACKEND=torch`.
 """
 
 from __future__ import annotations
@@ -43,13 +44,18 @@ DRIVERS = Path(__file__).resolve().parent / "peers_utility"
 TOOLS = {
     "keras_gradtrack": ("kgt_digits.py", None, None),
     "keras_gradtrack_jax": ("kgt_digits.py", None, None),
+    "keras_gradtrack_torch": ("kgt_digits.py", None, None),
     "tf_privacy": ("tfprivacy_digits.py", "KGT_PEERS_TFP", "/tmp/peers-tfp"),
     "opacus": ("opacus_digits.py", "KGT_PEERS_TORCH", "/tmp/peers-torch"),
     "jax_privacy": ("jaxprivacy_digits.py", "KGT_PEERS_JAXP", "/tmp/peers-jaxp"),
 }
 FLAGS = {"tf_privacy": "tfp_python", "opacus": "torch_python", "jax_privacy": "jaxp_python"}
 # keras_gradtrack's tools: the Keras backend each runs its driver on.
-KGT_BACKENDS = {"keras_gradtrack": "tensorflow", "keras_gradtrack_jax": "jax"}
+KGT_BACKENDS = {
+    "keras_gradtrack": "tensorflow",
+    "keras_gradtrack_jax": "jax",
+    "keras_gradtrack_torch": "torch",
+}
 
 
 def interpreter(tool: str, args: argparse.Namespace) -> str:

@@ -3,7 +3,9 @@
 For each model (`mlp`, `cnn`, `transformer` of `zoo.py`) and batch size, in a fresh
 process: milliseconds per step of plain `keras.Model.fit` on the torch backend and of
 `GradientTrackingModel.fit` with every step tracked (the default statistics, read to the
-host in blocks as `HDF5GradientLogger` does, no file); and, on PyTorch twins of the same
+host in blocks as `HDF5GradientLogger` does, no file) and made private
+(`make_private(l2_norm_clip=1.0, noise_multiplier=1.0)`, no logger: the DP-SGD step from
+its one backward pass); and, on PyTorch twins of the same
 models (same layers and widths), a plain PyTorch step, Opacus' ghost-clipping norms
 (`GradSampleModuleFastGradientClipping`, one backward pass) and Opacus' DP step with
 ghost clipping (its documented recipe: two backward passes). Each tool is reported over
@@ -38,7 +40,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep
 from jax_overhead import NUM_BATCHES, BlockReader, timed_rounds
 
 MESSAGE_PREFIX = "@@torch_overhead "
-KERAS_VARIANTS = ("keras_plain", "keras_tracked")
+KERAS_VARIANTS = ("keras_plain", "keras_tracked", "keras_private")
 OPACUS_VARIANTS = ("torch_plain", "opacus_ghost_norms", "opacus_ghost_dp")
 
 
@@ -170,6 +172,9 @@ def keras_fits(name: str, x: Any, y: Any, batch_size: int) -> dict[str, Any]:
     plain = build_compiled(name, keras.Model)
     tracked = build_compiled(name, kgt.GradientTrackingModel)
     tracked.set_weights(plain.get_weights())
+    private = build_compiled(name, kgt.GradientTrackingModel)
+    private.set_weights(plain.get_weights())
+    private.make_private(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=batch_size)
     default_statistics = kgt_statistics.resolve(None)
 
     def fitted(model: Any) -> Any:
@@ -186,7 +191,11 @@ def keras_fits(name: str, x: Any, y: Any, batch_size: int) -> dict[str, Any]:
         return run
 
     keras_fits.paths = [t.path for t in tracked.gradient_tracking_plan()]  # type: ignore[attr-defined]
-    return {"keras_plain": fitted(plain), "keras_tracked": fitted(tracked)}
+    return {
+        "keras_plain": fitted(plain),
+        "keras_tracked": fitted(tracked),
+        "keras_private": fitted(private),
+    }
 
 
 def has_opacus() -> bool:
@@ -257,14 +266,16 @@ def run_child(*arguments: str) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | B | Keras plain ms | tracked ms | tracked / plain | torch plain ms "
-        "| Opacus ghost norms ms | norms / plain | Opacus ghost DP ms | DP / plain "
-        "| memory growth MiB: Keras plain / tracked / torch plain / ghost norms / ghost DP |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| model | B | Keras plain ms | tracked ms | tracked / plain | private ms "
+        "| private / plain | torch plain ms | Opacus ghost norms ms | norms / plain "
+        "| Opacus ghost DP ms | DP / plain | memory growth MiB: Keras plain / tracked / "
+        "private / torch plain / ghost norms / ghost DP |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- |",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['model']} | {row['batch_size']} | failed |" + " |" * 9)
+            lines.append(f"| {row['model']} | {row['batch_size']} | failed |" + " |" * 11)
             continue
 
         def ms(variant: str, row: dict[str, Any] = row) -> str:
@@ -282,6 +293,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['model']} | {row['batch_size']} | {ms('keras_plain')} "
             f"| {ms('keras_tracked')} | {ratio('keras_tracked', 'keras_plain')} "
+            f"| {ms('keras_private')} | {ratio('keras_private', 'keras_plain')} "
             f"| {ms('torch_plain')} | {ms('opacus_ghost_norms')} "
             f"| {ratio('opacus_ghost_norms', 'torch_plain')} | {ms('opacus_ghost_dp')} "
             f"| {ratio('opacus_ghost_dp', 'torch_plain')} | {memory} |"

@@ -4,7 +4,7 @@ Canary `j` is the input `c e_j` (a one-hot of norm `c`) of a Dense layer without
 and with a loss linear in its output, so its per-example gradient is `-c e_j`, a Dirac
 of norm `c` on kernel weight `j`; the score of canary `j` is the change of that weight.
 It trains a model, so it stands above `models` (an entry point, as the demo does), on
-the backend Keras runs on: TensorFlow's private step or JAX's (`KERAS_BACKEND=jax`).
+the backend Keras runs on: TensorFlow's private step, JAX's or PyTorch's (`KERAS_BACKEND`).
 `clipping_off` is the audit's control, a broken step that the audit must catch.
 """
 
@@ -91,11 +91,11 @@ def linear_loss(y_true: Any, y_pred: Any) -> Any:
 
 @contextlib.contextmanager
 def clipping_off() -> Iterator[None]:
-    """The audit's control: within the block, the private step of either backend
+    """The audit's control: within the block, the private step of any backend
     weighs every example 1 (no clipping), while the noise keeps the claimed `sigma C`.
 
-    Both engines look up `engine/clip_weights.py`'s `clip_weights` when their step is
-    traced (TensorFlow: `engine/clipping.py`; JAX: `backends/jax/private_step.py`):
+    Every engine looks up `engine/clip_weights.py`'s `clip_weights` when its step is
+    run (TensorFlow: `engine/clipping.py`; JAX, PyTorch: their `private_step.py`):
     the block replaces it there with `unclipped_weights`. Never train for real in it.
 
     Example:

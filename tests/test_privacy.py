@@ -283,6 +283,24 @@ def test_poisson_batches_train_with_variable_sizes() -> None:
     assert model.private_steps == 10
 
 
+def test_poisson_batches_draw_the_same_rows_as_a_py_dataset() -> None:
+    # JAX and PyTorch get the keras.utils.PyDataset of the same stream: the same batches.
+    from keras_gradtrack.privacy.sampling import PoissonBatches, PoissonStream
+
+    x = np.arange(60, dtype="float32").reshape(30, 2)
+    y = np.arange(30)
+    dataset = kgt.privacy.poisson_batches(x, y, 0.3, steps=4, seed=5, accumulation_steps=2)
+    py_dataset = PoissonBatches(PoissonStream((x, y), 30, 0.3, 4, 5, 2))
+    assert len(py_dataset) == 8
+    for _ in range(2):  # two epochs, each drawn anew
+        found = [py_dataset[i][1] for i in range(len(py_dataset))]
+        py_dataset.on_epoch_end()
+        expected = [np.asarray(batch_y) for _, batch_y in dataset]
+        assert len(found) == len(expected) == 8
+        for got, want in zip(found, expected):
+            np.testing.assert_array_equal(got, want)
+
+
 # -- the accountant ------------------------------------------------------------
 
 

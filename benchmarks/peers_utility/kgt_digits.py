@@ -1,6 +1,6 @@
 """keras_gradtrack's DP-SGD on the digits task of `utility_task.py` (Keras 3 on TensorFlow,
-or on JAX with `KERAS_BACKEND=jax`: the JAX engine's private step, tool
-`keras_gradtrack_jax`): `model.make_private(1.0, 1.1, expected_batch_size=64)`,
+on JAX with `KERAS_BACKEND=jax`, tool `keras_gradtrack_jax`, or on PyTorch with
+`KERAS_BACKEND=torch`, tool `keras_gradtrack_torch`: each engine's private step): `model.make_private(1.0, 1.1, expected_batch_size=64)`,
 Poisson-sampled batches from `kgt.privacy.poisson_batches` (rate 1/22), plain SGD;
 epsilon from `kgt.privacy.compute_epsilon` (dp-accounting's RDP accountant, its default)
 for the steps taken; its PLD accountant's epsilon is printed beside it (`epsilon_other`).
@@ -8,6 +8,7 @@ for the steps taken; its PLD accountant's epsilon is printed beside it (`epsilon
 Run (from the project root, in the project's virtualenv; one JSON line per seed):
     python benchmarks/peers_utility/kgt_digits.py --seeds 0,1,2
     KERAS_BACKEND=jax python benchmarks/peers_utility/kgt_digits.py --seeds 0,1,2
+    KERAS_BACKEND=torch python benchmarks/peers_utility/kgt_digits.py --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     pld = kgt.privacy.compute_epsilon(args.noise_multiplier, q, steps, common.DELTA, "pld")
     backend = keras.backend.backend()
     return dict(
-        tool="keras_gradtrack_jax" if backend == "jax" else "keras_gradtrack",
+        tool="keras_gradtrack" if backend == "tensorflow" else f"keras_gradtrack_{backend}",
         accuracy=accuracy,
         epsilon=epsilon,
         steps=steps,

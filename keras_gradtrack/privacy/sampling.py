@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import keras
 import numpy as np
+from keras import tree
 
 
 def poisson_batch_indices(
@@ -69,7 +71,8 @@ def poisson_batches(
     seed: int | None = None,
     accumulation_steps: int = 1,
 ) -> Any:
-    """A `tf.data.Dataset` of Poisson-sampled batches of `(x, y)` (or `x`), for `fit`.
+    """Poisson-sampled batches of `(x, y)` (or `x`), for `fit`: a `tf.data.Dataset` on
+    TensorFlow, a `keras.utils.PyDataset` on JAX and PyTorch (no TensorFlow needed).
 
     With `accumulation_steps=k`, each Poisson draw is a logical batch, yielded as `k`
     physical batches of near-equal size (`make_private(..., accumulation_steps=k)`
@@ -86,7 +89,7 @@ def poisson_batches(
         accumulation_steps: `k`, the physical batches of each drawn (logical) batch.
 
     Returns:
-        A dataset of variable-size batches.
+        A dataset of variable-size batches, `steps * accumulation_steps` per epoch.
 
     Example:
 
@@ -96,9 +99,6 @@ def poisson_batches(
     model.fit(kgt.privacy.poisson_batches(x, y, sampling_rate=q, seed=0), epochs=60)
     ```
     """
-    import tensorflow as tf
-    from keras import tree
-
     arrays = tree.map_structure(np.asarray, x if y is None else (x, y))
     leaves = tree.flatten(arrays)
     size = len(leaves[0])
@@ -107,25 +107,73 @@ def poisson_batches(
             "Expected every array to hold the same number of examples. Received lengths: "
             f"{[len(leaf) for leaf in leaves]}"
         )
-    signature = tree.map_structure(
-        lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), arrays
-    )
     if steps is None:
         steps = max(1, round(1 / sampling_rate))
     k = accumulation_steps
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"Expected accumulation_steps to be a positive integer. Received: {k!r}")
-    epochs = iter(range(2**62))
+    stream = PoissonStream(arrays, size, sampling_rate, steps, seed, k)
+    if keras.backend.backend() != "tensorflow":
+        return PoissonBatches(stream)
+    import tensorflow as tf
+
+    signature = tree.map_structure(
+        lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), arrays
+    )
 
     def batches() -> Iterator[Any]:
-        # A fresh stream each pass, reproducible from `seed`.
-        pass_seed = None if seed is None else [seed, next(epochs)]
-        drawn = poisson_batch_indices(size, sampling_rate, 2**62, pass_seed)
-        logical = (indices for indices in drawn if indices.size >= k)
-        for _, indices in zip(range(steps), logical):
-            for rows in np.array_split(indices, k):
-                yield tree.map_structure(lambda a, rows=rows: a[rows], arrays)
+        for rows in stream.epoch_rows():
+            yield stream.batch(rows)
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
     # `fit` then knows an epoch's steps (it would warn that the input ran out otherwise).
     return dataset.apply(tf.data.experimental.assert_cardinality(steps * k))
+
+
+class PoissonStream:
+    """The physical batches' rows of each pass (epoch): `steps` Poisson draws of the
+    `size` examples with rate `q` (a draw of fewer than `k` examples skipped), each
+    split into `k` near-equal parts; pass `e` drawn from the seed `[seed, e]`."""
+
+    def __init__(self, arrays: Any, size: int, q: float, steps: int, seed: Any, k: int) -> None:
+        self.arrays, self.size, self.q, self.steps, self.seed, self.k = (
+            arrays, size, q, steps, seed, k,
+        )  # fmt: skip
+        self.passes = 0
+
+    def epoch_rows(self) -> list[np.ndarray]:
+        """The next pass's rows, one index array per physical batch, in order."""
+        pass_seed = None if self.seed is None else [self.seed, self.passes]
+        self.passes += 1
+        drawn = poisson_batch_indices(self.size, self.q, 2**62, pass_seed)
+        logical = (indices for indices in drawn if indices.size >= self.k)
+        return [
+            rows
+            for _, indices in zip(range(self.steps), logical)
+            for rows in np.array_split(indices, self.k)
+        ]
+
+    def batch(self, rows: np.ndarray) -> Any:
+        return tree.map_structure(lambda a: a[rows], self.arrays)
+
+
+class PoissonBatches(keras.utils.PyDataset):
+    """`poisson_batches` on JAX and PyTorch: a `keras.utils.PyDataset` whose epoch is one
+    pass of the stream, drawn when the epoch's first batch is read (anew after
+    `on_epoch_end`)."""
+
+    def __init__(self, stream: PoissonStream) -> None:
+        super().__init__()
+        self.stream = stream
+        self.rows: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.stream.steps * self.stream.k
+
+    def __getitem__(self, index: int) -> Any:
+        if self.rows is None:
+            self.rows = self.stream.epoch_rows()
+        return self.stream.batch(self.rows[index])
+
+    def on_epoch_end(self) -> None:
+        self.rows = None

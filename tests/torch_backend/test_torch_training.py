@@ -148,10 +148,21 @@ def test_what_is_not_tracked_yet_is_refused_before_any_weight_changes(
         np.testing.assert_array_equal(a, b)
 
 
-def test_private_training_and_targets_say_where_they_run() -> None:
-    model = compiled(MODELS["mlp"][0](kgt.GradientTrackingModel))
-    with pytest.raises(NotImplementedError, match="TensorFlow and JAX"):
-        model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
+def test_a_private_step_with_a_loss_scale_is_refused_before_any_weight_changes() -> None:
+    model = MODELS["mlp"][0](kgt.GradientTrackingModel)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=128.0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
+    x = np.random.default_rng(0).normal(size=(6, *MODELS["mlp"][1])).astype("float32")
+    model(x[:1])
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(ValueError, match="loss_scale_factor=128"):
+        model.fit(x, np.zeros(6, "int64"), batch_size=3, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert model.private_steps == 0
 
 
 SCRIPT = """

@@ -28,33 +28,18 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.backends.jax.private_step import (
-    BOUND_KEY,
-    logical_iterations,
-    private_gradients,
-)
-from keras_gradtrack.backends.ops.step import Tracking, batch_size_of
+from keras_gradtrack.backends.jax.private_step import logical_iterations, private_gradients
+from keras_gradtrack.backends.ops.private_model import BOUND_KEY, ProbedPrivateTraining
+from keras_gradtrack.backends.ops.step import Tracking
 from keras_gradtrack.engine import private_training
-from keras_gradtrack.engine.private_model import PrivateTraining
-
-# `fit`'s data as `private_training.fit_data` reads it, until its first batch is seen.
-FIT_DATA_KEY = "_private_fit_data"
 
 
-class JaxPrivateTraining(PrivateTraining):
+class JaxPrivateTraining(ProbedPrivateTraining):
     """`make_private` on JAX: one bound or bounds per group, adaptive clipping, the
     noise, logical batches, a loss scale, a model's own step, the history, the
     budget and the sampling checks, as on TensorFlow."""
 
     _compiled: Callable[[Any, Any], Any]  # the mixin's jit of a step
-
-    def _started_private_phase(self) -> None:
-        settings = self.privacy_settings
-        if settings is not None and settings.adaptive_clip is not None:
-            # The bound C_t, updated by every step; in `__dict__`, not a weight.
-            self.__dict__[BOUND_KEY] = keras.Variable(
-                settings.sensitivity, dtype="float32", trainable=False, name="adaptive_clip_bound"
-            )
 
     def _private_step_variables(self) -> list[Any]:
         """The variables a private step updates besides Keras' state (the adaptive
@@ -88,27 +73,6 @@ class JaxPrivateTraining(PrivateTraining):
             return logs, state
 
         return run
-
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        if self.privacy_settings is not None:
-            if private_training.budget_steps_left(self) == 0:
-                raise ValueError(private_training.budget_refusal(self))
-            self.__dict__[FIT_DATA_KEY] = private_training.fit_data(
-                args[0] if args else kwargs.get("x"), kwargs
-            )
-        try:
-            return super().fit(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.__dict__.pop(FIT_DATA_KEY, None)
-
-    def _symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
-        # Keras' JAX `fit` passes its first batch here (ids taken off) before any step.
-        fit_data = self.__dict__.pop(FIT_DATA_KEY, None)
-        if fit_data is not None and data_batch is not None:
-            size = batch_size_of(keras.utils.unpack_x_y_sample_weight(data_batch)[0])
-            private_training.check_batches(self, fit_data[0], size, fit_data[1])
-        build = super()._symbolic_build  # type: ignore[misc]
-        return build(iterator=iterator, data_batch=data_batch)
 
     def _private_iterations(self, state: Any) -> int | None:
         """The optimizer's logical iterations in `state` (read before the step donates

@@ -6,20 +6,12 @@ optimizer, in place of the batch gradient,
     (sum_i min(1, C / ||g_i||) g_i + N(0, sigma^2 C^2 I)) / B_expected
 
 from its one `jax.value_and_grad` with the probes, as the TensorFlow engine does
-(`engine/clipping.py`):
+(`engine/clipping.py`). The norms, the clipping weights, each layer's clipped sum and
+the noised sum over `B_expected` are the shared `backends/ops/private_step.py`
+(PyTorch's too); what is JAX's:
 
-* each example's norm `||g_i||` from every layer's squared norms (`sq_norm`, the
-  primitives the statistics use: a rule's direct form, its per-example
-  gradients, or the fallback);
-* the weights `w_i = min(1, C / ||g_i||)` (per group of layers with bounds per
-  group), from the shared `engine/clip_weights.py`;
-* each layer's clipped sum: where its norms came from its rule's per-example
-  gradients (a convolution), their sum weighted by `w_i`; elsewhere the layer's
-  local vector-Jacobian product from its (pre-activation) output to its own
-  variables, at the inputs the step recorded, with output gradients `w_i d_i`
-  (for a Dense layer, `A^T (w * D)`). Only the
-  layer's own operations lie between them; no second backward pass through the
-  model, no loop over examples;
+* each layer's local vector-Jacobian product (`local_vjp`, `jax.vjp` of the layer's
+  pre-activation output at the recorded inputs), and its `vmap(grad)` fallback;
 * the noise `N(0, (sigma C)^2)` drawn once per variable with `jax.random`, from
   the base seed of `make_private` folded with the optimizer's step count (so a
   run is reproducible), and the sum divided by `B_expected` (else the batch); with
@@ -64,17 +56,13 @@ import keras
 
 from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
-from keras_gradtrack.backends.jax.rules import f32, preactivation_call, summed_per_example
+from keras_gradtrack.backends.jax.rules import f32, fallback_per_example, preactivation_call
 from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
-from keras_gradtrack.backends.ops.rules import ProbedCall
-from keras_gradtrack.backends.ops.step import direct_primitives, probed_calls, value_lookup
+from keras_gradtrack.backends.ops import private_step as shared
+from keras_gradtrack.backends.ops.private_model import BOUND_KEY
 from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
-
-# Where a model with adaptive clipping keeps its bound `C_t` (in its `__dict__`, as on
-# TensorFlow: not one of the model's weights).
-BOUND_KEY = "_adaptive_clip_bound"
 
 
 def private_gradients(
@@ -120,7 +108,9 @@ def private_gradients(
     # Through the module, as on TensorFlow: the seam of the audit's control
     # (`privacy_audit.clipping_off`).
     weights, clipped = shared_clipping.clip_weights(settings, model, plan, sq_norms, bound)
-    sums = clipped_sums(model, plan, probed, weights, factor, loss_scale)
+    sums = shared.clipped_sums(
+        model, plan, probed, weights, factor, local_vjp, fallback_per_example, loss_scale
+    )
     batch = clipped.shape[0]
     divisor = settings.expected_batch_size or float(batch)
     sigma = settings.gradient_noise_multiplier
@@ -134,25 +124,22 @@ def private_gradients(
         applies = optimizer_value(model, optimizer_variables, optimizer_apply_count)
         noise_factor = jnp.where((applies + 1) % k == 0, noise_factor, 0.0)
     key = step_key(model, settings.seed, optimizer_variables)
-    scale = jnp.float32(1.0) if loss_scale is None else loss_scale
-    gradients = []
-    for position, (variable, value) in enumerate(zip(model.trainable_variables, probed.trainable)):
-        if id(variable) not in sums:
-            raise ValueError(
-                "A private step needs every trainable variable to belong to a tracked "
-                f"layer. Received: {variable.path!r}"
-            )
-        gradient = sums[id(variable)]
-        if sigma > 0.0 and settings.secure_noise:
-            gradient = gradient + secure_standard_normal(tuple(value.shape), noise_factor)
-        elif sigma > 0.0:
-            draw = jax.random.normal(jax.random.fold_in(key, position), value.shape, jnp.float32)
-            gradient = gradient + noise_factor * draw
-        gradient = gradient / divisor
-        if penalties is not None:
-            gradient = gradient + f32(penalties[position])
-        # With a loss scale the optimizer receives the scaled gradient and unscales it.
-        gradients.append((gradient * scale).astype(value.dtype))
+
+    def draw(position: int, shape: tuple[int, ...], scale: Any) -> Any:
+        if settings.secure_noise:
+            return secure_standard_normal(shape, scale)
+        return scale * jax.random.normal(jax.random.fold_in(key, position), shape, jnp.float32)
+
+    gradients = shared.noised_gradients(
+        model,
+        sums,
+        probed.trainable,
+        draw if sigma > 0.0 else None,
+        noise_factor,
+        divisor,
+        penalties,
+        loss_scale,
+    )
     clipped_count = jnp.sum(clipped.astype(jnp.float32))
     rows = {"dp_fraction_clipped": clipped_count / batch}
     if settings.adaptive_clip is not None:
@@ -215,20 +202,11 @@ def penalty_gradients(
         ValueError: When the forward pass adds other losses (`add_loss`, activity
             regularizers): not a sum of per-example terms, nothing to clip.
     """
-    regularized = [
-        (position, variable)
-        for position, variable in enumerate(model.trainable_variables)
-        if getattr(variable, "regularizer", None) is not None
-    ]
+    regularized = shared.regularized_variables(model)
     expected = [len(regularized)] if weights is None else [len(regularized)] * len(added_losses)
     if list(added_losses) != expected:
         raise ValueError(
-            f"Model {model.name!r} adds losses with `add_loss` (or an activity "
-            "regularizer): such a term is not a sum of per-example terms, so it has no "
-            "per-example gradient to clip and private training would not bound each "
-            "example's influence. Move the term into the compiled loss as a "
-            f"per-example value, or remove it. (The {BACKEND} backend's step saw "
-            f"{list(added_losses)} added losses and {len(regularized)} weight penalties.)"
+            shared.added_losses_refusal(model, list(added_losses), len(regularized), BACKEND)
         )
     if not regularized:
         return None
@@ -242,80 +220,6 @@ def penalty_gradients(
         )
 
     return list(jax.grad(total)(list(trainable)))
-
-
-def clipped_sums(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    probed: Any,
-    weights: Sequence[Any],
-    factor: Any,
-    loss_scale: Any = None,
-) -> dict[int, Any]:
-    """`{id(variable): sum_i w_i g_i}` (float32) of every tracked layer's own variables.
-
-    A layer whose norms come from its rule's per-example gradients (a convolution
-    without a cheaper Gram form, a layer with a rule called more than once) sums them
-    with the weights, `sum_i w_i g_i`. Another layer's clipped sum is `sum_calls d
-    <z_c(theta), w * d_c> / d theta` at the recorded inputs of each call: its local
-    VJP with the reweighted output gradients (linear in them, so the sum over
-    examples is taken by the VJP). With a
-    loss scale `s` the VJP takes `s w_i d_i` (the backward pass's scale, in the
-    layer's dtype) and its result is divided by `s` in float32."""
-    value_of = value_lookup(model, probed)
-    per_layer_calls = probed_calls(probed, factor, len(plan))
-    position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    sums: dict[int, Any] = {}
-    for index, (tracked, weight) in enumerate(zip(plan, weights)):
-        layer = tracked.layer
-        all_variables = list(layer.trainable_variables)
-        values = [value_of(v) for v in all_variables]
-        fixed = [value_of(v) for v in layer.non_trainable_variables]
-        references = [f32(probed.grads[position[id(v)]]) for v in all_variables]
-        calls = per_layer_calls[index]
-        total: list[Any] | None = None
-        if from_per_example(tracked, calls, references):
-            # The norms came from the layer's per-example gradients (`layer_columns`):
-            # the same computation here, which XLA merges with that one (CSE), and the
-            # clipped sum is their product with the weights. The local VJP would
-            # repeat the layer's batch weight gradient: for a convolution, XLA's
-            # filter-gradient convolution, slower on CPU than the whole per-example
-            # products (docs/jax.md, "Private training").
-            per_example = summed_per_example(layer, tracked.rule, values, calls, fixed)
-            total = [jnp.tensordot(weight, f32(g), axes=1) for g in per_example]
-        else:
-            for n, (owner, kwargs) in enumerate(probed.calls):
-                if owner != index:
-                    continue
-                inputs, grad = probed.inputs[n], f32(probed.probe_grads[n]) / factor
-                reweighted = grad * weight.reshape((-1,) + (1,) * (grad.ndim - 1))
-                if loss_scale is not None:
-                    reweighted = reweighted * loss_scale
-                grads = local_vjp(layer, values, fixed, inputs, kwargs, reweighted)
-                if loss_scale is not None:
-                    grads = [f32(g) / loss_scale for g in grads]
-                total = grads if total is None else [t + g for t, g in zip(total, grads)]
-        if total is None:
-            raise ValueError(
-                f"Tracked layer {tracked.name!r} was not called in the step, so its "
-                "clipped gradient is not defined."
-            )
-        own = {id(v) for v in tracked.variables}
-        for variable, grad in zip(all_variables, total):
-            if id(variable) in own:
-                sums[id(variable)] = f32(grad)
-    return sums
-
-
-def from_per_example(
-    tracked: TrackedLayer, calls: Sequence[ProbedCall], references: Sequence[Any]
-) -> bool:
-    """Whether the layer's norms come from its rule's per-example gradients (no direct
-    form for this step), so that its clipped sum is their weighted sum."""
-    rule = tracked.rule
-    if not calls or rule is None or rule.per_example is None:
-        return False
-    return direct_primitives(tracked, calls, references) is None
 
 
 def local_vjp(

@@ -133,7 +133,7 @@ def layer_primitives(
     )
     if factor is not None:
         sum_sq_norm = reference_sq_norm / factor**2
-        primitives = LayerPrimitives(primitives.sq_norm, primitives.dot, sum_sq_norm)
+        primitives = dataclasses.replace(primitives, sum_sq_norm=sum_sq_norm)
     return primitives, reference_sq_norm
 
 
@@ -178,7 +178,7 @@ def _layer_primitives(
     else:
         reference = ops.concatenate([ops.reshape(references[i], (-1,)) for i in own])
     primitives = LayerPrimitives(
-        ops.sum(flat**2, axis=1), ops.matmul(flat, reference), ops.sum(total**2)
+        ops.sum(flat**2, axis=1), ops.matmul(flat, reference), ops.sum(total**2), True
     )
     return primitives, reference_sq_norm
 

@@ -13,12 +13,15 @@ from keras import ops
 from keras_gradtrack.backends.ops import step as shared
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.backends.ops.plan import TrackedLayer
+from keras_gradtrack.backends.ops.private_model import ProbedPrivateTraining
 from keras_gradtrack.backends.ops.step import ProbedPass, Tracking
 from keras_gradtrack.backends.torch.batchless import find_batchless_calls
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.torch.plan import build_plan
+from keras_gradtrack.backends.torch.private_step import private_gradients
 from keras_gradtrack.backends.torch.probes import Probes
+from keras_gradtrack.engine import private_training
 from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
 from keras_gradtrack.engine.schedule import TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
@@ -49,8 +52,23 @@ def refusal_of_step(model: Any, requests: Sequence[Any], own_step: bool) -> str:
     return ""
 
 
+def refusal_of_private_step(model: Any) -> str:
+    """Why the PyTorch engine cannot take a private step of `model` (empty when it can)."""
+    if getattr(model.optimizer, "loss_scale_factor", None) is not None:
+        return (
+            f"The {BACKEND} engine's private step does not take a loss scale yet "
+            f"(optimizer {model.optimizer.name!r} has loss_scale_factor="
+            f"{model.optimizer.loss_scale_factor}); TensorFlow and JAX do."
+        )
+    return ""
+
+
 class GradientTrackingMixin(
-    ProbedTrackingMixin, ExampleIndependenceChecks, TracksGradients, BatchNormalizationTracking
+    ProbedTrackingMixin,
+    ProbedPrivateTraining,
+    ExampleIndependenceChecks,
+    TracksGradients,
+    BatchNormalizationTracking,
 ):
     """Adds per-example gradient tracking to a `keras.Model` on the PyTorch backend.
 
@@ -60,7 +78,9 @@ class GradientTrackingMixin(
     `torch.autograd.grad` over the trainable weights and every tracked layer's
     (pre-activation) output (`probes.py`): the optimizer receives the same gradients,
     and the outputs' gradients give the per-example statistics through the rules the
-    JAX engine runs too (`backends/ops/`).
+    JAX engine runs too (`backends/ops/`). After `make_private(...)` every step is a
+    DP-SGD step whose optimizer receives the clipped, noised sum from that same
+    backward pass (`private_step.py`).
 
     Example (`KERAS_BACKEND=torch` set before Keras is imported):
 
@@ -72,23 +92,13 @@ class GradientTrackingMixin(
     ```
     """
 
-    def make_private(self, *args: Any, **kwargs: Any) -> None:
-        """Not on PyTorch yet: private training is TensorFlow's and JAX's."""
-        raise NotImplementedError(
-            f"make_private: private training runs on TensorFlow and JAX; the {BACKEND} "
-            "engine tracks statistics only for now. Set KERAS_BACKEND=tensorflow or jax."
-        )
-
-    @property
-    def privacy_settings(self) -> None:
-        """None: no private training on PyTorch yet (`make_private` says so)."""
-        return None
-
     def _build_tracking_plan(self) -> list[TrackedLayer]:
         return build_plan(self)
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         reason = refusal_of_step(self, requests, self._has_own_step())
+        if not reason and self.privacy_settings is not None:
+            reason = refusal_of_private_step(self)
         if reason:
             raise ValueError(reason)
 
@@ -96,11 +106,12 @@ class GradientTrackingMixin(
 
     def _probed_step(
         self, data: Any, tracking: Tracking, training_step: bool
-    ) -> tuple[dict[str, Any], list[Any], Any]:
+    ) -> tuple[dict[str, Any], list[Any], Any, dict[str, Any]]:
         """Keras' torch step up to the update, with the probes: `(payload, gradients,
-        y_pred)`, the gradients those `loss.backward()` would leave on the weights. On a
-        training step the loss tracker counts the loss and the optimizer scales it, as
-        Keras' step does."""
+        y_pred, rows)`, the gradients those `loss.backward()` would leave on the weights
+        (a private model's training step: the private gradients, and their values for
+        the logs in `rows`). On a training step the loss tracker counts the loss and
+        the optimizer scales it, as Keras' step does."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         probes = Probes([tracked.layer for tracked in tracking.plan])
         inputs: list[Any] = []
@@ -153,17 +164,26 @@ class GradientTrackingMixin(
                 payload[LEARNING_RATE] = ops.convert_to_tensor(
                     self.optimizer.learning_rate, "float32"
                 )
-            payload = {k: v.detach().cpu().numpy() for k, v in payload.items()}
-        return payload, weight_grads, y_pred
+            # Copies: a tensor of a variable's (the adaptive bound) changes with it.
+            payload = {k: v.detach().cpu().numpy().copy() for k, v in payload.items()}
+            rows: dict[str, Any] = {}
+            if training_step and self.privacy_settings is not None:
+                weight_grads, rows = private_gradients(self, tracking.plan, probed, columns, factor)
+                # The private step's own values take their columns' place (the step's bound).
+                payload.update(
+                    {k: np.asarray(v, np.float32) for k, v in rows.items() if k in payload}
+                )
+        return payload, weight_grads, y_pred, rows
 
     def _tracked_train_step(self, data: Any, tracking: Tracking) -> tuple[Any, dict[str, Any]]:
         """Keras' torch `train_step`, its backward pass the probed one: `(logs, payload)`."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        payload, gradients, y_pred = self._probed_step(data, tracking, training_step=True)
+        payload, gradients, y_pred, rows = self._probed_step(data, tracking, training_step=True)
         trainable_weights = self.trainable_weights[:]
         with torch.no_grad():
             self.optimizer.apply(gradients, trainable_weights)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight), payload
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return {**logs, **rows}, payload
 
     def _tracking(self, data: Any, statistics: Sequence[Statistic]) -> Tracking:
         """What the tracked steps of these statistics compute: the plan, and the calls
@@ -193,21 +213,28 @@ class GradientTrackingMixin(
             batch, ids = shared.split_example_ids(data[0])
             batch_size = shared.batch_size_of(keras.utils.unpack_x_y_sample_weight(batch)[0])
             due = tracking.due()
-            if not due:
+            private = self.privacy_settings is not None
+            if not due and not private:
                 logs = untracked([batch])
                 tracking.report(batch_size, None, due)
                 return logs
+            if private and not private_training.step_allowed(self):
+                return self.__dict__.get("_last_private_logs", {})  # the budget's end
             statistics, requests = tracking.statistics(due), tracking.requests(due)
-            key = tuple(s.name for s in statistics)
+            key = (tuple(s.name for s in statistics), private)
             self._check_independence_once(batch)
             if key not in plans:
                 self._refuse_untrackable(statistics, requests)
                 plans[key] = self._tracking(batch, statistics)
+            updates = private_training.UpdateCount(self) if private else None
             logs, payload = self._tracked_train_step(batch, plans[key])
+            if updates is not None:
+                private_training.record_steps(self, updates.since())
+                self.__dict__["_last_private_logs"] = logs
             payload[BATCH_SIZE] = np.asarray(batch_size, np.int32)
             if ids is not None:
                 payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
-            tracking.report(batch_size, payload, due)
+            tracking.report(batch_size, payload if due else None, due)
             return logs
 
         self.train_function = train_function
@@ -236,7 +263,7 @@ class GradientTrackingMixin(
             for v in [*self.non_trainable_variables, *self.metrics_variables]
         ]
         with keras.StatelessScope(state_mapping=mapping):
-            payload, _, _ = self._probed_step(
+            payload, _, _, _ = self._probed_step(
                 data, self._tracking(data, statistics), training_step=False
             )
         payload.pop(LEARNING_RATE, None)

@@ -1,0 +1,3 @@
+"""The cases of `private_adaptive_cases.py` on PyTorch."""
+
+from private_adaptive_cases import *  # noqa: F403 (the shared cases, collected here)

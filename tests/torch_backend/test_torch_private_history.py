@@ -1,0 +1,3 @@
+"""The cases of `private_history_cases.py` on PyTorch."""
+
+from private_history_cases import *  # noqa: F403 (the shared cases, collected here)
