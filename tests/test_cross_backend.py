@@ -206,9 +206,7 @@ TORCH_EXPECTED = {
     "zoo_ticket_classifier": refused_on_torch("a recurrent layer"),
     "batch_normalization": refused_on_torch("BatchNormalization in training"),
     "zoo_timeseries_classifier": refused_on_torch("BatchNormalization in training"),
-    "private": refused_on_torch("make_private"),
-    "private_adaptive": refused_on_torch("make_private"),
-    "private_loss_scale": refused_on_torch("make_private"),
+    "private_loss_scale": refused_on_torch("a loss scale in a private step"),
     "attribution": refused_on_torch("targets and sketches"),
 }
 EXPECTED = {"jax": EXPECTED_FAILURES, "torch": TORCH_EXPECTED}
