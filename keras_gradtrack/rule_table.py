@@ -46,7 +46,7 @@ LAYER_RULES: dict[type, str] = {
     keras.layers.PReLU: "prelu",
     LayerScale: "layer_scale",
     # On JAX the plan refuses the recurrent layers this rule does not cover
-    # (`backends/jax/recurrent.py`).
+    # (`backends/ops/recurrent.py`).
     keras.layers.RNN: "recurrent",
     keras.layers.SimpleRNN: "recurrent",
     keras.layers.LSTM: "recurrent",

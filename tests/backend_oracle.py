@@ -11,6 +11,23 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_gradtrack._keras_seam import flatten_layers
+
+
+def layer_columns(model: Any) -> list[list[int]]:
+    """Positions in `model.trainable_variables` of each owning layer's variables; a
+    recurrent layer owns its cell's (stacked cells' alike: one column, as on TensorFlow)."""
+    recurrent = {}
+    for layer in flatten_layers(model, include_self=False):
+        if isinstance(layer, keras.layers.RNN):
+            for variable in layer.trainable_variables:
+                recurrent.setdefault(id(variable), layer.path)
+    owners: dict[str, list[int]] = {}
+    for position, variable in enumerate(model.trainable_variables):
+        owner = recurrent.get(id(variable), variable.path.rpartition("/")[0])
+        owners.setdefault(owner, []).append(position)
+    return list(owners.values())
+
 
 def statistics_of(found: dict[str, Any]) -> dict[str, Any]:
     """Every built-in statistic by its definition, and `pairwise_cosine`, from `found`:

@@ -18,25 +18,10 @@ from typing import Any
 import jax
 import keras
 import numpy as np
-from backend_oracle import statistics_of
+from backend_oracle import layer_columns, statistics_of
 from tolerance import assert_matches_oracle  # noqa: F401 (the one tolerance rule)
 
 from keras_gradtrack._keras_seam import LossFunctionWrapper
-
-
-def layer_columns(model: Any) -> list[list[int]]:
-    """Positions in `model.trainable_variables` of each owning layer's variables; a
-    recurrent layer owns its cell's (stacked cells' alike: one column, as on TensorFlow)."""
-    recurrent = {}
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.RNN):
-            for variable in layer.trainable_variables:
-                recurrent.setdefault(id(variable), layer.path)
-    owners: dict[str, list[int]] = {}
-    for position, variable in enumerate(model.trainable_variables):
-        owner = recurrent.get(id(variable), variable.path.rpartition("/")[0])
-        owners.setdefault(owner, []).append(position)
-    return list(owners.values())
 
 
 def _loss_function(model: Any) -> Any:

@@ -75,11 +75,6 @@ def test_the_log_holds_the_steps_statistics_and_ids(tmp_path: Path) -> None:
     assert model.gradient_tracking.step == 2
 
 
-def lstm() -> Any:
-    inputs = keras.Input((4, 3))
-    return kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(keras.layers.LSTM(4)(inputs)))
-
-
 def batch_normalization() -> Any:
     inputs = keras.Input((6,))
     hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
@@ -120,7 +115,6 @@ def activity_regularized() -> Any:
 
 REFUSED = {
     "activity_regularizer": (activity_regularized, (6,), "activity regularizer"),
-    "lstm": (lstm, (4, 3), "recurrent"),
     "batch_normalization": (batch_normalization, (6,), "BatchNormalization"),
     "own_step": (own_step, (6,), "train_step of its own"),
     "loss_scale": (loss_scale, (12,), "LossScaleOptimizer"),

@@ -15,18 +15,10 @@ from typing import Any
 import keras
 import numpy as np
 import torch
-from backend_oracle import statistics_of
+from backend_oracle import layer_columns, statistics_of
 from tolerance import assert_matches_oracle  # noqa: F401 (the one tolerance rule)
 
 from keras_gradtrack._keras_seam import LossFunctionWrapper
-
-
-def layer_columns(model: Any) -> list[list[int]]:
-    """Positions in `model.trainable_variables` of each owning layer's variables."""
-    owners: dict[str, list[int]] = {}
-    for position, variable in enumerate(model.trainable_variables):
-        owners.setdefault(variable.path.rpartition("/")[0], []).append(position)
-    return list(owners.values())
 
 
 def loss_function(model: Any) -> Any:

@@ -14,9 +14,9 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.backends.jax.recurrent import cell_layers, cell_of, recurrent_refusal
 from keras_gradtrack.backends.jax.registry import lookup
 from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers
+from keras_gradtrack.backends.ops.recurrent import cell_layers, cell_of, recurrent_refusal
 
 FALLBACK_PATH = "fallback (per-layer vmap of jax.grad)"
 BACKEND = "JAX"

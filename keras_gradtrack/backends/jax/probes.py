@@ -26,9 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from keras_gradtrack.backends.jax.recurrent import on_the_rule, recurrent_call
-from keras_gradtrack.backends.jax.rules import from_output_rows, output_rows
 from keras_gradtrack.backends.ops.probes import ProbeRecords
+from keras_gradtrack.backends.ops.recurrent import (
+    from_output_rows,
+    on_the_rule,
+    output_rows,
+    recurrent_call,
+)
 from keras_gradtrack.backends.ops.rules import splits_activation
 from keras_gradtrack.engine.preactivation import marked_preactivation_call
 

@@ -14,7 +14,6 @@ fallback_per_example(layer, values, call)   # one (B, *variable.shape) per varia
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.ops import rules as ops_rules
+from keras_gradtrack.backends.ops.recurrent import output_rows
 from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule, splits_activation
 
 
@@ -41,28 +41,6 @@ def preactivation_call(
     else:
         outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
     return output_rows(outputs)
-
-
-def output_rows(outputs: Any) -> Any:
-    """A layer's output as its probe sees it: one tensor as it is; several (a recurrent
-    layer's sequence and states) as one `(B, n)`, each output's rows flattened and
-    concatenated in `jax.tree` order."""
-    leaves = jax.tree.leaves(outputs)
-    if len(leaves) == 1 and not isinstance(outputs, (list, tuple, dict)):
-        return outputs
-    return jnp.concatenate([jnp.reshape(leaf, (leaf.shape[0], -1)) for leaf in leaves], axis=1)
-
-
-def from_output_rows(rows: Any, outputs: Any) -> Any:
-    """`outputs` (several tensors) with the values of `rows` (`output_rows(outputs)`
-    plus a probe)."""
-    leaves, structure = jax.tree.flatten(outputs)
-    sizes = [math.prod(leaf.shape[1:]) for leaf in leaves]
-    offsets = [sum(sizes[:n]) for n in range(1, len(sizes))]
-    parts = jnp.split(rows, offsets, axis=1)
-    return jax.tree.unflatten(
-        structure, [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves)]
-    )
 
 
 def fallback_per_example(

@@ -81,9 +81,9 @@ def clipped_sums(
     reweighted output gradients (linear in them, so the VJP takes the sum over
     examples). With a loss scale `s` the VJP takes `s w_i d_i` (the backward pass's
     scale, in the layer's dtype) and its result is divided by `s` in float32. With the
-    step's `columns`, whether a layer's norms came from its per-example gradients is
-    read there (an eager backend computes no direct form twice); without, it is found
-    again (under `jax.jit` the compiler merges the two).
+    step's `columns`, a layer's per-example gradients are those its norms came from
+    (an eager backend computes nothing twice); without, they are computed again where
+    the layer has no direct form (under `jax.jit` the compiler merges the two).
 
     Raises:
         ValueError: A tracked layer the step did not call.
@@ -100,14 +100,16 @@ def clipped_sums(
         references = [f32(probed.grads[position[id(v)]]) for v in all_variables]
         calls = per_layer_calls[index]
         total: list[Any] | None = None
+        rule = tracked.rule
         if columns is not None:
-            rule = tracked.rule
-            materialized = rule is not None and rule.per_example is not None
-            materialized = materialized and columns[index][0].from_per_example
+            per_example = columns[index][0].per_example
+            if rule is None or rule.per_example is None:
+                per_example = None  # the fallback's: its local VJP costs less
+        elif from_per_example(tracked, calls, references):
+            per_example = summed_per_example(layer, rule, values, calls, fixed, fallback)
         else:
-            materialized = from_per_example(tracked, calls, references)
-        if materialized:
-            per_example = summed_per_example(layer, tracked.rule, values, calls, fixed, fallback)
+            per_example = None
+        if per_example is not None:
             total = [ops.tensordot(weight, f32(g), axes=1) for g in per_example]
         else:
             for n, (owner, kwargs) in enumerate(probed.calls):

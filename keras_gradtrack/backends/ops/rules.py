@@ -62,13 +62,14 @@ class LayerPrimitives:
     """A layer's primitives for the step: `(B,)` `sq_norm`, `(B,)` `dot`, scalar `sum_sq_norm`
     (a rule's direct form leaves it None where its call has a `reference_factor`: the
     step then takes it from the batch gradient, and an eager backend does not compute
-    what would go unused). `from_per_example`: whether they came from the layer's
-    per-example gradients (its rule's or the fallback's), not a direct form."""
+    what would go unused). `per_example`: where they came from the layer's per-example
+    gradients (its rule's or the fallback's, not a direct form), those, one `(B,
+    *variable.shape)` per trainable variable (a private step's clipped sum reuses them)."""
 
     sq_norm: Any
     dot: Any
     sum_sq_norm: Any
-    from_per_example: bool = False
+    per_example: Sequence[Any] | None = None
 
 
 # (layer, its trainable variables' values, call, its non-trainable variables' values)

@@ -178,7 +178,7 @@ def _layer_primitives(
     else:
         reference = ops.concatenate([ops.reshape(references[i], (-1,)) for i in own])
     primitives = LayerPrimitives(
-        ops.sum(flat**2, axis=1), ops.matmul(flat, reference), ops.sum(total**2), True
+        ops.sum(flat**2, axis=1), ops.matmul(flat, reference), ops.sum(total**2), summed
     )
     return primitives, reference_sq_norm
 

@@ -37,6 +37,13 @@ def with_one_example_more(x: Any) -> Any:
     )
 
 
+def input_shape(call_input: Any) -> tuple[int, ...]:
+    """The shape of a call's input (a recurrent call's record: its input sequences')."""
+    if isinstance(call_input, dict) and "inputs" in call_input:
+        call_input = call_input["inputs"]
+    return tuple(np.shape(call_input))
+
+
 def find_batchless_calls(model: Any, probes: Probes, x: Any) -> frozenset[int]:
     """Positions (in call order) of the probed calls whose input does not follow the
     batch size; raises `mixing_rows_error` where broadcasting them changes the model's
@@ -60,7 +67,7 @@ def find_batchless_calls(model: Any, probes: Probes, x: Any) -> frozenset[int]:
             probes.installed(batchless, batch_size),
         ):
             found = tree.flatten(model(x, training=False))
-        shapes = [tuple(np.shape(call_input)) for _, call_input, _ in probes.calls]
+        shapes = [input_shape(call_input) for _, call_input, _ in probes.calls]
         return [np.asarray(value.cpu()) for value in found], shapes
 
     plain, as_is = outputs(x)

@@ -321,4 +321,8 @@ def watched_inputs(x: Any) -> tuple[Any, list[Any]]:
 
 
 def detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
+    """`value` (a tensor, or a structure of them: a recurrent call's saved sequences)
+    off the graph."""
+    return keras.tree.map_structure(
+        lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, value
+    )

@@ -14,6 +14,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers
+from keras_gradtrack.backends.ops.recurrent import cell_layers, cell_of, recurrent_refusal
 from keras_gradtrack.backends.torch.registry import lookup
 
 FALLBACK_PATH = "fallback (per-layer torch.func.vmap of grad)"
@@ -23,11 +24,7 @@ def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
     """Why the PyTorch engine cannot track the layer yet (empty when it can)."""
     name = f"Layer {layer.name!r} ({type(layer).__name__})"
     if isinstance(layer, keras.layers.RNN):
-        return (
-            f"{name} is a recurrent layer: the PyTorch engine does not track recurrent "
-            "layers yet (TensorFlow and JAX do, exactly). Run this model with "
-            "KERAS_BACKEND=tensorflow or jax to track it."
-        )
+        return recurrent_refusal(layer)
     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
         return (
             f"{name} normalizes with statistics of the whole batch in training, so example "
@@ -43,7 +40,14 @@ def build_plan(model: keras.Model) -> list[TrackedLayer]:
     """The tracked layers of a built model, in column order (`ops.plan.planned_layers`).
 
     Raises:
-        ValueError: For a layer the PyTorch engine refuses (`refusal`), trainable
+        ValueError: For a layer the PyTorch engine refuses (`refusal`: a recurrent
+            layer off its rule that the fallback cannot repeat, BatchNormalization
+            in training), trainable
             variables of the model itself, or a model without trainable variables.
     """
-    return planned_layers(model, lookup, refusal, FALLBACK_PATH)
+    return planned_layers(model, lookup, refusal, FALLBACK_PATH, recurrent_cell)
+
+
+def recurrent_cell(layer: Any) -> tuple[Any, list[Any]]:
+    """`(the cell whose variables the layer's column holds, or None; the cell's layers)`."""
+    return cell_of(layer), cell_layers(layer)

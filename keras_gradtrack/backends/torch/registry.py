@@ -1,8 +1,8 @@
-"""The PyTorch engine's rule registry: the rules written once in `keras.ops`.
+"""The PyTorch engine's rule registry: the rules written once in `keras.ops`, the
+recurrent rule (`ops/recurrent.py`) among them.
 
-BatchNormalization in training and the recurrent layers have rules of the JAX
-engine's own (inside its traced step); on PyTorch the plan refuses them
-(`plan.refusal`), so their rules are absent here.
+BatchNormalization in training has a rule of the JAX engine's own (inside its traced
+step); on PyTorch the plan refuses it (`plan.refusal`), so its rule is absent here.
 
 Example:
 
@@ -13,10 +13,11 @@ lookup(keras.layers.Conv2D(4, 3))     # CONV
 
 from __future__ import annotations
 
+from keras_gradtrack.backends.ops.recurrent import RECURRENT
 from keras_gradtrack.backends.ops.registry import SHARED_RULES, Registry
 
 REGISTRY = Registry(
-    {rule.name: rule for rule in SHARED_RULES},
-    absent=frozenset({"batch_normalization", "recurrent"}),
+    {rule.name: rule for rule in (*SHARED_RULES, RECURRENT)},
+    absent=frozenset({"batch_normalization"}),
 )
 lookup = REGISTRY.lookup

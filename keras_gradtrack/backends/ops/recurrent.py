@@ -1,4 +1,5 @@
-"""Recurrent layers on JAX: SimpleRNN, LSTM and GRU on one rule, inside Keras' scan.
+"""Recurrent layers on the probed engines: SimpleRNN, LSTM and GRU on one rule, inside
+Keras' own loop (`lax.scan` on JAX, a Python loop over the steps on PyTorch).
 
 The layer's own `call` runs (initial and stateful states, masks, `go_backwards`,
 `return_sequences`, `return_state`, `unroll`: all Keras'), with its `inner_loop`
@@ -12,7 +13,7 @@ weight's per-example gradient is a sum over time, `Σ_t a_tᵀ δ_t`
 (`recurrent_cells.per_example_gradients`); a masked step's `δ_t` is zero (the scan
 keeps the previous states there).
 
-Keras' scan on JAX stacks one tensor per step (its masking compares it with the
+Keras' loop stacks one tensor per step (its masking compares it with the
 first state), so the step's output and what it emits travel as one concatenation,
 `[h_t, emitted...]`, and the loop carries the previous concatenation as an extra
 first state: a masked step repeats it whole, as Keras repeats `h_{t-1}`.
@@ -28,25 +29,32 @@ outputs, saved = probed                     # saved: the sequences the rule read
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import keras
-from keras import tree
+from keras import ops, tree
 
 from keras_gradtrack._keras_seam import flatten_layers, keras_backend
 from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.jax.rules import f32
-from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule
+from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule, backend_name
 from keras_gradtrack.engine.repeatable_calls import unrepeatable_call
 from keras_gradtrack.recurrent_cells import loop_of, on_a_loop, per_example_gradients
 
-# Why a recurrent layer is off the rule, as the refusals say it.
-OFF_THE_RULE = (
-    "on JAX the recurrent rule covers Keras' SimpleRNN, LSTM and GRU cells with every "
-    "cell weight trained"
-)
+
+def f32(value: Any) -> Any:
+    return ops.cast(value, "float32")
+
+
+def off_the_rule() -> str:
+    """Why a recurrent layer is off the rule, as the refusals say it."""
+    return (
+        f"on {backend_name()} the recurrent rule covers Keras' SimpleRNN, LSTM and GRU "
+        "cells with every cell weight trained"
+    )
+
+
 BUILT_IN = (keras.layers.SimpleRNN, keras.layers.LSTM, keras.layers.GRU, keras.layers.RNN)
 
 
@@ -79,7 +87,7 @@ def cell_layers(layer: Any) -> list[Any]:
 
 
 def recurrent_refusal(layer: Any) -> str:
-    """Why the JAX engine cannot track a recurrent layer off the recurrent rule (empty
+    """Why the engine cannot track a recurrent layer off the recurrent rule (empty
     when it can, or when the layer is not recurrent or trains nothing).
 
     Off the rule, a recurrent layer runs on the per-layer fallback, `vmap(grad)` of the
@@ -90,7 +98,7 @@ def recurrent_refusal(layer: Any) -> str:
     cell = cell_of(layer)
     if cell is None or not layer.trainable_variables or on_the_rule(layer):
         return ""
-    return unrepeatable_call(layer, OFF_THE_RULE)
+    return unrepeatable_call(layer, off_the_rule())
 
 
 def recurrent_call(
@@ -117,11 +125,11 @@ def recurrent_call(
 
         def step(projected_t: Any, states: Any) -> tuple[Any, list[Any]]:
             output, new_states, emitted = loop.step(projected_t, list(states[1:]))
-            packed = jnp.concatenate([output, *emitted], axis=-1)
+            packed = ops.concatenate([output, *emitted], axis=-1)
             return packed, [packed, *new_states]
 
         first = initial_state[0]
-        packed_state = jnp.concatenate([first] + [jnp.zeros_like(first)] * (len(sizes) - 1), -1)
+        packed_state = ops.concatenate([first] + [ops.zeros_like(first)] * (len(sizes) - 1), -1)
         last, outputs, states = keras_backend.rnn(
             step,
             projected,
@@ -133,9 +141,9 @@ def recurrent_call(
             zero_output_for_mask=layer.zero_output_for_mask,
             return_all_outputs=True,
         )
-        outputs, *emitted = jnp.split(outputs, len(sizes), axis=-1)
+        outputs, *emitted = ops.split(outputs, len(sizes), axis=-1)
         if layer.go_backwards:  # the scan's order; pair each step with its input
-            emitted = [jnp.flip(sequence, axis=1) for sequence in emitted]
+            emitted = [ops.flip(sequence, axis=1) for sequence in emitted]
         saved.update(
             inputs=sequences,
             input_masks=as_pytree(loop.input_masks),
@@ -160,8 +168,8 @@ def recurrent_call(
 
 
 def as_pytree(masks: Any) -> Any:
-    """A cell's dropout masks as JAX returns them from a trace (the cell keeps one per
-    gate in a Keras `TrackedList`, which JAX does not know)."""
+    """A cell's dropout masks as a list (the cell keeps one per gate in a Keras
+    `TrackedList`, which JAX's trace does not know)."""
     return list(masks) if isinstance(masks, (list, tuple)) else masks
 
 
@@ -181,3 +189,25 @@ def recurrent_per_example(
 
 
 RECURRENT = ProbedRule("recurrent", recurrent_per_example, applies=on_the_rule)
+
+
+def output_rows(outputs: Any) -> Any:
+    """A layer's output as its probe sees it: one tensor as it is; several (a recurrent
+    layer's sequence and states) as one `(B, n)`, each output's rows flattened and
+    concatenated in `keras.tree` order."""
+    leaves = tree.flatten(outputs)
+    if len(leaves) == 1 and not isinstance(outputs, (list, tuple, dict)):
+        return outputs
+    return ops.concatenate([ops.reshape(leaf, (leaf.shape[0], -1)) for leaf in leaves], axis=1)
+
+
+def from_output_rows(rows: Any, outputs: Any) -> Any:
+    """`outputs` (several tensors) with the values of `rows` (`output_rows(outputs)`
+    plus a probe)."""
+    leaves = tree.flatten(outputs)
+    sizes = [math.prod(leaf.shape[1:]) for leaf in leaves]
+    offsets = [sum(sizes[:n]) for n in range(1, len(sizes))]
+    parts = ops.split(rows, offsets, axis=1)
+    return tree.pack_sequence_as(
+        outputs, [ops.reshape(part, leaf.shape) for part, leaf in zip(parts, leaves)]
+    )
