@@ -148,3 +148,25 @@ def test_one_output_in_a_dict() -> None:
     model(x[:1])
     expected = oracle_statistics(model, x, y, loss=lambda y, p, w: mse(y["value"], p["value"], w))
     assert_matches_oracle(tracked_statistics(model, x, y), expected)
+
+
+class DoubledLoss(kgt.GradientTrackingModel):
+    """A `compute_loss` of one's own: twice the compiled loss."""
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        return 2.0 * super().compute_loss(*args, **kwargs)
+
+
+def test_a_compute_loss_of_ones_own_matches_the_oracle() -> None:
+    # Its per-example losses are the Keras losses it reduces, as it weighs them.
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    model = DoubledLoss(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x, y = X[:BATCH], TARGETS["label"][:BATCH]
+    model(x[:1])
+    expected = oracle_statistics(model, x, y, loss=lambda y, p, w: 2.0 * crossentropy(y, p, w))
+    expected.pop("pairwise_cosine")
+    assert_matches_oracle(tracked_statistics(model, x, y), expected)

@@ -198,8 +198,6 @@ def assert_same_weights(got: Path, want: Path) -> None:
 TORCH_EXPECTED = {
     "dropout_in_training": EXPECTED_FAILURES["dropout_in_training"],
     "embedding_adam": EXPECTED_FAILURES["embedding_adam"],
-    "several_outputs": refused_on_torch("a compiled loss over several outputs"),
-    "zoo_ticket_classifier": refused_on_torch("a compiled loss over several outputs"),
     "batch_normalization": refused_on_torch("BatchNormalization in training"),
     "zoo_timeseries_classifier": refused_on_torch("BatchNormalization in training"),
     "private_loss_scale": refused_on_torch("a loss scale in a private step"),

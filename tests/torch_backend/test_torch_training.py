@@ -142,21 +142,40 @@ def test_what_is_not_tracked_yet_is_refused_before_any_weight_changes(
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_private_step_with_a_loss_scale_is_refused_before_any_weight_changes() -> None:
+def scaled_run(tmp_path: Path, name: str, scale: float | None, private: bool) -> Any:
+    """One step of the MLP (same weights and data every call), with the optimizer's
+    `loss_scale_factor`: `(its log, its weights after)`."""
+    keras.utils.set_random_seed(3)
     model = MODELS["mlp"][0](kgt.GradientTrackingModel)
     model.compile(
-        optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=128.0),
+        optimizer=keras.optimizers.SGD(0.5, loss_scale_factor=scale),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    model.make_private(l2_norm_clip=1.0, noise_multiplier=1.0)
-    x = np.random.default_rng(0).normal(size=(6, *MODELS["mlp"][1])).astype("float32")
-    model(x[:1])
-    before = [np.array(w) for w in model.get_weights()]
-    with pytest.raises(ValueError, match="loss_scale_factor=128"):
-        model.fit(x, np.zeros(6, "int64"), batch_size=3, verbose=0)
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
-    assert model.private_steps == 0
+    if private:
+        model.make_private(l2_norm_clip=0.05, noise_multiplier=0.0)
+    x = np.random.default_rng(0).normal(size=(8, *MODELS["mlp"][1])).astype("float32")
+    y = np.arange(8) % 3
+    path = tmp_path / f"{name}.h5"
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[kgt.HDF5GradientLogger(path)])
+    return kgt.GradientLog(path), model.get_weights()
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_loss_scale_factor_changes_neither_the_statistics_nor_the_update(
+    tmp_path: Path, private: bool
+) -> None:
+    # The optimizer scales the loss by s and unscales the gradients it receives: the
+    # statistics are the unscaled loss's, and (clipped, when private) the update too.
+    plain_log, plain_weights = scaled_run(tmp_path, "plain", None, private)
+    scaled_log, scaled_weights = scaled_run(tmp_path, "scaled", 1000.0, private)
+    for name in ("grad_norm", "cosine", "loss"):
+        np.testing.assert_allclose(
+            scaled_log.per_example(name), plain_log.per_example(name), rtol=1e-5
+        )
+    for got, want in zip(scaled_weights, plain_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    if private:
+        assert plain_log.per_step("dp_fraction_clipped")[0] > 0.5  # the clipping acts
 
 
 SCRIPT = """

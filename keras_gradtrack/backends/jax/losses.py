@@ -31,9 +31,9 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from keras_gradtrack.backends.jax.plan import BACKEND
+from keras_gradtrack.backends.ops.step import recorded_loss_factor
 from keras_gradtrack.engine import reductions
-from keras_gradtrack.engine.reductions import LossRecord, LossRecorder, refuse_unknown_reductions
+from keras_gradtrack.engine.reductions import LossRecord, LossRecorder
 
 __all__ = ["loss_factor", "per_example_values", "recording_losses"]
 
@@ -68,27 +68,5 @@ def per_example_values(record: LossRecord) -> Any:
 
 
 def loss_factor(recorder: LossRecorder, batch: int) -> Any:
-    """`c` (`L = c sum_i l_i`) of the recorded losses, which must share one.
-
-    Raises:
-        ValueError: When no Keras loss reduced per-example values, a loss used a
-            reduction without a per-example factor, or the losses' factors differ.
-    """
-    refuse_unknown_reductions(recorder)
-    if not recorder.records:
-        raise ValueError(
-            f"On the {BACKEND} backend the per-example losses l_i come from the Keras "
-            "losses the differentiated function computes (a `keras.losses.Loss`, the "
-            "compiled loss through `self.compute_loss`, or "
-            "`self.compute_loss_and_updates`), and it computed none that reduces "
-            f"per-example values (a loss reduced to one value itself: "
-            f"{recorder.whole_batch}). Compute the loss with a keras.losses.Loss."
-        )
-    for record in recorder.records:
-        if record.values.shape[0] != batch:
-            raise ValueError(
-                f"A loss of this step reduced values of shape {tuple(record.values.shape)}, "
-                f"whose first axis is not the batch (of {batch} examples), so its "
-                "per-example losses are not defined."
-            )
-    return reductions.loss_factor(recorder.records, batch)
+    """`c` (`L = c sum_i l_i`) of the recorded losses (`ops.step.recorded_loss_factor`)."""
+    return recorded_loss_factor(recorder, batch)

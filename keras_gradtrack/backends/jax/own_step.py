@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_gradtrack._keras_seam import compiled_loss_weights, update_metrics_variables
+from keras_gradtrack._keras_seam import update_metrics_variables
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import step_coupling
 from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
@@ -57,7 +57,12 @@ from keras_gradtrack.backends.jax.step import (
     step_payload,
     tracked_train_step,
 )
-from keras_gradtrack.backends.ops.step import ProbedPass, Tracking, batch_size_of
+from keras_gradtrack.backends.ops.step import (
+    ProbedPass,
+    Tracking,
+    batch_size_of,
+    one_loss_of_one_output,
+)
 from keras_gradtrack.engine.reductions import LossRecorder, per_example_shares
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 
@@ -394,13 +399,3 @@ def keras_tracked_step(
     if keras_compute_loss and one_loss_of_one_output(model, data):
         return tracked_train_step(model, tracking, state, data)
     return recorded_losses_step(model, tracking, state, data)
-
-
-def one_loss_of_one_output(model: keras.Model, data: Any) -> bool:
-    """Whether the compiled loss is one loss (not a list or dict of them), without loss
-    weights, and the batch's targets are one tensor (or none; not a list or dict, even
-    of one)."""
-    y = keras.utils.unpack_x_y_sample_weight(data)[1]
-    if isinstance(model.loss, (dict, list, tuple)) or keras.tree.is_nested(y):
-        return False
-    return compiled_loss_weights(model) is None

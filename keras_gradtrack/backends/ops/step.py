@@ -26,7 +26,7 @@ import keras
 from keras import ops, tree
 
 from keras_gradtrack import rule_math
-from keras_gradtrack._keras_seam import LossFunctionWrapper
+from keras_gradtrack._keras_seam import LossFunctionWrapper, compiled_loss_weights
 from keras_gradtrack.backends.ops.rules import (
     LayerPrimitives,
     PerExample,
@@ -34,7 +34,12 @@ from keras_gradtrack.backends.ops.rules import (
     backend_name,
     summed_per_example,
 )
-from keras_gradtrack.engine.reductions import MEAN_REDUCTIONS
+from keras_gradtrack.engine.reductions import (
+    MEAN_REDUCTIONS,
+    LossRecorder,
+    refuse_unknown_reductions,
+)
+from keras_gradtrack.engine.reductions import loss_factor as reductions_loss_factor
 from keras_gradtrack.rule_math import f32
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
@@ -73,6 +78,44 @@ def loss_object(model: keras.Model) -> Any:
         f"On the {backend_name()} backend a tracked model is compiled with one loss (a name, a "
         f"function or a keras.losses.Loss) for its one output. Received: loss={loss!r}"
     )
+
+
+def one_loss_of_one_output(model: keras.Model, data: Any) -> bool:
+    """Whether the compiled loss is one loss (not a list or dict of them), without loss
+    weights, and the batch's targets are one tensor (or none; not a list or dict, even
+    of one)."""
+    y = keras.utils.unpack_x_y_sample_weight(data)[1]
+    if isinstance(model.loss, (dict, list, tuple)) or keras.tree.is_nested(y):
+        return False
+    return compiled_loss_weights(model) is None
+
+
+def recorded_loss_factor(recorder: LossRecorder, batch: int) -> Any:
+    """`c` (`L = c sum_i l_i`) of the losses a step recorded (`engine/reductions.py`),
+    which must share one.
+
+    Raises:
+        ValueError: When no Keras loss reduced per-example values, a loss used a
+            reduction without a per-example factor, or the losses' factors differ.
+    """
+    refuse_unknown_reductions(recorder)
+    if not recorder.records:
+        raise ValueError(
+            f"On the {backend_name()} backend the per-example losses l_i come from the "
+            "Keras losses the differentiated function computes (a `keras.losses.Loss`, "
+            "the compiled loss through `self.compute_loss`, or "
+            "`self.compute_loss_and_updates`), and it computed none that reduces "
+            f"per-example values (a loss reduced to one value itself: "
+            f"{recorder.whole_batch}). Compute the loss with a keras.losses.Loss."
+        )
+    for record in recorder.records:
+        if record.values.shape[0] != batch:
+            raise ValueError(
+                f"A loss of this step reduced values of shape {tuple(record.values.shape)}, "
+                f"whose first axis is not the batch (of {batch} examples), so its "
+                "per-example losses are not defined."
+            )
+    return reductions_loss_factor(recorder.records, batch)
 
 
 def per_example_losses(

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from keras import tree
 
-from keras_gradtrack.backends.ops.step import per_example_losses
+from keras_gradtrack._keras_seam import compute_loss
 from keras_gradtrack.engine import example_independence as independence
+from keras_gradtrack.engine import reductions
 
 
 class ExampleIndependenceChecks(independence.ExampleIndependenceSetting):
@@ -61,16 +62,22 @@ def find_example_mixing(
 
 
 def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndarray]:
-    """`{what: (B, ...) values}`: the outputs and, with targets, the per-example losses
-    of the compiled loss, at the variables' current values, changing nothing."""
-    mapping = [(v, v.value.detach().clone()) for v in model.variables]
-    with torch.no_grad(), keras.StatelessScope(state_mapping=mapping):
+    """`{what: (B, ...) values}`: the outputs and, with targets, the per-example sums of
+    the weighted values each Keras loss reduces (the compiled loss, several outputs
+    too), at the variables' current values, changing nothing."""
+    mapping = [(v, v.value.detach().clone()) for v in [*model.variables, *model.metrics_variables]]
+    with (
+        torch.no_grad(),
+        keras.StatelessScope(state_mapping=mapping),
+        reductions.recording_losses(lambda values, position: values) as recorder,
+    ):
         y_pred = model(x, training=False)
-        found: dict[str, np.ndarray] = {}
-        for index, output in enumerate(tree.flatten(y_pred)):
-            if isinstance(output, torch.Tensor) and output.ndim and output.is_floating_point():
-                found[f"output {index}"] = output.cpu().numpy()
         if y is not None and model.loss is not None:
-            losses, _ = per_example_losses(model, y, y_pred, sample_weight)
-            found["loss 0"] = losses.cpu().numpy()
+            compute_loss(model, x, y, y_pred, sample_weight, training=False)
+    found: dict[str, np.ndarray] = {}
+    for index, output in enumerate(tree.flatten(y_pred)):
+        if isinstance(output, torch.Tensor) and output.ndim and output.is_floating_point():
+            found[f"output {index}"] = output.cpu().numpy()
+    for index, record in enumerate(recorder.records):
+        found[f"loss {index}"] = reductions.per_example_values(record.values).cpu().numpy()
     return found

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -21,8 +22,9 @@ from keras_gradtrack.backends.torch.independence import ExampleIndependenceCheck
 from keras_gradtrack.backends.torch.plan import build_plan
 from keras_gradtrack.backends.torch.private_step import private_gradients
 from keras_gradtrack.backends.torch.probes import Probes
-from keras_gradtrack.engine import private_training
+from keras_gradtrack.engine import private_training, reductions
 from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
+from keras_gradtrack.engine.reductions import LossRecorder
 from keras_gradtrack.engine.schedule import TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
@@ -48,17 +50,6 @@ def refusal_of_step(model: Any, requests: Sequence[Any], own_step: bool) -> str:
             f"Model {model.name!r} has a train_step of its own: the {BACKEND} engine tracks "
             "Keras' own step for now (TensorFlow's `tracked_gradient` and JAX's "
             "`tracked_value_and_grad` track steps of one's own)."
-        )
-    return ""
-
-
-def refusal_of_private_step(model: Any) -> str:
-    """Why the PyTorch engine cannot take a private step of `model` (empty when it can)."""
-    if getattr(model.optimizer, "loss_scale_factor", None) is not None:
-        return (
-            f"The {BACKEND} engine's private step does not take a loss scale yet "
-            f"(optimizer {model.optimizer.name!r} has loss_scale_factor="
-            f"{model.optimizer.loss_scale_factor}); TensorFlow and JAX do."
         )
     return ""
 
@@ -97,8 +88,6 @@ class GradientTrackingMixin(
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         reason = refusal_of_step(self, requests, self._has_own_step())
-        if not reason and self.privacy_settings is not None:
-            reason = refusal_of_private_step(self)
         if reason:
             raise ValueError(reason)
 
@@ -124,24 +113,42 @@ class GradientTrackingMixin(
             else:
                 y_pred = self(x)
         self.zero_grad()
-        loss = self._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        # Several outputs, loss weights or a `compute_loss` of one's own: the losses'
+        # reductions recorded, their values differentiated beside the outputs.
+        recording = type(
+            self
+        ).compute_loss is not keras.Model.compute_loss or not shared.one_loss_of_one_output(
+            self, data
         )
+        with recorded_losses(recording) as recorder:
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+        scale = None
         if training_step:
             self._loss_tracker.update_state(loss, sample_weight=batch)
             if self.optimizer is not None:
                 loss = self.optimizer.scale_loss(loss)
+                scale = self.optimizer.loss_scale_factor
+        records = [] if recorder is None else [record.values for record in recorder.records]
         variables = self.trainable_variables
-        marked = [*probes.probed, *inputs]
+        marked = [*probes.probed, *inputs, *records]
         grads = torch.autograd.grad(loss, [v.value for v in variables] + marked, allow_unused=True)
         weight_grads = list(grads[: len(variables)])
         with torch.no_grad():
+            # The statistics are the unscaled loss's (the optimizer unscales its own).
+            unscale = 1.0 if scale is None else 1.0 / scale
             marked_grads = [
-                torch.zeros_like(tensor) if grad is None else grad
+                torch.zeros_like(tensor) if grad is None else grad * unscale
                 for tensor, grad in zip(marked, grads[len(variables) :])
             ]
             probe_grads = marked_grads[: len(probes.probed)]
-            losses, factor = shared.per_example_losses(self, y, y_pred, sample_weight)
+            if recorder is None:
+                losses, factor = shared.per_example_losses(self, y, y_pred, sample_weight)
+            else:
+                factor = shared.recorded_loss_factor(recorder, batch)
+                loss_grads = marked_grads[len(marked) - len(records) :]
+                losses = reductions.per_example_shares(recorder.records, loss_grads) / factor
             probed = ProbedPass(
                 calls=[(index, kwargs) for index, _, kwargs in probes.calls],
                 inputs=[detached(inputs) for _, inputs, _ in probes.calls],
@@ -149,11 +156,11 @@ class GradientTrackingMixin(
                 trainable=[v.value.detach() for v in variables],
                 non_trainable=[v.value.detach() for v in self.non_trainable_variables],
                 grads=[
-                    torch.zeros_like(v.value) if g is None else g
+                    torch.zeros_like(v.value) if g is None else g * unscale
                     for v, g in zip(variables, weight_grads)
                 ],
                 fallback=fallback_per_example,
-                input_grads=marked_grads[len(probes.probed) :],
+                input_grads=marked_grads[len(probes.probed) : len(probes.probed) + len(inputs)],
             )
             # Without penalties or added losses the loss is `c sum_i l_i` exactly.
             exact_factor = factor if not self.losses else None
@@ -168,7 +175,9 @@ class GradientTrackingMixin(
             payload = {k: v.detach().cpu().numpy().copy() for k, v in payload.items()}
             rows: dict[str, Any] = {}
             if training_step and self.privacy_settings is not None:
-                weight_grads, rows = private_gradients(self, tracking.plan, probed, columns, factor)
+                weight_grads, rows = private_gradients(
+                    self, tracking.plan, probed, columns, factor, scale
+                )
                 # The private step's own values take their columns' place (the step's bound).
                 payload.update(
                     {k: np.asarray(v, np.float32) for k, v in rows.items() if k in payload}
@@ -292,6 +301,18 @@ def opt_in_primitives(
     if probed.input_grads:
         found["input_sq_norm"] = shared.input_sq_norm(probed.input_grads, factor)
     return found
+
+
+@contextlib.contextmanager
+def recorded_losses(recording: bool) -> Iterator[LossRecorder | None]:
+    """Records the losses' reductions for the block (`engine/reductions.py`), each
+    value the tensor itself (autograd differentiates with respect to it); None
+    without `recording`."""
+    if not recording:
+        yield None
+        return
+    with reductions.recording_losses(lambda values, position: values) as recorder:
+        yield recorder
 
 
 def needs_input_gradients(statistics: Sequence[Statistic]) -> bool:

@@ -54,6 +54,7 @@ def private_gradients(
     probed: Any,
     columns: Sequence[Any],
     factor: Any,
+    loss_scale: float | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
     """`(gradients, rows)`: what the optimizer receives (aligned with
     `model.trainable_variables`) and the values for fit's logs
@@ -65,6 +66,9 @@ def private_gradients(
         probed: The step's `ProbedPass`.
         columns: Per tracked layer, its primitives and `||G^(k)||^2`.
         factor: `c`, with which the loss reduces the examples' losses.
+        loss_scale: The optimizer's `loss_scale_factor` `s`, or None: `probed` holds
+            the unscaled gradients, and the optimizer receives `s` times the private
+            gradient, which it unscales.
 
     Raises:
         ValueError: When the forward pass adds losses other than weight penalties, or
@@ -102,6 +106,7 @@ def private_gradients(
         sigma * bound,
         divisor,
         penalties,
+        loss_scale,
     )
     clipped_count = float(ops.sum(ops.cast(clipped, "float32")))
     rows: dict[str, Any] = {"dp_fraction_clipped": clipped_count / batch}
