@@ -115,11 +115,8 @@ class GradientTrackingMixin(
         self.zero_grad()
         # Several outputs, loss weights or a `compute_loss` of one's own: the losses'
         # reductions recorded, their values differentiated beside the outputs.
-        recording = type(
-            self
-        ).compute_loss is not keras.Model.compute_loss or not shared.one_loss_of_one_output(
-            self, data
-        )
+        own_loss = type(self).compute_loss is not keras.Model.compute_loss
+        recording = own_loss or not shared.one_loss_of_one_output(self, data)
         with recorded_losses(recording) as recorder:
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
