@@ -21,8 +21,8 @@ import keras_gradtrack as kgt
 BACKEND = keras.backend.backend()
 oracle = importlib.import_module(f"{BACKEND}_oracle")
 input_grad_norms, oracle_statistics = oracle.input_grad_norms, oracle.oracle_statistics
-# Mixed precision's dynamic loss scale: on JAX (PyTorch refuses a LossScaleOptimizer).
-OPTIMIZERS = ["sgd", "loss_scale_optimizer"] if BACKEND == "jax" else ["sgd"]
+# Mixed precision's dynamic loss scale too.
+OPTIMIZERS = ["sgd", "loss_scale_optimizer"]
 
 BATCH = 6
 rng = np.random.default_rng(21)

@@ -200,7 +200,6 @@ TORCH_EXPECTED = {
     "embedding_adam": EXPECTED_FAILURES["embedding_adam"],
     "batch_normalization": refused_on_torch("BatchNormalization in training"),
     "zoo_timeseries_classifier": refused_on_torch("BatchNormalization in training"),
-    "private_loss_scale": refused_on_torch("a LossScaleOptimizer"),
     "attribution": refused_on_torch("targets and sketches"),
 }
 EXPECTED = {"jax": EXPECTED_FAILURES, "torch": TORCH_EXPECTED}

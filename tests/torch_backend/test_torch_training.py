@@ -81,25 +81,6 @@ def batch_normalization() -> Any:
     return kgt.GradientTrackingModel(inputs, keras.layers.Dense(3)(hidden))
 
 
-class OwnStep(kgt.GradientTrackingModel):
-    def train_step(self, data: Any) -> Any:
-        return super().train_step(data)
-
-
-def own_step() -> Any:
-    inputs = keras.Input((6,))
-    return OwnStep(inputs, keras.layers.Dense(3)(inputs))
-
-
-def loss_scale() -> Any:
-    model = MODELS["mlp"][0](kgt.GradientTrackingModel)
-    model.compile(
-        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
-
-
 def mixing() -> Any:
     """Subtracts the batch's mean: each example's output depends on the others."""
     inputs = keras.Input((6,))
@@ -116,8 +97,6 @@ def activity_regularized() -> Any:
 REFUSED = {
     "activity_regularizer": (activity_regularized, (6,), "activity regularizer"),
     "batch_normalization": (batch_normalization, (6,), "BatchNormalization"),
-    "own_step": (own_step, (6,), "train_step of its own"),
-    "loss_scale": (loss_scale, (12,), "LossScaleOptimizer"),
     "mixing": (mixing, (6,), "mixes the examples"),
 }
 
@@ -240,3 +219,22 @@ def test_a_position_table_is_exact_whatever_its_length(length: int) -> None:
     plain = positions_model(keras.Model, length)
     x2, y2 = np.concatenate([x, x[::-1]]), np.concatenate([y, y[::-1]])
     assert_trains_as_plain(positions_model(kgt.GradientTrackingModel, length), plain, x2, y2, BATCH)
+
+
+def test_gradient_statistics_searches_batchless_calls_once_per_shape(monkeypatch: Any) -> None:
+    """The search (two inference passes) runs once per input shape; each call is exact."""
+    from keras_gradtrack.backends.torch import mixin
+
+    searches: list[int] = []
+    search = mixin.find_batchless_calls
+    monkeypatch.setattr(mixin, "find_batchless_calls", lambda *a: searches.append(1) or search(*a))
+    model = positions_model(kgt.GradientTrackingModel, BATCH)
+    rng = np.random.default_rng(10)
+    x, y = rng.integers(0, 7, (BATCH, BATCH)).astype("int32"), rng.integers(0, 3, BATCH)
+    model(x[:1])
+    names = ["loss", "grad_norm", "cosine", "layer_grad_norm"]
+    for rows in (BATCH, BATCH, BATCH - 1, BATCH):
+        expected = oracle_statistics(model, x[:rows], y[:rows])
+        got = model.gradient_statistics(x[:rows], y[:rows], statistics=names)
+        assert_matches_oracle(got, {name: expected[name] for name in names})
+    assert len(searches) == 2

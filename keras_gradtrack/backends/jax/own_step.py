@@ -45,7 +45,6 @@ import keras
 from keras_gradtrack._keras_seam import update_metrics_variables
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import step_coupling
-from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.jax.losses import loss_factor, recording_losses
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
 from keras_gradtrack.backends.jax.penalties import probing_penalties, regularized_variables
@@ -57,6 +56,7 @@ from keras_gradtrack.backends.jax.step import (
     step_payload,
     tracked_train_step,
 )
+from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.ops.step import (
     ProbedPass,
     Tracking,

@@ -34,11 +34,11 @@ from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import Coupling, step_coupling
-from keras_gradtrack.backends.jax.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_gram, needs_input_gradients
 from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
+from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.ops.step import (
     Columns,
     ProbedPass,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -12,19 +12,25 @@ import torch
 from keras import ops
 
 from keras_gradtrack.backends.ops import step as shared
+from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, unscaled
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.private_model import ProbedPrivateTraining
 from keras_gradtrack.backends.ops.step import ProbedPass, Tracking
 from keras_gradtrack.backends.torch.batchless import find_batchless_calls
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
+from keras_gradtrack.backends.torch.forward import ProbedForward, detached, recorded_losses
 from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
+from keras_gradtrack.backends.torch.own_step import (
+    OWN_STEP_KEY,
+    own_tracked_step,
+    refuse_uncalled,
+)
 from keras_gradtrack.backends.torch.plan import build_plan
 from keras_gradtrack.backends.torch.private_step import private_gradients
 from keras_gradtrack.backends.torch.probes import Probes
 from keras_gradtrack.engine import private_training, reductions
 from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
-from keras_gradtrack.engine.reductions import LossRecorder
 from keras_gradtrack.engine.schedule import TracksGradients
 from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
@@ -32,24 +38,12 @@ from keras_gradtrack.statistics import Statistic
 BACKEND = "PyTorch"
 
 
-def refusal_of_step(model: Any, requests: Sequence[Any], own_step: bool) -> str:
-    """Why the PyTorch engine cannot track this step of `model` yet (empty when it can;
-    `own_step`: whether its class defines a `train_step` of its own)."""
+def refusal_of_step(model: Any, requests: Sequence[Any]) -> str:
+    """Why the PyTorch engine cannot track this step of `model` yet (empty when it can)."""
     if requests:
         return (
             "Targets and gradient sketches (HDF5GradientLogger's targets= and sketch_dim=) "
             f"are TensorFlow's and JAX's for now; the {BACKEND} engine logs the statistics."
-        )
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-        return (
-            f"The {BACKEND} engine does not track steps of a LossScaleOptimizer yet "
-            "(TensorFlow and JAX do); train in float32, or on another backend."
-        )
-    if own_step:
-        return (
-            f"Model {model.name!r} has a train_step of its own: the {BACKEND} engine tracks "
-            "Keras' own step for now (TensorFlow's `tracked_gradient` and JAX's "
-            "`tracked_value_and_grad` track steps of one's own)."
         )
     return ""
 
@@ -87,7 +81,7 @@ class GradientTrackingMixin(
         return build_plan(self)
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
-        reason = refusal_of_step(self, requests, self._has_own_step())
+        reason = refusal_of_step(self, requests)
         if reason:
             raise ValueError(reason)
 
@@ -102,63 +96,84 @@ class GradientTrackingMixin(
         the logs in `rows`). On a training step the loss tracker counts the loss and
         the optimizer scales it, as Keras' step does."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        probes = Probes([tracked.layer for tracked in tracking.plan])
-        inputs: list[Any] = []
-        if needs_input_gradients(tracking.statistics):
-            x, inputs = watched_inputs(x)
-        batch = shared.batch_size_of(x)
-        with probes.installed(tracking.batchless, batch):
+        forward = ProbedForward.of(tracking, x)
+        with forward.probes.installed(tracking.batchless, forward.batch):
             if self._call_has_training_arg:
-                y_pred = self(x, training=True)
+                y_pred = self(forward.x, training=True)
             else:
-                y_pred = self(x)
+                y_pred = self(forward.x)
         self.zero_grad()
         # Several outputs, loss weights or a `compute_loss` of one's own: the losses'
         # reductions recorded, their values differentiated beside the outputs.
         own_loss = type(self).compute_loss is not keras.Model.compute_loss
         recording = own_loss or not shared.one_loss_of_one_output(self, data)
-        with recorded_losses(recording) as recorder:
+        with recorded_losses(recording) as forward.recorder:
             loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                x=forward.x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
         scale = None
         if training_step:
-            self._loss_tracker.update_state(loss, sample_weight=batch)
+            self._loss_tracker.update_state(loss, sample_weight=forward.batch)
             if self.optimizer is not None:
+                # `s`: a LossScaleOptimizer's dynamic scale, or a `loss_scale_factor`.
+                scale = loss_scale_of([self.optimizer.scale_loss(1.0)])
                 loss = self.optimizer.scale_loss(loss)
-                scale = self.optimizer.loss_scale_factor
+        forward.targets = (y, y_pred, sample_weight)
+        payload, gradients, rows = self._differentiated(forward, loss, scale, training_step)
+        return payload, gradients, y_pred, rows
+
+    def _differentiated(
+        self, forward: ProbedForward, loss: Any, scale: Any, training_step: bool
+    ) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+        """The tracked step's one backward pass: `(payload, gradients, rows)`.
+
+        Args:
+            forward: What the step's forward pass left (probes, watched inputs, the
+                recorded losses or the compiled loss's targets).
+            loss: The loss, times the loss scale `scale` (None: not scaled).
+            training_step: Whether the step trains (a private model's gradients are
+                then the private ones, with their values for the logs in `rows`).
+        """
+        recorder, tracking, batch = forward.recorder, forward.tracking, forward.batch
         records = [] if recorder is None else [record.values for record in recorder.records]
         variables = self.trainable_variables
-        marked = [*probes.probed, *inputs, *records]
+        marked = [*forward.probes.probed, *forward.inputs, *records]
         grads = torch.autograd.grad(loss, [v.value for v in variables] + marked, allow_unused=True)
         weight_grads = list(grads[: len(variables)])
         with torch.no_grad():
             # The statistics are the unscaled loss's (the optimizer unscales its own).
-            unscale = 1.0 if scale is None else 1.0 / scale
-            marked_grads = [
-                torch.zeros_like(tensor) if grad is None else grad * unscale
-                for tensor, grad in zip(marked, grads[len(variables) :])
-            ]
-            probe_grads = marked_grads[: len(probes.probed)]
+            marked_grads = unscaled(
+                [
+                    torch.zeros_like(tensor) if grad is None else grad
+                    for tensor, grad in zip(marked, grads[len(variables) :])
+                ],
+                scale,
+            )
+            probe_grads = marked_grads[: len(forward.probes.probed)]
             if recorder is None:
-                losses, factor = shared.per_example_losses(self, y, y_pred, sample_weight)
+                losses, factor = shared.per_example_losses(self, *forward.targets)
             else:
                 factor = shared.recorded_loss_factor(recorder, batch)
                 loss_grads = marked_grads[len(marked) - len(records) :]
                 losses = reductions.per_example_shares(recorder.records, loss_grads) / factor
+            inputs_end = len(forward.probes.probed) + len(forward.inputs)
             probed = ProbedPass(
-                calls=[(index, kwargs) for index, _, kwargs in probes.calls],
-                inputs=[detached(inputs) for _, inputs, _ in probes.calls],
+                calls=[(index, kwargs) for index, _, kwargs in forward.probes.calls],
+                inputs=[detached(inputs) for _, inputs, _ in forward.probes.calls],
                 probe_grads=probe_grads,
                 trainable=[v.value.detach() for v in variables],
                 non_trainable=[v.value.detach() for v in self.non_trainable_variables],
-                grads=[
-                    torch.zeros_like(v.value) if g is None else g * unscale
-                    for v, g in zip(variables, weight_grads)
-                ],
+                grads=unscaled(
+                    [
+                        torch.zeros_like(v.value) if g is None else g
+                        for v, g in zip(variables, weight_grads)
+                    ],
+                    scale,
+                ),
                 fallback=fallback_per_example,
-                input_grads=marked_grads[len(probes.probed) : len(probes.probed) + len(inputs)],
+                input_grads=marked_grads[len(forward.probes.probed) : inputs_end],
             )
+            refuse_uncalled(tracking, probed)
             # Without penalties or added losses the loss is `c sum_i l_i` exactly.
             exact_factor = factor if not self.losses else None
             columns = shared.layer_columns(self, tracking.plan, probed, factor, exact_factor)
@@ -179,10 +194,100 @@ class GradientTrackingMixin(
                 payload.update(
                     {k: np.asarray(v, np.float32) for k, v in rows.items() if k in payload}
                 )
-        return payload, weight_grads, y_pred, rows
+        return payload, weight_grads, rows
+
+    def tracked_backward(self, loss: Any) -> None:
+        """`loss.backward()` for a `train_step` of one's own: call it where the step calls
+        `loss.backward()`. On an untracked step it is `loss.backward()`; on a tracked
+        step the same gradients are left on the trainable variables (`v.value.grad`;
+        a private model's: the clipped, noised ones) and the step's per-example
+        statistics are computed from the same backward pass (`own_step.py`).
+
+        Example:
+
+        ```python
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            self.tracked_backward(loss)  # was: loss.backward()
+            weights = self.trainable_weights[:]
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in weights], weights)
+            ...
+        ```
+        """
+        own = self.__dict__.get(OWN_STEP_KEY)
+        if own is None:
+            loss.backward()
+            return
+        if own.payload is not None:
+            raise ValueError(
+                "`tracked_backward` ran twice in one tracked step (or after "
+                "`super().train_step(data)`); the step's statistics come from one "
+                "differentiation of the loss."
+            )
+        own.payload, gradients, own.rows = self._differentiated(
+            own, loss, loss_scale_of(own.scales), training_step=True
+        )
+        for variable, gradient in zip(self.trainable_variables, gradients):
+            variable.value.grad = None if gradient is None else gradient.detach()
+
+    def train_step(self, data: Any) -> Any:
+        """Keras' torch `train_step`; reached by a model's own step through
+        `super().train_step(data)` on a tracked step, the same step with its backward
+        pass `tracked_backward`."""
+        if self.__dict__.get(OWN_STEP_KEY) is None:
+            return super().train_step(data)  # type: ignore[misc]
+        return self._keras_tracked_step(data)
+
+    def _keras_tracked_step(self, data: Any) -> Any:
+        """Keras' torch `train_step` itself, `loss.backward()` its `tracked_backward`
+        (tests/torch_backend/test_torch_own_train_step.py compares the two)."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+        # Compute predictions
+        if self._call_has_training_arg:
+            y_pred = self(x, training=True)
+        else:
+            y_pred = self(x)
+
+        # Call torch.nn.Module.zero_grad() to clear the leftover gradients
+        # for the weights from the previous train step.
+        self.zero_grad()
+
+        loss = self._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        self._loss_tracker.update_state(
+            loss,
+            sample_weight=next(i for i in keras.tree.flatten(x) if i is not None).shape[0],
+        )
+        if self.optimizer is not None:
+            loss = self.optimizer.scale_loss(loss)
+
+        # Compute gradients
+        if self.trainable_weights:
+            # Call torch.Tensor.backward() on the loss to compute gradients
+            # for the weights.
+            self.tracked_backward(loss)
+
+            trainable_weights = self.trainable_weights[:]
+            gradients = [v.value.grad for v in trainable_weights]
+
+            # Update weights
+            with torch.no_grad():
+                self.optimizer.apply(gradients, trainable_weights)
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _tracked_train_step(self, data: Any, tracking: Tracking) -> tuple[Any, dict[str, Any]]:
-        """Keras' torch `train_step`, its backward pass the probed one: `(logs, payload)`."""
+        """Keras' torch `train_step`, its backward pass the probed one: `(logs, payload)`
+        (a model's own `train_step`: `own_tracked_step`)."""
+        if self._has_own_step():
+            return own_tracked_step(self, data, tracking)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         payload, gradients, y_pred, rows = self._probed_step(data, tracking, training_step=True)
         trainable_weights = self.trainable_weights[:]
@@ -190,6 +295,20 @@ class GradientTrackingMixin(
             self.optimizer.apply(gradients, trainable_weights)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return {**logs, **rows}, payload
+
+    def _statistics_tracking(self, data: Any, statistics: Sequence[Statistic]) -> Tracking:
+        """`_tracking` for `gradient_statistics`, kept per statistics, trainable variables
+        and shapes of the inputs (the search for batchless calls runs the model twice)."""
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        key = (
+            tuple(statistic.name for statistic in statistics),
+            tuple(id(variable) for variable in self.trainable_variables),
+            tuple((tuple(t.shape), str(t.dtype)) for t in keras.tree.flatten(x)),
+        )
+        kept = self.__dict__.setdefault("_statistics_trackings", {})
+        if key not in kept:
+            kept[key] = self._tracking(data, statistics)
+        return kept[key]
 
     def _tracking(self, data: Any, statistics: Sequence[Statistic]) -> Tracking:
         """What the tracked steps of these statistics compute: the plan, and the calls
@@ -270,7 +389,7 @@ class GradientTrackingMixin(
         ]
         with keras.StatelessScope(state_mapping=mapping):
             payload, _, _, _ = self._probed_step(
-                data, self._tracking(data, statistics), training_step=False
+                data, self._statistics_tracking(data, statistics), training_step=False
             )
         payload.pop(LEARNING_RATE, None)
         payload[BATCH_SIZE] = np.asarray(shared.batch_size_of(x), np.int32)
@@ -298,49 +417,3 @@ def opt_in_primitives(
     if probed.input_grads:
         found["input_sq_norm"] = shared.input_sq_norm(probed.input_grads, factor)
     return found
-
-
-@contextlib.contextmanager
-def recorded_losses(recording: bool) -> Iterator[LossRecorder | None]:
-    """Records the losses' reductions for the block (`engine/reductions.py`), each
-    value the tensor itself (autograd differentiates with respect to it); None
-    without `recording`."""
-    if not recording:
-        yield None
-        return
-    with reductions.recording_losses(lambda values, position: values) as recorder:
-        yield recorder
-
-
-def needs_input_gradients(statistics: Sequence[Statistic]) -> bool:
-    return any(statistic.needs_input_gradients for statistic in statistics)
-
-
-def watched_inputs(x: Any) -> tuple[Any, list[Any]]:
-    """`(x, its float tensors)`: `x` with each float tensor replaced by a leaf of its own
-    that autograd differentiates with respect to (the caller's tensors stay as they
-    are)."""
-    floats: list[Any] = []
-
-    def watched(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            floats.append(leaf.detach().requires_grad_(True))
-            return floats[-1]
-        return leaf
-
-    x = keras.tree.map_structure(watched, x)
-    if not floats:
-        raise ValueError(
-            "input_grad_norm is the gradient of each example's loss with respect to its "
-            "float inputs; the model has none (the gradient with respect to integer "
-            "inputs, such as token ids, is not defined)."
-        )
-    return x, floats
-
-
-def detached(value: Any) -> Any:
-    """`value` (a tensor, or a structure of them: a recurrent call's saved sequences)
-    off the graph."""
-    return keras.tree.map_structure(
-        lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, value
-    )

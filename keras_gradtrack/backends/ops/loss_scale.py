@@ -1,10 +1,11 @@
-"""Loss scaling on JAX: the statistics of the unscaled loss, the optimizer's gradients as Keras gives them.
+"""Loss scaling on a probed engine: the statistics of the unscaled loss, the optimizer's gradients as Keras gives them.
 
-Keras' JAX `compute_loss_and_updates` returns `optimizer.scale_loss(loss)`: the loss
+Keras' JAX `compute_loss_and_updates` and its torch `train_step` scale the loss with
+`optimizer.scale_loss(loss)`: the loss
 times `s`, a `LossScaleOptimizer`'s dynamic scale (`mixed_float16` wraps the
 optimizer in one) or any optimizer's `loss_scale_factor`. Every gradient of the
-tracked step's one `jax.value_and_grad` (the variables', the probes', the loss
-probes') is then `s` times the unscaled loss's. The optimizer receives the
+tracked step's one backward pass (`jax.value_and_grad`, `torch.autograd.grad`: the
+variables', the probes', the loss probes') is then `s` times the unscaled loss's. The optimizer receives the
 variables' as they are (it unscales them and skips non-finite steps itself, as in
 Keras' step); the statistics divide them by `s`, recorded as the TensorFlow engine
 records it (`engine/tracking.py`): `scale_loss(1.0)` where the differentiated
@@ -25,7 +26,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax.numpy as jnp
+from keras import ops
 
 from keras_gradtrack._patching import patched
 
@@ -72,11 +73,11 @@ def loss_scale_of(scales: Sequence[Any]) -> Any:
     (scale,) = scales
     if isinstance(scale, (int, float)) and scale == 1:
         return None
-    return jnp.asarray(scale, jnp.float32)
+    return ops.convert_to_tensor(scale, "float32")
 
 
 def unscaled(values: Sequence[Any], scale: Any) -> list[Any]:
     """`values` divided by the loss scale `s` (float32), or as they are without one."""
     if scale is None:
         return list(values)
-    return [jnp.asarray(value, jnp.float32) / scale for value in values]
+    return [ops.cast(value, "float32") / scale for value in values]
