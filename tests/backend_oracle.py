@@ -61,6 +61,18 @@ def statistics_of(found: dict[str, Any]) -> dict[str, Any]:
         }
 
 
+def replayed_draws() -> Any:
+    """`() -> None` that puts the global random state back as it is now: on PyTorch a
+    Dropout without a seed of its own draws from torch's global generator (on JAX from
+    its seed generator's state, which the model keeps)."""
+    if keras.backend.backend() != "torch":
+        return lambda: None
+    import torch
+
+    state = torch.random.get_rng_state()
+    return lambda: torch.random.set_rng_state(state)
+
+
 def tracked_statistics(
     model: Any, x: Any, y: Any, sample_weight: Any = None, names: Any = None
 ) -> dict[str, Any]:
@@ -89,7 +101,9 @@ def assert_trains_as_plain(
     plain.set_weights(tracked.get_weights())
     reports: list[Any] = []
     tracked.gradient_tracking.subscribe("test", statistics.resolve(None), 2, reports.append)
+    replay = replayed_draws()  # the same dropout masks on both
     history = tracked.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history
+    replay()
     expected = plain.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history
     assert [r.values is not None for r in reports] == [True, False]
     for got, want in zip(tracked.get_weights(), plain.get_weights()):

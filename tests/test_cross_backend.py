@@ -198,8 +198,6 @@ def assert_same_weights(got: Path, want: Path) -> None:
 TORCH_EXPECTED = {
     "dropout_in_training": EXPECTED_FAILURES["dropout_in_training"],
     "embedding_adam": EXPECTED_FAILURES["embedding_adam"],
-    "batch_normalization": refused_on_torch("BatchNormalization in training"),
-    "zoo_timeseries_classifier": refused_on_torch("BatchNormalization in training"),
     "attribution": refused_on_torch("targets and sketches"),
 }
 EXPECTED = {"jax": EXPECTED_FAILURES, "torch": TORCH_EXPECTED}

@@ -52,22 +52,63 @@ def tensors(value: Any) -> Any:
 
 
 def gradients(value: Any, model: Any) -> list[np.ndarray]:
-    grads = torch.autograd.grad(value, [v.value for v in model.trainable_variables])
-    return [g.detach().cpu().numpy().astype(np.float64).ravel() for g in grads]
+    variables = [v.value for v in model.trainable_variables]
+    grads = torch.autograd.grad(value, variables, retain_graph=True, allow_unused=True)
+    return [
+        np.zeros(v.numel()) if g is None else g.detach().cpu().numpy().astype(np.float64).ravel()
+        for v, g in zip(variables, grads)
+    ]
+
+
+def full_batch_losses(model: Any, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any]:
+    """`((B,), loss)`: each example's compiled loss on its row of the full batch's
+    forward pass (in training mode, where BatchNormalization normalizes with the batch's
+    moments), and the batch's loss on it with the weight penalties (the model's state,
+    moving moments and seeds, left as it was)."""
+    mapping = [(v, v.value) for v in model.trainable_variables] + [
+        (v, v.value.detach().clone()) for v in model.non_trainable_variables
+    ]
+    compiled = loss_function(model)
+    with keras.StatelessScope(state_mapping=mapping):
+        y_pred = model(tensors(x), training=True)
+        weights = tensors(sample_weight)
+        batch_loss = compiled(tensors(y), y_pred, weights)
+        batch_loss = batch_loss + sum(model.losses) if model.losses else batch_loss
+    values = []
+    for i in range(len(keras.tree.flatten(x)[0])):
+        yi, pi = tensors(take(y, i)), y_pred[i : i + 1]
+        weight = None if sample_weight is None else tensors(take(sample_weight, i))
+        values.append(compiled(yi, pi) if weight is None else compiled(yi, pi, weight))
+    return torch.stack(values), batch_loss
 
 
 def per_example_gradients(
-    model: Any, x: Any, y: Any, sample_weight: Any = None, loss: Any = None
+    model: Any,
+    x: Any,
+    y: Any,
+    sample_weight: Any = None,
+    loss: Any = None,
+    full_batch: bool = False,
 ) -> dict[str, Any]:
-    """`l` (B,), `g` per layer (B, n_k) and `G` per layer, one backward pass per example."""
+    """`l` (B,), `g` per layer (B, n_k) and `G` per layer, one backward pass per example
+    (`full_batch`: of each example's loss on its row of the full batch's forward pass,
+    the other examples held fixed)."""
     batch = len(keras.tree.flatten(x)[0])
     losses, rows = [], []
+    values, batch_loss = (
+        full_batch_losses(model, x, y, sample_weight) if full_batch else (None, None)
+    )
     for i in range(batch):
-        weight = None if sample_weight is None else take(sample_weight, i)
-        value = loss_value(model, take(x, i), take(y, i), weight, loss=loss)
+        if values is None:
+            weight = None if sample_weight is None else take(sample_weight, i)
+            value = loss_value(model, take(x, i), take(y, i), weight, loss=loss)
+        else:
+            value = values[i]
         losses.append(float(value.detach()))
         rows.append(gradients(value, model))
-    full = gradients(loss_value(model, x, y, sample_weight, penalties=True, loss=loss), model)
+    if batch_loss is None:
+        batch_loss = loss_value(model, x, y, sample_weight, penalties=True, loss=loss)
+    full = gradients(batch_loss, model)
     columns = layer_columns(model)
     g = [np.stack([np.concatenate([row[p] for p in ps]) for row in rows]) for ps in columns]
     G = [np.concatenate([full[p] for p in ps]) for ps in columns]
@@ -75,10 +116,16 @@ def per_example_gradients(
 
 
 def oracle_statistics(
-    model: Any, x: Any, y: Any, sample_weight: Any = None, loss: Any = None
+    model: Any,
+    x: Any,
+    y: Any,
+    sample_weight: Any = None,
+    loss: Any = None,
+    full_batch: bool = False,
 ) -> dict[str, Any]:
-    """Every built-in statistic by its definition, and `pairwise_cosine`."""
-    return statistics_of(per_example_gradients(model, x, y, sample_weight, loss))
+    """Every built-in statistic by its definition, and `pairwise_cosine` (`full_batch`:
+    see `per_example_gradients`)."""
+    return statistics_of(per_example_gradients(model, x, y, sample_weight, loss, full_batch))
 
 
 def input_grad_norms(

@@ -33,9 +33,7 @@ model.gradient_tracking_summary()   # conv0 ... coupled (per-example vjp through
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,46 +41,20 @@ import jax.numpy as jnp
 import keras
 from jax.extend.core import Var
 
-from keras_gradtrack._keras_seam import flatten_layers, functional_inputs
-from keras_gradtrack._patching import patched_each
+from keras_gradtrack._keras_seam import functional_inputs
 from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.rules import f32
+from keras_gradtrack.backends.ops.coupled import (
+    COUPLED_NAMES_KEY,
+    Coupling,
+    mixing_layers,
+    recording_mixing_calls,
+)
+from keras_gradtrack.backends.ops.coupled import (
+    coupled_path as shared_coupled_path,
+)
 from keras_gradtrack.backends.ops.rules import LayerPrimitives
 from keras_gradtrack.engine.batch_normalization_tracking import DEFAULT_CHUNK_SIZE
-from keras_gradtrack.rule_math import uses_batch_statistics
-
-COUPLED_PATH = "coupled (per-example vjp through BatchNormalization's batch statistics)"
-# Where the model keeps the names of the layers its last traced step coupled.
-_COUPLED_NAMES_KEY = "_coupled_layer_names"
-
-
-def mixing_layers(model: Any) -> list[Any]:
-    """The model's trainable BatchNormalization layers (they mix examples in training)."""
-    return [
-        layer
-        for layer in flatten_layers(model, include_self=False)
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-    ]
-
-
-@contextlib.contextmanager
-def recording_mixing_calls(layers: Sequence[Any]) -> Iterator[list[tuple[Any, Any, bool]]]:
-    """Records `(layer, input, masked)` of each call of `layers` that uses the batch's
-    moments."""
-    calls: list[tuple[Any, Any, bool]] = []
-
-    def recording(layer: Any, call: Callable[..., Any]) -> Callable[..., Any]:
-        def recording_call(*args: Any, **kwargs: Any) -> Any:
-            if uses_batch_statistics(layer, args, kwargs):
-                masked = (args[2] if len(args) > 2 else kwargs.get("mask")) is not None
-                calls.append((layer, args[0] if args else kwargs["inputs"], masked))
-            return call(*args, **kwargs)
-
-        return recording_call
-
-    # An instance attribute shadows the class's `call` (as the probes do).
-    with patched_each([(layer, "call", recording(layer, layer.call)) for layer in layers]):
-        yield calls
 
 
 def reaching_inputs(jaxpr: Any) -> set[int]:
@@ -109,7 +81,7 @@ def coupled_positions(
     """
     layers = mixing_layers(model) if getattr(model, "track_batch_normalization", False) else []
     if not layers:
-        model.__dict__[_COUPLED_NAMES_KEY] = frozenset()
+        model.__dict__[COUPLED_NAMES_KEY] = frozenset()
         return [], []
     # The mixing layers whose own gamma and beta are rows too: those without a rule,
     # and those called with a mask (the probes keep a call's keyword arguments from a
@@ -135,17 +107,13 @@ def coupled_positions(
         for index, tracked in enumerate(plan)
         if id(tracked.layer) in rows or any(position[id(v)] in reaching for v in tracked.variables)
     ]
-    model.__dict__[_COUPLED_NAMES_KEY] = frozenset(plan[index].name for index in coupled)
+    model.__dict__[COUPLED_NAMES_KEY] = frozenset(plan[index].name for index in coupled)
     return coupled, mixing
 
 
 def coupled_path(model: Any, tracked: TrackedLayer) -> str:
-    """The summary's path of a layer: `COUPLED_PATH` where the model's last traced step
-    coupled it (before any, where a trace on its functional inputs does), else its own."""
-    names = model.__dict__.get(_COUPLED_NAMES_KEY)
-    if names is None:
-        names = functional_coupling(model)
-    return COUPLED_PATH if tracked.name in names else tracked.path
+    """The summary's path of a layer (`ops.coupled.coupled_path`, traced on JAX)."""
+    return shared_coupled_path(model, tracked, functional_coupling)
 
 
 def functional_coupling(model: Any) -> frozenset[str]:
@@ -168,23 +136,6 @@ def functional_coupling(model: Any) -> frozenset[str]:
         model, plan, forward, [v.value for v in model.trainable_variables]
     )
     return frozenset(plan[index].name for index in coupled)
-
-
-@dataclasses.dataclass(frozen=True)
-class Coupling:
-    """What BatchNormalization in training couples in one tracked step.
-
-    Attributes:
-        columns: `{position in plan: (primitives, ||G^(k)||^2)}` of the coupled layers.
-        mixing: The names of the layers called with the batch's moments (then no
-            example's input gradient is its own: `d l_j / d x_i` is not zero).
-        grams: `() -> {position in plan: (B, B) Gram matrix}` of the coupled layers,
-            from their rows (`chunk x` their parameters at a time; all rows once).
-    """
-
-    columns: dict[int, tuple[LayerPrimitives, Any]] = dataclasses.field(default_factory=dict)
-    mixing: Sequence[str] = ()
-    grams: Callable[[], dict[int, Any]] = dict
 
 
 def step_coupling(

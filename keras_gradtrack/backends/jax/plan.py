@@ -15,32 +15,11 @@ from typing import Any
 import keras
 
 from keras_gradtrack.backends.jax.registry import lookup
-from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers
-from keras_gradtrack.backends.ops.recurrent import cell_layers, cell_of, recurrent_refusal
+from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers, refusal
+from keras_gradtrack.backends.ops.recurrent import cell_layers, cell_of
 
 FALLBACK_PATH = "fallback (per-layer vmap of jax.grad)"
 BACKEND = "JAX"
-
-
-def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
-    """Why the JAX engine cannot track the layer yet (empty when it can; a trainable
-    BatchNormalization can be, when the model opts in: `backends/jax/coupled.py`)."""
-    name = f"Layer {layer.name!r} ({type(layer).__name__})"
-    if isinstance(layer, keras.layers.RNN):
-        return recurrent_refusal(layer)
-    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-        if track_batch_normalization:
-            return ""
-        return (
-            f"{name} normalizes with statistics of the whole batch in training, so example "
-            "i's loss depends on the other examples. For exact per-example gradients "
-            "through the batch statistics (the other examples held fixed), set "
-            "`model.track_batch_normalization = True` (about one extra backward pass per "
-            "example through the layers before the last BatchNormalization); or freeze it "
-            "(`layer.trainable = False`: exact and cheap), or replace it with "
-            "GroupNormalization (`kgt.convert_to_group_normalization`)."
-        )
-    return ""
 
 
 def build_plan(model: keras.Model) -> list[TrackedLayer]:

@@ -15,8 +15,7 @@ lookup(keras.layers.PReLU())          # PRELU
 
 from __future__ import annotations
 
-from keras_gradtrack.backends.jax import batch_normalization
-from keras_gradtrack.backends.ops import recurrent
+from keras_gradtrack.backends.ops import batch_normalization, recurrent
 from keras_gradtrack.backends.ops.registry import SHARED_RULES, Registry
 from keras_gradtrack.rule_table import NO_JAX_RULE
 

@@ -34,7 +34,7 @@ from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.jax.attribution import attribution_rows
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import Coupling, step_coupling
-from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_gram, needs_input_gradients
+from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
 from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
@@ -45,16 +45,14 @@ from keras_gradtrack.backends.ops.step import (
     Tracking,
     batch_size_of,
     columns_payload,
-    input_sq_norm,
     layer_columns,
-    layer_gram,
+    opt_in_primitives,
     per_example_losses,
     probed_calls,
     value_lookup,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
-from keras_gradtrack.statistics import Statistic
 
 
 def tracked_train_step(
@@ -223,49 +221,6 @@ def step_payload(
     payload.update(requested_rows(model, plan, tracking.requests, probed, factor, coupling.columns))
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     return columns, payload
-
-
-def opt_in_primitives(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    statistics: Sequence[Statistic],
-    probed: ProbedPass,
-    factor: Any,
-    coupling: Coupling | None = None,
-) -> dict[str, Any]:
-    """What the opt-in statistics need (`opt_in.py`): the Gram matrix `(B, B)` summed
-    over the layers (a coupled layer's from its rows), and the input gradients' `(B,)`
-    squared norms.
-
-    Raises:
-        ValueError: For input gradients where a BatchNormalization in training mixes
-            the examples (as on TensorFlow).
-    """
-    found: dict[str, Any] = {}
-    coupling = coupling or Coupling()
-    if probed.input_grads and coupling.mixing:
-        needing = [s.name for s in statistics if s.needs_input_gradients]
-        raise ValueError(
-            f"Layer {coupling.mixing[0]!r} is a BatchNormalization in training mode, so "
-            "every example's loss depends on every input of the batch, and the backward "
-            "pass does not give d l_i / d x_i. Expected statistics without input "
-            f"gradients. Received: {needing}"
-        )
-    if needs_gram(statistics):
-        lookup_value = value_lookup(model, probed)
-        coupled_grams = coupling.grams() if coupling.columns else {}
-        grams = [
-            coupled_grams[index]
-            if index in coupled_grams
-            else layer_gram(tracked, layer_calls, lookup_value, probed.fallback)
-            for index, (layer_calls, tracked) in enumerate(
-                zip(probed_calls(probed, factor, len(plan)), plan)
-            )
-        ]
-        found["gram"] = sum(grams[1:], grams[0])
-    if probed.input_grads:
-        found["input_sq_norm"] = input_sq_norm(probed.input_grads, factor)
-    return found
 
 
 def requested_rows(

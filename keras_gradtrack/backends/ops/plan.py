@@ -23,6 +23,7 @@ from typing import Any
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
+from keras_gradtrack.backends.ops.recurrent import recurrent_refusal
 from keras_gradtrack.backends.ops.rules import ProbedRule, backend_name
 
 
@@ -47,6 +48,28 @@ class TrackedLayer:
     @property
     def path(self) -> str:
         return f"rule:{self.rule.name}" if self.rule else self.fallback
+
+
+def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
+    """Why a probed engine cannot track the layer yet (empty when it can): a recurrent
+    layer off its rule, or a trainable BatchNormalization unless the model opts in
+    (each backend's `coupled.py`)."""
+    name = f"Layer {layer.name!r} ({type(layer).__name__})"
+    if isinstance(layer, keras.layers.RNN):
+        return recurrent_refusal(layer)
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+        if track_batch_normalization:
+            return ""
+        return (
+            f"{name} normalizes with statistics of the whole batch in training, so example "
+            "i's loss depends on the other examples. For exact per-example gradients "
+            "through the batch statistics (the other examples held fixed), set "
+            "`model.track_batch_normalization = True` (about one extra backward pass per "
+            "example through the layers before the last BatchNormalization); or freeze it "
+            "(`layer.trainable = False`: exact and cheap), or replace it with "
+            "GroupNormalization (`kgt.convert_to_group_normalization`)."
+        )
+    return ""
 
 
 def activity_regularizer_refusal(layer: Any) -> str:

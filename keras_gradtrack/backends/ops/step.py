@@ -423,3 +423,46 @@ def layer_gram(
     batch = summed[0].shape[0]
     flat = [ops.reshape(g, (batch, -1)) for v, g in zip(all_variables, summed) if id(v) in own]
     return rule_math.per_example_gram(flat)
+
+
+def opt_in_primitives(
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    statistics: Sequence[Statistic],
+    probed: ProbedPass,
+    factor: Any,
+    coupling: Any = None,
+) -> dict[str, Any]:
+    """What the opt-in statistics need: the Gram matrix `(B, B)` summed over the layers
+    (each layer's factored form or per-example gradients; a coupled layer's from its
+    rows: `coupling`, an `ops.coupled.Coupling`), and the input gradients' `(B,)`
+    squared norms.
+
+    Raises:
+        ValueError: For input gradients where a BatchNormalization in training mixes
+            the examples (as on TensorFlow).
+    """
+    found: dict[str, Any] = {}
+    if probed.input_grads and coupling is not None and coupling.mixing:
+        needing = [s.name for s in statistics if s.needs_input_gradients]
+        raise ValueError(
+            f"Layer {coupling.mixing[0]!r} is a BatchNormalization in training mode, so "
+            "every example's loss depends on every input of the batch, and the backward "
+            "pass does not give d l_i / d x_i. Expected statistics without input "
+            f"gradients. Received: {needing}"
+        )
+    if any(statistic.needs_gram for statistic in statistics):
+        lookup_value = value_lookup(model, probed)
+        coupled_grams = coupling.grams() if coupling is not None and coupling.columns else {}
+        grams = [
+            coupled_grams[index]
+            if index in coupled_grams
+            else layer_gram(tracked, layer_calls, lookup_value, probed.fallback)
+            for index, (layer_calls, tracked) in enumerate(
+                zip(probed_calls(probed, factor, len(plan)), plan)
+            )
+        ]
+        found["gram"] = sum(grams[1:], grams[0])
+    if probed.input_grads:
+        found["input_sq_norm"] = input_sq_norm(probed.input_grads, factor)
+    return found

@@ -10,7 +10,7 @@ Example:
 
 ```python
 forward = ProbedForward.of(tracking, x)
-with forward.probes.installed(tracking.batchless, forward.batch):
+with forward.installed(model):
     y_pred = model(forward.x, training=True)
 ```
 """
@@ -25,7 +25,9 @@ from typing import Any
 import keras
 import torch
 
+from keras_gradtrack.backends.ops.coupled import recording_mixing_calls
 from keras_gradtrack.backends.ops.step import Tracking, batch_size_of
+from keras_gradtrack.backends.torch.coupled import opted_in_mixing_layers
 from keras_gradtrack.backends.torch.probes import Probes
 from keras_gradtrack.engine import reductions
 from keras_gradtrack.engine.reductions import LossRecorder
@@ -47,6 +49,8 @@ class ProbedForward:
             losses are the compiled loss's on `targets`.
         targets: `(y, y_pred, sample_weight)` of the compiled loss.
         scales: The scales `optimizer.scale_loss` applied (`ops/loss_scale.py`).
+        mixing: The BatchNormalization calls with the batch's moments, where the
+            model opts in (`coupled.py`).
         payload: The statistics, once the backward pass has run.
         rows: The private step's values for the logs, once it has run.
     """
@@ -61,6 +65,7 @@ class ProbedForward:
     scales: list[Any] = dataclasses.field(default_factory=list)
     payload: dict[str, Any] | None = None
     rows: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mixing: list[tuple[Any, Any, bool]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, tracking: Tracking, x: Any) -> ProbedForward:
@@ -70,6 +75,16 @@ class ProbedForward:
         if needs_input_gradients(tracking.statistics):
             x, inputs = watched_inputs(x)
         return cls(tracking, probes, x, inputs, batch_size_of(x))
+
+    @contextlib.contextmanager
+    def installed(self, model: Any) -> Iterator[None]:
+        """The probes installed for the block, and the BatchNormalization calls in
+        training recorded where the model opts in (`coupled.py`)."""
+        with (
+            self.probes.installed(self.tracking.batchless, self.batch),
+            recording_mixing_calls(opted_in_mixing_layers(model)) as self.mixing,
+        ):
+            yield
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.private_model import ProbedPrivateTraining
 from keras_gradtrack.backends.ops.step import ProbedPass, Tracking
 from keras_gradtrack.backends.torch.batchless import find_batchless_calls
+from keras_gradtrack.backends.torch.coupled import coupled_positions, layer_path, step_coupling
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.forward import ProbedForward, detached, recorded_losses
 from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
@@ -80,6 +81,10 @@ class GradientTrackingMixin(
     def _build_tracking_plan(self) -> list[TrackedLayer]:
         return build_plan(self)
 
+    def _layer_path(self, tracked: TrackedLayer) -> str:
+        """The layer's path, through BatchNormalization in training where coupled."""
+        return layer_path(self, tracked)
+
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         reason = refusal_of_step(self, requests)
         if reason:
@@ -97,7 +102,7 @@ class GradientTrackingMixin(
         the optimizer scales it, as Keras' step does."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         forward = ProbedForward.of(tracking, x)
-        with forward.probes.installed(tracking.batchless, forward.batch):
+        with forward.installed(self):
             if self._call_has_training_arg:
                 y_pred = self(forward.x, training=True)
             else:
@@ -138,7 +143,14 @@ class GradientTrackingMixin(
         records = [] if recorder is None else [record.values for record in recorder.records]
         variables = self.trainable_variables
         marked = [*forward.probes.probed, *forward.inputs, *records]
-        grads = torch.autograd.grad(loss, [v.value for v in variables] + marked, allow_unused=True)
+        # Through BatchNormalization in training (opted in): the layers it couples.
+        coupled = coupled_positions(self, tracking.plan, forward.mixing)
+        grads = torch.autograd.grad(
+            loss,
+            [v.value for v in variables] + marked,
+            allow_unused=True,
+            retain_graph=bool(coupled),
+        )
         weight_grads = list(grads[: len(variables)])
         with torch.no_grad():
             # The statistics are the unscaled loss's (the optimizer unscales its own).
@@ -174,10 +186,26 @@ class GradientTrackingMixin(
                 input_grads=marked_grads[len(forward.probes.probed) : inputs_end],
             )
             refuse_uncalled(tracking, probed)
+
+            def graph_losses() -> Any:
+                """`l` on the step's graph: each example's share of the recorded
+                losses (their `dL/dv` held fixed), or the compiled loss's."""
+                if recorder is None:
+                    return shared.per_example_losses(self, *forward.targets)[0]
+                shares = [grad.detach() for grad in loss_grads]
+                return reductions.per_example_shares(recorder.records, shares) / factor
+
+            coupling = step_coupling(
+                self, tracking.plan, coupled, forward.mixing, graph_losses, probed.grads
+            )
             # Without penalties or added losses the loss is `c sum_i l_i` exactly.
             exact_factor = factor if not self.losses else None
-            columns = shared.layer_columns(self, tracking.plan, probed, factor, exact_factor)
-            opt_in = opt_in_primitives(self, tracking, probed, factor)
+            columns = shared.layer_columns(
+                self, tracking.plan, probed, factor, exact_factor, coupling.columns
+            )
+            opt_in = shared.opt_in_primitives(
+                self, tracking.plan, tracking.statistics, probed, factor, coupling
+            )
             payload = shared.columns_payload(tracking.statistics, columns, losses, batch, opt_in)
             if self.optimizer is not None:
                 payload[LEARNING_RATE] = ops.convert_to_tensor(
@@ -383,7 +411,9 @@ class GradientTrackingMixin(
         if self.check_example_independence and not self.__dict__.get("_examples_independent"):
             self._check_examples_independent(data)
         # What the step would assign (a dropout's seed, metrics) stays in the scope.
-        mapping = [
+        # (The trainable values are the variables' own: the backward pass reaches them,
+        # and the weight penalties read them in the scope.)
+        mapping = [(v, v.value) for v in self.trainable_variables] + [
             (v, v.value.detach().clone())
             for v in [*self.non_trainable_variables, *self.metrics_variables]
         ]
@@ -396,24 +426,3 @@ class GradientTrackingMixin(
         if ids is not None:
             payload[EXAMPLE_ID] = np.asarray(ids).astype(np.int64)
         return {name: np.array(value) for name, value in payload.items()}
-
-
-def opt_in_primitives(
-    model: Any, tracking: Tracking, probed: ProbedPass, factor: Any
-) -> dict[str, Any]:
-    """What the opt-in statistics need: the `(B, B)` Gram matrix summed over the layers
-    (each layer's factored form, or its per-example gradients), and the input
-    gradients' `(B,)` squared norms."""
-    found: dict[str, Any] = {}
-    if any(statistic.needs_gram for statistic in tracking.statistics):
-        lookup_value = shared.value_lookup(model, probed)
-        grams = [
-            shared.layer_gram(tracked, layer_calls, lookup_value, probed.fallback)
-            for layer_calls, tracked in zip(
-                shared.probed_calls(probed, factor, len(tracking.plan)), tracking.plan
-            )
-        ]
-        found["gram"] = sum(grams[1:], grams[0])
-    if probed.input_grads:
-        found["input_sq_norm"] = shared.input_sq_norm(probed.input_grads, factor)
-    return found

@@ -86,7 +86,7 @@ def run_own_step(
     model.__dict__[OWN_STEP_KEY] = forward
     try:
         with (
-            forward.probes.installed(tracking.batchless, forward.batch),
+            forward.installed(model),
             recorded_losses(True) as forward.recorder,
             recording_loss_scale(model.optimizer) as forward.scales,
         ):

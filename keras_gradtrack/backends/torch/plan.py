@@ -13,27 +13,11 @@ from typing import Any
 
 import keras
 
-from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers
-from keras_gradtrack.backends.ops.recurrent import cell_layers, cell_of, recurrent_refusal
+from keras_gradtrack.backends.ops.plan import TrackedLayer, planned_layers, refusal
+from keras_gradtrack.backends.ops.recurrent import cell_layers, cell_of
 from keras_gradtrack.backends.torch.registry import lookup
 
 FALLBACK_PATH = "fallback (per-layer torch.func.vmap of grad)"
-
-
-def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
-    """Why the PyTorch engine cannot track the layer yet (empty when it can)."""
-    name = f"Layer {layer.name!r} ({type(layer).__name__})"
-    if isinstance(layer, keras.layers.RNN):
-        return recurrent_refusal(layer)
-    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-        return (
-            f"{name} normalizes with statistics of the whole batch in training, so example "
-            "i's loss depends on the other examples; the PyTorch engine does not track "
-            "through it yet (`track_batch_normalization` is TensorFlow's and JAX's). Freeze "
-            "it (`layer.trainable = False`: exact and cheap), or replace it with "
-            "GroupNormalization (`kgt.convert_to_group_normalization`)."
-        )
-    return ""
 
 
 def build_plan(model: keras.Model) -> list[TrackedLayer]:

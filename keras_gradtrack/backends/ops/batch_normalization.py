@@ -1,4 +1,4 @@
-"""The JAX engine's rule for BatchNormalization: per-example gradients of gamma and beta.
+"""The probed engines' rule for BatchNormalization (JAX, PyTorch): per-example gradients of gamma and beta.
 
 `y = xhat * gamma + beta` per channel, `xhat = (x - mean) * inverse` with the batch's
 moments in training mode (opted in: `track_batch_normalization`) or the moving ones in
@@ -6,7 +6,7 @@ inference mode. `xhat` does not depend on gamma or beta, so `g_i(gamma) = sum_po
 xhat_i` and `g_i(beta) = sum_pos d_i` (`rule_math.scale_from_moments`, the TensorFlow
 rule's math). In training mode `d_i` is example i's alone only where no other
 BatchNormalization in training follows; otherwise the layer is coupled
-(`coupled.py`), as on TensorFlow. Batch renormalization (`renorm=True`) is not covered:
+(`coupled.py` of each backend), as on TensorFlow. Batch renormalization (`renorm=True`) is not covered:
 its corrections also multiply gamma, and the layer is coupled.
 
 Example:
