@@ -1,4 +1,5 @@
-"""The same model, weights and data give the same attribution log on TensorFlow and JAX:
+"""The same model, weights and data give the same attribution log on TensorFlow, JAX and
+PyTorch:
 the same products with the targets' gradients and, from the same `sketch_seed`, the same
 gradient sketches (the projections are defined once, `projection_matrices`)."""
 
@@ -18,6 +19,7 @@ import keras_gradtrack as kgt
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("jax")
+pytest.importorskip("torch")
 
 # Fits a small CNN from weights drawn by numpy, on either backend, logging targets and
 # sketches to the path given.
@@ -48,7 +50,7 @@ SCRIPT = textwrap.dedent(
 
 def test_both_backends_write_the_same_products_and_sketches(tmp_path: Path) -> None:
     paths = {}
-    for backend in ("tensorflow", "jax"):
+    for backend in ("tensorflow", "jax", "torch"):
         paths[backend] = tmp_path / f"{backend}.h5"
         env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(ROOT)}
         result = subprocess.run(
@@ -61,12 +63,15 @@ def test_both_backends_write_the_same_products_and_sketches(tmp_path: Path) -> N
         assert result.returncode == 0, result.stderr[-3000:]
     logs = {backend: kgt.GradientLog(path) for backend, path in paths.items()}
     try:
-        assert logs["jax"].attrs["backend"] == "jax"
-        assert logs["jax"].layout.sketch.widths == logs["tensorflow"].layout.sketch.widths
-        for name in ("loss", "target_influence", "gradient_sketch"):
-            found, expected = (logs[b].per_example(name) for b in ("jax", "tensorflow"))
-            scale = np.abs(expected).max()
-            np.testing.assert_allclose(found, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=name)
+        for backend in ("jax", "torch"):
+            assert logs[backend].attrs["backend"] == backend
+            assert logs[backend].layout.sketch.widths == logs["tensorflow"].layout.sketch.widths
+            for name in ("loss", "target_influence", "gradient_sketch"):
+                found, expected = (logs[b].per_example(name) for b in (backend, "tensorflow"))
+                scale = np.abs(expected).max()
+                np.testing.assert_allclose(
+                    found, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=f"{backend} {name}"
+                )
     finally:
         for log in logs.values():
             log.close()

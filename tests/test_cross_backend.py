@@ -44,18 +44,6 @@ class RefusedOnTorch(Exception):
     """The PyTorch run of a case was refused (a feature the PyTorch engine lacks today)."""
 
 
-def refused(feature: str) -> Any:
-    return pytest.mark.xfail(
-        strict=True, raises=RefusedOnJax, reason=f"{feature} is refused on JAX today"
-    )
-
-
-def refused_on_torch(feature: str) -> Any:
-    return pytest.mark.xfail(
-        strict=True, raises=RefusedOnTorch, reason=f"{feature} is refused on PyTorch today"
-    )
-
-
 def differs(reason: str) -> Any:
     return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
@@ -193,12 +181,11 @@ def assert_same_weights(got: Path, want: Path) -> None:
             assert_same_values(path, got_items[path][()], values, atol=atol)
 
 
-# What the PyTorch engine refuses today (each says so, before any weight changes), and
-# what differs there as on JAX.
+# What differs on PyTorch as on JAX (nothing is refused there: a refusal would fail the
+# case with RefusedOnTorch).
 TORCH_EXPECTED = {
     "dropout_in_training": EXPECTED_FAILURES["dropout_in_training"],
     "embedding_adam": EXPECTED_FAILURES["embedding_adam"],
-    "attribution": refused_on_torch("targets and sketches"),
 }
 EXPECTED = {"jax": EXPECTED_FAILURES, "torch": TORCH_EXPECTED}
 REFUSED = {"jax": RefusedOnJax, "torch": RefusedOnTorch}

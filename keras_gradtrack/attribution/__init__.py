@@ -86,7 +86,7 @@ def estimate_influence(
         sketch = reader.layout.sketch
         assert sketch is not None
         target_set: Any
-        if keras.backend.backend() == "jax":
+        if keras.backend.backend() != "tensorflow":
             target_set = TargetExamples.from_argument(targets)
         else:
             from keras_gradtrack.attribution.targets import TargetSet

@@ -5,7 +5,7 @@ every checkpoint the logger saved. The checks (a checkpoint to load, a built mod
 the log's architecture) and the walk over the checkpoints are the same on both
 backends; only the compiled sketch function is the engine's own
 (`attribution/sketches.py` on TensorFlow, `backends/jax/target_sketches.py` on
-JAX). No backend is imported here.
+JAX, `backends/torch/attribution.py` on PyTorch). No backend is imported here.
 
 Example:
 
@@ -30,7 +30,8 @@ from keras_gradtrack.io.checkpoints import load_checkpoint
 
 class SketchFunction(Protocol):
     """An engine's compiled sketches of examples (`attribution.sketches.sketch_function`
-    on TensorFlow, `backends.jax.target_sketches.sketch_function` on JAX)."""
+    on TensorFlow, `backends.jax.target_sketches.sketch_function` on JAX,
+    `backends.torch.attribution.sketch_function` on PyTorch)."""
 
     def __call__(self, model: Any, plan: Any, dim: int, seed: int) -> Callable[..., Any]:
         """`compute`, whose `compute(x, y, sample_weight)` gives the `(n, K)` sketches of

@@ -118,6 +118,11 @@ def engine_sketch_functions() -> tuple[Any, Any]:
         from keras_gradtrack.backends.jax.target_sketches import sketch_function as jax_sketches
 
         return jax_plan, jax_sketches
+    if keras.backend.backend() == "torch":
+        from keras_gradtrack.backends.torch.attribution import sketch_function as torch_sketches
+        from keras_gradtrack.backends.torch.plan import build_plan as torch_plan
+
+        return torch_plan, torch_sketches
     from keras_gradtrack.attribution.sketches import sketch_function
     from keras_gradtrack.engine.plan import build_plan
 

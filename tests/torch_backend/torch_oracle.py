@@ -128,6 +128,20 @@ def oracle_statistics(
     return statistics_of(per_example_gradients(model, x, y, sample_weight, loss, full_batch))
 
 
+def target_gradients(model: Any, x: Any, y: Any) -> np.ndarray:
+    """`(T, P)` each target's gradient over all variables (in the order of
+    `per_example_gradients`' layers): `l_j` the compiled loss on target j alone, in
+    inference mode, without sample weight or penalties."""
+    rows = []
+    for j in range(len(keras.tree.flatten(x)[0])):
+        value = loss_function(model)(
+            tensors(take(y, j)), model(tensors(take(x, j)), training=False)
+        )
+        flat = gradients(value, model)
+        rows.append(np.concatenate([flat[p] for ps in layer_columns(model) for p in ps]))
+    return np.stack(rows)
+
+
 def input_grad_norms(
     model: Any, x: Any, y: Any, sample_weight: Any = None, loss: Any = None
 ) -> np.ndarray:

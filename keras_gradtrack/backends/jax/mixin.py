@@ -9,7 +9,6 @@ import jax
 import keras
 import numpy as np
 
-from keras_gradtrack.backends.jax.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.jax.batchless import refuse_batchless_outputs_mixing_rows
 from keras_gradtrack.backends.jax.coupled import coupled_path
 from keras_gradtrack.backends.jax.distribution import (
@@ -29,6 +28,7 @@ from keras_gradtrack.backends.jax.plan import TrackedLayer, build_plan
 from keras_gradtrack.backends.jax.private_model import JaxPrivateTraining
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.step import Layouts, packed, unpacked
+from keras_gradtrack.backends.ops.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.backends.ops.step import Tracking, batch_size_of, split_example_ids
 from keras_gradtrack.engine import private_training

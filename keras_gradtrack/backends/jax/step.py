@@ -31,13 +31,14 @@ import numpy as np
 
 from keras_gradtrack._keras_seam import update_metrics_variables
 from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.jax.attribution import attribution_rows
+from keras_gradtrack.backends.jax.attribution import target_calls
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import Coupling, step_coupling
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
 from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
+from keras_gradtrack.backends.ops.attribution import requested_rows as shared_requested_rows
 from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.ops.step import (
     Columns,
@@ -48,8 +49,6 @@ from keras_gradtrack.backends.ops.step import (
     layer_columns,
     opt_in_primitives,
     per_example_losses,
-    probed_calls,
-    value_lookup,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
@@ -231,36 +230,9 @@ def requested_rows(
     factor: Any,
     coupled: Mapping[int, Any] | None = None,
 ) -> dict[str, Any]:
-    """The rows of the loggers' attribution requests (`attribution.py`), by key.
-
-    Raises:
-        ValueError: When a tracked layer's gradients run through a
-            BatchNormalization's batch statistics (`coupled`), as on TensorFlow.
-    """
-    if not requests:
-        return {}
-    if coupled:
-        names = [plan[index].name for index in sorted(coupled)]
-        raise ValueError(
-            "Targets and gradient sketches pair each example's gradient of a layer with "
-            "the targets' gradients of that layer alone, but the gradients of layers "
-            f"{names} run through a BatchNormalization's batch statistics "
-            "(model.track_batch_normalization). Freeze the BatchNormalization layers or "
-            "use kgt.convert_to_group_normalization(model) to log targets or sketches."
-        )
-
-    def target_losses(y: Any, y_pred: Any) -> Any:
-        return per_example_losses(model, y, y_pred, None)[0]
-
-    return attribution_rows(
-        model,
-        plan,
-        requests,
-        probed_calls(probed, factor, len(plan)),
-        value_lookup(model, probed),
-        probed.trainable,
-        probed.non_trainable,
-        target_losses,
+    """`ops.attribution.requested_rows` with JAX's targets' pass and fallback."""
+    return shared_requested_rows(
+        model, plan, requests, probed, factor, coupled, target_calls, fallback_per_example
     )
 
 

@@ -5,7 +5,7 @@ the targets' sketches at the last checkpoint before its step, and
 `keras_gradtrack.attribution.sketch_examples` returns examples' sketches at each
 checkpoint; on JAX both come from here: the targets' pass of the tracked step
 (`attribution.target_calls`, compiled loss, inference mode) and the same sketches
-(`attribution.sketches`, the log's projections), jitted once per shape of the examples
+(`ops.attribution.sketches`, the log's projections), jitted once per shape of the examples
 and run at each checkpoint's weights (`keras_gradtrack/attribution/checkpoint_sketches.py`).
 
 Example:
@@ -25,8 +25,10 @@ from typing import Any
 import jax
 import keras
 
-from keras_gradtrack.backends.jax.attribution import lazy_per_example, sketches, target_calls
+from keras_gradtrack.backends.jax.attribution import target_calls
 from keras_gradtrack.backends.jax.plan import TrackedLayer
+from keras_gradtrack.backends.jax.rules import fallback_per_example
+from keras_gradtrack.backends.ops.attribution import lazy_per_example, sketches
 from keras_gradtrack.backends.ops.step import per_example_losses, variable_values
 from keras_gradtrack.engine.attribution_requests import SketchRequest
 
@@ -63,7 +65,8 @@ def sketch_function(
         value = variable_values(model, trainable, non_trainable)
         examples: Any = Examples(x, labels)  # what `target_calls` reads of `TargetExamples`
         calls = target_calls(model, plan, examples, trainable, non_trainable, losses)
-        return sketches(plan, calls, request, value, lazy_per_example(plan, calls, value))
+        per_example = lazy_per_example(plan, calls, value, fallback_per_example)
+        return sketches(plan, calls, request, value, per_example)
 
     def at_current_weights(x: Any, y: Any, sample_weight: Any) -> Any:
         trainable = [v.value for v in model.trainable_variables]

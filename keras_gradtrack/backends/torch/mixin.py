@@ -12,11 +12,13 @@ import torch
 from keras import ops
 
 from keras_gradtrack.backends.ops import step as shared
+from keras_gradtrack.backends.ops.attribution import refuse_unknown_requests, requested_rows
 from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, unscaled
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.private_model import ProbedPrivateTraining
 from keras_gradtrack.backends.ops.step import ProbedPass, Tracking
+from keras_gradtrack.backends.torch.attribution import target_calls
 from keras_gradtrack.backends.torch.batchless import find_batchless_calls
 from keras_gradtrack.backends.torch.coupled import coupled_positions, layer_path, step_coupling
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
@@ -37,16 +39,6 @@ from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
 BACKEND = "PyTorch"
-
-
-def refusal_of_step(model: Any, requests: Sequence[Any]) -> str:
-    """Why the PyTorch engine cannot track this step of `model` yet (empty when it can)."""
-    if requests:
-        return (
-            "Targets and gradient sketches (HDF5GradientLogger's targets= and sketch_dim=) "
-            f"are TensorFlow's and JAX's for now; the {BACKEND} engine logs the statistics."
-        )
-    return ""
 
 
 class GradientTrackingMixin(
@@ -86,9 +78,7 @@ class GradientTrackingMixin(
         return layer_path(self, tracked)
 
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
-        reason = refusal_of_step(self, requests)
-        if reason:
-            raise ValueError(reason)
+        refuse_unknown_requests(requests)
 
     # -- the tracked step ---------------------------------------------------
 
@@ -207,6 +197,18 @@ class GradientTrackingMixin(
                 self, tracking.plan, tracking.statistics, probed, factor, coupling
             )
             payload = shared.columns_payload(tracking.statistics, columns, losses, batch, opt_in)
+            payload.update(
+                requested_rows(
+                    self,
+                    tracking.plan,
+                    tracking.requests,
+                    probed,
+                    factor,
+                    coupling.columns,
+                    target_calls,
+                    fallback_per_example,
+                )
+            )
             if self.optimizer is not None:
                 payload[LEARNING_RATE] = ops.convert_to_tensor(
                     self.optimizer.learning_rate, "float32"
@@ -338,13 +340,17 @@ class GradientTrackingMixin(
             kept[key] = self._tracking(data, statistics)
         return kept[key]
 
-    def _tracking(self, data: Any, statistics: Sequence[Statistic]) -> Tracking:
-        """What the tracked steps of these statistics compute: the plan, and the calls
-        that do not follow the batch (read from this batch's inputs)."""
+    def _tracking(
+        self, data: Any, statistics: Sequence[Statistic], requests: Sequence[Any] = ()
+    ) -> Tracking:
+        """What the tracked steps of these statistics (and attribution requests) compute:
+        the plan, and the calls that do not follow the batch (read from this batch's
+        inputs)."""
         plan = build_plan(self)
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         probes = Probes([tracked.layer for tracked in plan])
-        return Tracking(plan, statistics, batchless=find_batchless_calls(self, probes, x))
+        batchless = find_batchless_calls(self, probes, x)
+        return Tracking(plan, statistics, requests, batchless=batchless)
 
     # -- Keras hooks --------------------------------------------------------
 
@@ -374,11 +380,11 @@ class GradientTrackingMixin(
             if private and not private_training.step_allowed(self):
                 return self.__dict__.get("_last_private_logs", {})  # the budget's end
             statistics, requests = tracking.statistics(due), tracking.requests(due)
-            key = (tuple(s.name for s in statistics), private)
+            key = (tuple(s.name for s in statistics), tuple(r.key for r in requests), private)
             self._check_independence_once(batch)
             if key not in plans:
                 self._refuse_untrackable(statistics, requests)
-                plans[key] = self._tracking(batch, statistics)
+                plans[key] = self._tracking(batch, statistics, requests)
             updates = private_training.UpdateCount(self) if private else None
             logs, payload = self._tracked_train_step(batch, plans[key])
             if updates is not None:
