@@ -8,12 +8,12 @@ import ast
 import inspect
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import keras
 import pytest
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from source_compare import normalized
 
 from keras_gradtrack import _keras_seam
 from keras_gradtrack.models.trainer import GradientTrackingMixin
@@ -102,19 +102,6 @@ def test_the_mixin_reads_only_the_trainer_attributes_the_seam_lists() -> None:
     assert read <= set(_keras_seam.TRAINER_ATTRIBUTES), sorted(
         read - set(_keras_seam.TRAINER_ATTRIBUTES)
     )
-
-
-def normalized(function: Any) -> str:
-    """The function's code without its docstring, comments and annotations."""
-    definition = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    assert isinstance(definition, ast.FunctionDef)
-    body = definition.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        definition.body = body[1:]
-    definition.returns = None
-    for argument in definition.args.args:
-        argument.annotation = None
-    return ast.unparse(definition)
 
 
 # Keras' forward pass and compiled loss, which the mixin's step takes from

@@ -5,10 +5,7 @@ where it calls `loss.backward()`: exact against the oracle, trains as the same s
 
 from __future__ import annotations
 
-import ast
-import inspect
 import re
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ from private_step_cases import (
     batch,
     private_model,
 )
+from source_compare import normalized
 from torch_oracle import assert_matches_oracle, input_grad_norms, oracle_statistics
 
 import keras_gradtrack as kgt
@@ -262,19 +260,6 @@ def test_an_own_train_step_receives_the_clipped_sum(name: str) -> None:
     own.compile(optimizer=model.optimizer, loss=model.loss)
     assert_one_step_without_noise_is_the_clipped_sum(own, *batch("mlp"))
     assert own.private_steps == 1
-
-
-def normalized(function: Any) -> str:
-    """The function's code without its docstring, comments and annotations."""
-    definition = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    assert isinstance(definition, ast.FunctionDef)
-    body = definition.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        definition.body = body[1:]
-    definition.returns = None
-    for argument in definition.args.args:
-        argument.annotation = None
-    return ast.unparse(definition)
 
 
 def test_the_mixins_step_is_keras_own_but_for_tracked_backward() -> None:

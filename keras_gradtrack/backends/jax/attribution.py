@@ -26,6 +26,7 @@ from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
 from keras_gradtrack.backends.ops import attribution as shared
+from keras_gradtrack.backends.ops.attribution import called_on_targets
 from keras_gradtrack.backends.ops.rules import ProbedCall
 from keras_gradtrack.engine.attribution_requests import TargetExamples
 
@@ -96,11 +97,4 @@ def target_calls(
     per_layer: list[list[ProbedCall]] = [[] for _ in plan]
     for n, (index, call_kwargs) in enumerate(kwargs):
         per_layer[index].append(ProbedCall(inputs[n], call_kwargs, f32(probe_grads[n])))
-    uncalled = [tracked.name for tracked, found in zip(plan, per_layer) if not found]
-    if uncalled:
-        raise ValueError(
-            f"The model's forward pass on the targets (inference mode) did not call the "
-            f"tracked layers {uncalled}, so their products with the targets' gradients "
-            "are not defined."
-        )
-    return per_layer
+    return called_on_targets(plan, per_layer)

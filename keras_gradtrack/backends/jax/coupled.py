@@ -1,27 +1,15 @@
-"""Exact per-example gradients on JAX where BatchNormalization in training couples examples.
+"""BatchNormalization in training on JAX, opted in: the coupled layers' rows in the traced step.
 
-In training mode BatchNormalization normalizes with the batch's mean and variance,
-so example i's loss depends on the outputs of every example at the layers before
-it. With the model's opt-in (`model.track_batch_normalization = True`), `g_i = d
-l_i / d theta` holds the other examples fixed and includes the terms through the
-batch statistics (`sum_i g_i = G` without penalties), as on TensorFlow
-(`engine/coupled.py`, the definition both engines share). Which layers this touches:
-
-* a layer whose variables reach the input of a BatchNormalization call in training
-  mode is *coupled* (and so is a BatchNormalization in training without a rule, batch
-  renormalization, or called with a mask): its gradient for example i collects every
-  example's share. Its rows are those of the Jacobian of the
-  per-example loss vector `l` of the full-batch forward: one `jax.vjp` of `l` with
-  respect to the coupled variables, pulled back along each example's unit vector,
-  vectorized `batch_normalization_chunk_size` examples at a time and reduced to
-  `sq_norm` and `dot` inside each chunk (memory: chunk x the coupled parameters).
-* every other layer keeps its rule: its output gradient is example i's alone. That
-  includes a BatchNormalization's own gamma and beta when no other one follows
-  (`batch_normalization.py`).
-
-Which variables reach a BatchNormalization's input is read from the traced
-forward pass (`jax.make_jaxpr`), an over-approximation at worst (a layer counted
-coupled is still exact, only slower).
+What is coupled, and why, is the same on every backend (`ops/coupled.py`,
+`engine/coupled.py`): `g_i = d l_i / d theta` with the other examples held fixed,
+through the batch statistics, as on TensorFlow. Here: which variables reach a
+BatchNormalization call's input is read from the traced forward pass
+(`jax.make_jaxpr`, an over-approximation at worst: a layer counted coupled is still
+exact, only slower); the coupled layers' rows are those of the Jacobian of the
+per-example losses `l` of the full-batch forward, one `jax.vjp` pulled back along
+each example's unit vector, vectorized `batch_normalization_chunk_size` examples at
+a time and reduced to `sq_norm` and `dot` inside each chunk (memory: chunk x the
+coupled parameters); every other layer keeps its rule (`ops/batch_normalization.py`).
 
 Example:
 

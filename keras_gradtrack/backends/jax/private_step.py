@@ -56,10 +56,11 @@ import keras
 
 from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.jax.plan import BACKEND, TrackedLayer
-from keras_gradtrack.backends.jax.rules import f32, fallback_per_example, preactivation_call
+from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
 from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
 from keras_gradtrack.backends.ops import private_step as shared
 from keras_gradtrack.backends.ops.private_model import BOUND_KEY
+from keras_gradtrack.backends.ops.probes import preactivation_call
 from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound

@@ -20,27 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.ops import rules as ops_rules
-from keras_gradtrack.backends.ops.recurrent import output_rows
-from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule, splits_activation
+from keras_gradtrack.backends.ops.probes import preactivation_call
+from keras_gradtrack.backends.ops.rules import ProbedCall, ProbedRule
 
 
 def f32(value: Any) -> Any:
     return jnp.asarray(value, jnp.float32)
-
-
-def preactivation_call(
-    layer: Any, trainable: Sequence[Any], others: Sequence[Any], x: Any, kwargs: Any
-) -> Any:
-    """The layer's output before its activation, as a stateless call on `trainable`
-    values; several outputs as the probe sees them (`output_rows`)."""
-    if splits_activation(layer):
-        with patched(layer, "activation", None):
-            outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
-    else:
-        outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
-    return output_rows(outputs)
 
 
 def fallback_per_example(

@@ -35,10 +35,9 @@ from keras_gradtrack.backends.jax.attribution import target_calls
 from keras_gradtrack.backends.jax.batchless import batchless_calls
 from keras_gradtrack.backends.jax.coupled import Coupling, step_coupling
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
-from keras_gradtrack.backends.jax.plan import TrackedLayer
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
-from keras_gradtrack.backends.ops.attribution import requested_rows as shared_requested_rows
+from keras_gradtrack.backends.ops.attribution import requested_rows
 from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, recording_loss_scale, unscaled
 from keras_gradtrack.backends.ops.step import (
     Columns,
@@ -217,23 +216,20 @@ def step_payload(
     columns = layer_columns(model, plan, probed, factor, exact_factor, coupling.columns, sums)
     opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupling)
     payload = columns_payload(statistics, columns, losses, batch, opt_in)
-    payload.update(requested_rows(model, plan, tracking.requests, probed, factor, coupling.columns))
+    payload.update(
+        requested_rows(
+            model,
+            plan,
+            tracking.requests,
+            probed,
+            factor,
+            coupling.columns,
+            target_calls,
+            fallback_per_example,
+        )
+    )
     payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     return columns, payload
-
-
-def requested_rows(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    requests: Sequence[Any],
-    probed: ProbedPass,
-    factor: Any,
-    coupled: Mapping[int, Any] | None = None,
-) -> dict[str, Any]:
-    """`ops.attribution.requested_rows` with JAX's targets' pass and fallback."""
-    return shared_requested_rows(
-        model, plan, requests, probed, factor, coupled, target_calls, fallback_per_example
-    )
 
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]

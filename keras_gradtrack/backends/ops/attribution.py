@@ -163,6 +163,24 @@ def requested_rows(
     )
 
 
+def called_on_targets(
+    plan: Sequence[TrackedLayer], per_layer: list[list[ProbedCall]]
+) -> list[list[ProbedCall]]:
+    """`per_layer` (a backend's `target_calls`), once every tracked layer has calls.
+
+    Raises:
+        ValueError: When the pass on the targets did not call a tracked layer.
+    """
+    uncalled = [tracked.name for tracked, found in zip(plan, per_layer) if not found]
+    if uncalled:
+        raise ValueError(
+            f"The model's forward pass on the targets (inference mode) did not call the "
+            f"tracked layers {uncalled}, so their products with the targets' gradients "
+            "are not defined."
+        )
+    return per_layer
+
+
 def lazy_per_example(
     plan: Sequence[TrackedLayer],
     calls: Sequence[LayerCalls],

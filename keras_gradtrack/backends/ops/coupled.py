@@ -1,10 +1,16 @@
 """What the probed engines (JAX, PyTorch) share about BatchNormalization in training.
 
-With the model's opt-in (`model.track_batch_normalization = True`) a trainable
-BatchNormalization called with the batch's moments couples the examples: the layers
-whose variables reach its input are *coupled*, their per-example gradients the rows
-of the Jacobian of the per-example losses (each backend's `coupled.py`: `jax.vjp`,
-`torch.autograd.grad`), as on TensorFlow (`engine/coupled.py`). Shared here: which
+In training mode BatchNormalization normalizes with the batch's mean and variance, so
+example i's loss depends on the outputs of every example at the layers before it.
+With the model's opt-in (`model.track_batch_normalization = True`), `g_i = d l_i / d
+theta` holds the other examples fixed and includes the terms through the batch
+statistics (`sum_i g_i = G` without penalties), as on TensorFlow (`engine/coupled.py`,
+the definition every engine shares). A layer whose variables reach the input of a
+BatchNormalization call in training mode is *coupled* (and so is a BatchNormalization
+in training without a rule, batch renormalization, or one called with a mask): its
+per-example gradients are the rows of the Jacobian of the per-example losses (each
+backend's `coupled.py`: `jax.vjp`, `torch.autograd.grad`). Every other layer keeps its
+rule, a BatchNormalization's own gamma and beta included where no other one follows. Shared here: which
 layers mix (`mixing_layers`), the record of their calls with the batch's moments
 (`recording_mixing_calls`), what a step's coupling holds (`Coupling`) and the
 summary's path (`coupled_path`).

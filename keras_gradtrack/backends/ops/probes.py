@@ -22,6 +22,8 @@ from typing import Any
 
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.ops.batchless import broadcast_to_batch
+from keras_gradtrack.backends.ops.recurrent import output_rows
+from keras_gradtrack.backends.ops.rules import splits_activation
 
 
 class ProbeRecords:
@@ -67,3 +69,17 @@ class ProbeRecords:
 
     def _probing_call(self, index: int, layer: Any) -> Any:
         raise NotImplementedError
+
+
+def preactivation_call(
+    layer: Any, trainable: Sequence[Any], others: Sequence[Any], x: Any, kwargs: Any
+) -> Any:
+    """The layer's output before its activation, as a stateless call on `trainable`
+    values; several outputs as the probe sees them (`output_rows`): what the backends'
+    fallbacks and local VJPs differentiate."""
+    if splits_activation(layer):
+        with patched(layer, "activation", None):
+            outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
+    else:
+        outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
+    return output_rows(outputs)

@@ -25,7 +25,7 @@ import keras
 import torch
 from keras import ops
 
-from keras_gradtrack.backends.ops.attribution import lazy_per_example, sketches
+from keras_gradtrack.backends.ops.attribution import called_on_targets, lazy_per_example, sketches
 from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.rules import ProbedCall
 from keras_gradtrack.backends.ops.step import per_example_losses
@@ -72,14 +72,7 @@ def target_calls(
     for (index, inputs, kwargs), probe, grad in zip(probes.calls, probes.probed, grads):
         output_grad = torch.zeros_like(probe) if grad is None else grad
         per_layer[index].append(ProbedCall(detached(inputs), kwargs, output_grad.float()))
-    uncalled = [tracked.name for tracked, found in zip(plan, per_layer) if not found]
-    if uncalled:
-        raise ValueError(
-            f"The model's forward pass on the targets (inference mode) did not call the "
-            f"tracked layers {uncalled}, so their products with the targets' gradients "
-            "are not defined."
-        )
-    return per_layer
+    return called_on_targets(plan, per_layer)
 
 
 class Examples:

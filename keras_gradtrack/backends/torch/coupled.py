@@ -1,31 +1,20 @@
-"""Exact per-example gradients on PyTorch where BatchNormalization in training couples examples.
+"""BatchNormalization in training on PyTorch, opted in: the coupled layers' rows from the step's graph.
 
-In training mode BatchNormalization normalizes with the batch's mean and variance, so
-example i's loss depends on the outputs of every example at the layers before it.
-With the model's opt-in (`model.track_batch_normalization = True`), `g_i = d l_i / d
-theta` holds the other examples fixed and includes the terms through the batch
-statistics (`sum_i g_i = G` without penalties), as on TensorFlow and JAX
-(`engine/coupled.py`, the definition every engine shares):
-
-* a layer whose variables reach the input of a BatchNormalization call in training
-  mode is *coupled* (and so is a BatchNormalization in training without a rule, or
-  called with a mask): its rows are those of the Jacobian of the step's per-example
-  loss vector `l`, from the step's own graph (the same dropout masks), pulled back
-  along each example's unit vector by `torch.autograd.grad(..., is_grads_batched=True)`,
-  `batch_normalization_chunk_size` examples at a time, reduced to `sq_norm` and `dot`
-  inside each chunk (memory: chunk x the coupled parameters);
-* every other layer keeps its rule, BatchNormalization's own gamma and beta included
-  when no other one follows (`ops/batch_normalization.py`).
-
-Which variables reach a BatchNormalization's input is read from the step's autograd
-graph: `torch.autograd.grad` of those inputs' sum with respect to the trainable
-variables gives no gradient (`None`) to a variable without a path to them.
+What is coupled, and why, is the same on every backend (`ops/coupled.py`,
+`engine/coupled.py`). Here: which variables reach a BatchNormalization call's input
+is read from the step's autograd graph (`torch.autograd.grad` of those inputs' sum
+gives no gradient, `None`, to a variable without a path to them); the coupled
+layers' rows, `d l_i / d theta` with the other examples held fixed, are pulled back
+from the step's own graph (the same dropout masks) by
+`torch.autograd.grad(..., is_grads_batched=True)` along each example's unit vector,
+`batch_normalization_chunk_size` examples at a time, and reduced to `sq_norm` and
+`dot` inside each chunk (memory: chunk x the coupled parameters).
 
 Example:
 
 ```python
-model.track_batch_normalization = True
-model.gradient_tracking_summary()   # conv0 ... coupled (per-example vjp through ...)
+coupled = coupled_positions(model, plan, forward.mixing)   # [0, 1, 2]: conv0, bn0, conv1
+coupling = step_coupling(model, plan, coupled, forward.mixing, losses, grads)
 ```
 """
 

@@ -21,22 +21,8 @@ from typing import Any
 import torch
 from keras import tree
 
-from keras_gradtrack._patching import patched
-from keras_gradtrack.backends.ops.recurrent import output_rows
-from keras_gradtrack.backends.ops.rules import ProbedCall, splits_activation
-
-
-def preactivation_call(
-    layer: Any, trainable: Sequence[Any], others: Sequence[Any], x: Any, kwargs: Any
-) -> Any:
-    """The layer's output before its activation, as a stateless call on `trainable`;
-    several outputs as the probe sees them (`output_rows`)."""
-    if splits_activation(layer):
-        with patched(layer, "activation", None):
-            outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
-    else:
-        outputs, _ = layer.stateless_call(trainable, others, x, **kwargs)
-    return output_rows(outputs)
+from keras_gradtrack.backends.ops.probes import preactivation_call
+from keras_gradtrack.backends.ops.rules import ProbedCall
 
 
 def has_rows(value: Any, batch: int) -> bool:

@@ -39,8 +39,9 @@ from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.ops import private_step as shared
 from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.private_model import BOUND_KEY
+from keras_gradtrack.backends.ops.probes import preactivation_call
 from keras_gradtrack.backends.ops.secure_noise import host_secure_normal
-from keras_gradtrack.backends.torch.fallback import fallback_per_example, preactivation_call
+from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine.private_settings import settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
