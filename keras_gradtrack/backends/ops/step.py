@@ -294,6 +294,25 @@ class ProbedPass:
 Columns = list[tuple[LayerPrimitives, Any]]
 
 
+def refuse_uncalled_layers(plan: Sequence[TrackedLayer], probed: ProbedPass) -> None:
+    """Refuses a step whose forward pass did not call some tracked layer.
+
+    Raises:
+        ValueError: Naming the layers (built, with trainable variables, but not run
+            by this step's forward pass: its rules have no input and output gradient).
+    """
+    called = {index for index, _ in probed.calls}
+    uncalled = [tracked.name for index, tracked in enumerate(plan) if index not in called]
+    if uncalled:
+        raise ValueError(
+            f"This step's forward pass did not call the tracked layers {uncalled} (built, "
+            "with trainable variables, but not run by the model's `call` on this batch), "
+            "so the rules have no inputs and output gradients for them. Freeze them "
+            "(`layer.trainable = False`) or remove them; in a `train_step` of one's own, "
+            "run the model (`self(x, training=True)`) before differentiating the loss."
+        )
+
+
 def layer_columns(
     model: keras.Model,
     plan: Sequence[TrackedLayer],
@@ -307,6 +326,7 @@ def layer_columns(
     the probed pass and the loss's factor `c` (`loss = c sum_i l_i`, plus penalties
     unless `exact_factor`, which is then `c`); the columns in `coupled` (by position
     in the plan) are given (`coupled.py`)."""
+    refuse_uncalled_layers(plan, probed)
     lookup_value = value_lookup(model, probed)
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
 

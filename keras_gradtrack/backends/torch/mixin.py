@@ -24,11 +24,7 @@ from keras_gradtrack.backends.torch.coupled import coupled_positions, layer_path
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.forward import ProbedForward, detached, recorded_losses
 from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
-from keras_gradtrack.backends.torch.own_step import (
-    OWN_STEP_KEY,
-    own_tracked_step,
-    refuse_uncalled,
-)
+from keras_gradtrack.backends.torch.own_step import OWN_STEP_KEY, own_tracked_step
 from keras_gradtrack.backends.torch.plan import build_plan
 from keras_gradtrack.backends.torch.private_step import private_gradients
 from keras_gradtrack.backends.torch.probes import Probes
@@ -175,7 +171,6 @@ class GradientTrackingMixin(
                 fallback=fallback_per_example,
                 input_grads=marked_grads[len(forward.probes.probed) : inputs_end],
             )
-            refuse_uncalled(tracking, probed)
 
             def graph_losses() -> Any:
                 """`l` on the step's graph: each example's share of the recorded

@@ -36,7 +36,7 @@ import keras
 from keras import ops
 
 from keras_gradtrack.backends.ops.loss_scale import recording_loss_scale
-from keras_gradtrack.backends.ops.step import ProbedPass, Tracking
+from keras_gradtrack.backends.ops.step import Tracking
 from keras_gradtrack.backends.torch.forward import ProbedForward, recorded_losses
 
 BACKEND = "PyTorch"
@@ -102,16 +102,3 @@ def run_own_step(
             "weights); see GradientTrackingMixin.tracked_backward."
         )
     return {**logs, **forward.rows}, forward.payload
-
-
-def refuse_uncalled(tracking: Tracking, probed: ProbedPass) -> None:
-    """Refuses a step whose forward pass did not call some tracked layer (their
-    per-example gradients are not defined on it)."""
-    called = {tracking.plan[index].name for index, _ in probed.calls}
-    uncalled = sorted({tracked.name for tracked in tracking.plan} - called)
-    if uncalled:
-        raise ValueError(
-            f"The loss given to `tracked_backward` was computed without calling the "
-            f"tracked layers {uncalled}, so their per-example gradients are not defined on "
-            "this step: run the model (`self(x, training=True)`) inside `train_step`."
-        )

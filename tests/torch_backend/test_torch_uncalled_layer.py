@@ -1,0 +1,4 @@
+"""A layer the forward pass does not call, on PyTorch: the cases of `uncalled_layer_cases.py`,
+which JAX runs too."""
+
+from uncalled_layer_cases import *  # noqa: F403 (the shared cases, collected here)
