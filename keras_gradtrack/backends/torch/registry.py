@@ -1,6 +1,7 @@
 """The PyTorch engine's rule registry: the rules written once in `keras.ops`, the
 recurrent rule (`ops/recurrent.py`) and BatchNormalization's (`ops/batch_normalization.py`,
-in training where the model opts in: `coupled.py`) among them.
+in training where the model opts in: `coupled.py`) among them; Dense's direct form runs
+as a torch kernel of the same math (`kernels.py`).
 
 Example:
 
@@ -14,6 +15,9 @@ from __future__ import annotations
 from keras_gradtrack.backends.ops.batch_normalization import BATCH_NORMALIZATION
 from keras_gradtrack.backends.ops.recurrent import RECURRENT
 from keras_gradtrack.backends.ops.registry import SHARED_RULES, Registry
+from keras_gradtrack.backends.torch import kernels
 
-REGISTRY = Registry({rule.name: rule for rule in (*SHARED_RULES, BATCH_NORMALIZATION, RECURRENT)})
+# The shared rules, with the torch kernels where they are faster (`kernels.py`).
+RULES = (*SHARED_RULES, BATCH_NORMALIZATION, RECURRENT, kernels.DENSE)
+REGISTRY = Registry({rule.name: rule for rule in RULES})
 lookup = REGISTRY.lookup

@@ -1,0 +1,113 @@
+"""The PyTorch kernels give the shared rules' numbers (`backends/torch/kernels.py`).
+
+Each kernel against the `keras.ops` form it replaces, on every branch it takes (the
+Gram form of `<g_i, R>` and the product with `R`, with a reference factor or without,
+with a bias or without, float32 and float16 inputs) and on the shapes it hands back to
+the shared rule; the registry runs the kernel on PyTorch.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import torch
+
+from keras_gradtrack import rule_math
+from keras_gradtrack.backends.ops import rules as ops_rules
+from keras_gradtrack.backends.ops.rules import ProbedCall
+from keras_gradtrack.backends.torch import kernels
+from keras_gradtrack.backends.torch.registry import lookup
+
+
+def dense_case(batch, width_in, width_out, steps=None, use_bias=True, dtype="float32"):
+    layer = keras.layers.Dense(width_out, use_bias=use_bias, dtype=dtype)
+    shape = (batch, width_in) if steps is None else (batch, steps, width_in)
+    layer.build(shape)
+    generator = torch.Generator().manual_seed(batch * 1000 + width_in)
+    inputs = torch.randn(shape, generator=generator).to(getattr(torch, dtype))
+    out_shape = (*shape[:-1], width_out)
+    output_grad = torch.randn(out_shape, generator=generator).to(getattr(torch, dtype))
+    refs = [torch.randn(tuple(v.shape), generator=generator) for v in layer.trainable_variables]
+    return layer, inputs, output_grad, refs
+
+
+def assert_same_primitives(kernel, shared, factor):
+    np.testing.assert_allclose(kernel.sq_norm.numpy(), shared.sq_norm.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(kernel.dot.numpy(), shared.dot.numpy(), rtol=1e-4, atol=1e-5)
+    if factor is None:
+        np.testing.assert_allclose(float(kernel.sum_sq_norm), float(shared.sum_sq_norm), rtol=1e-5)
+    else:
+        assert kernel.sum_sq_norm is None and shared.sum_sq_norm is None
+
+
+@pytest.mark.parametrize("factor", [None, 0.125])
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize(
+    "batch, width_in, width_out",
+    [(8, 784, 256), (128, 784, 256), (64, 6, 5), (3, 1, 1)],
+    ids=["gram", "gram-large", "product", "tiny"],
+)
+def test_dense_kernel_gives_the_shared_rules_primitives(
+    batch, width_in, width_out, use_bias, factor
+):
+    layer, inputs, output_grad, refs = dense_case(batch, width_in, width_out, use_bias=use_bias)
+    call = ProbedCall(inputs, {}, output_grad, factor)
+    kernel = kernels.dense_primitives(layer, call, refs)
+    shared = ops_rules.dense_primitives(layer, call, refs)
+    assert_same_primitives(kernel, shared, factor)
+
+
+def test_the_cases_take_both_forms_of_the_dot():
+    """The parametrization reaches both of the kernel's branches."""
+    assert rule_math.gram_has_fewer_products(8, 784, 256)
+    assert not rule_math.gram_has_fewer_products(64, 6, 5)
+
+
+def test_dense_kernel_on_float16_inputs_computes_in_float32():
+    layer, inputs, output_grad, refs = dense_case(16, 12, 7, dtype="float16")
+    call = ProbedCall(inputs, {}, output_grad, None)
+    kernel = kernels.dense_primitives(layer, call, refs)
+    assert kernel.sq_norm.dtype == torch.float32
+    assert_same_primitives(kernel, ops_rules.dense_primitives(layer, call, refs), None)
+
+
+def test_dense_kernel_matches_per_example_gradients():
+    """Against the per-example gradients themselves, not only the shared form."""
+    layer, inputs, output_grad, refs = dense_case(5, 4, 3)
+    call = ProbedCall(inputs, {}, output_grad, None)
+    kernel = kernels.dense_primitives(layer, call, refs)
+    kernel_grads = torch.einsum("bi,bo->bio", inputs, output_grad)
+    flat = torch.cat([kernel_grads.reshape(5, -1), output_grad], dim=1)
+    reference = torch.cat([refs[0].reshape(-1), refs[1]])
+    np.testing.assert_allclose(kernel.sq_norm.numpy(), (flat**2).sum(1).numpy(), rtol=1e-5)
+    np.testing.assert_allclose(kernel.dot.numpy(), (flat @ reference).numpy(), rtol=1e-4)
+    np.testing.assert_allclose(
+        float(kernel.sum_sq_norm), float((flat.sum(0) ** 2).sum()), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("factor", [None, 0.5])
+def test_sequences_are_the_shared_rules(factor):
+    layer, inputs, output_grad, refs = dense_case(4, 6, 5, steps=3)
+    call = ProbedCall(inputs, {}, output_grad, factor)
+    assert_same_primitives(
+        kernels.dense_primitives(layer, call, refs),
+        ops_rules.dense_primitives(layer, call, refs),
+        factor,
+    )
+
+
+def test_lora_dense_is_not_the_kernels():
+    layer, inputs, output_grad, _ = dense_case(4, 6, 5)
+    layer.enable_lora(2)
+    refs = [torch.zeros(tuple(v.shape)) for v in layer.trainable_variables]
+    assert kernels.dense_primitives(layer, ProbedCall(inputs, {}, output_grad), refs) is None
+    assert lookup(layer).name == "lora_dense"
+
+
+def test_the_registry_runs_the_kernel_for_dense():
+    rule = lookup(keras.layers.Dense(3))
+    assert rule is kernels.DENSE
+    assert rule.primitives is kernels.dense_primitives
+    assert rule.per_example is ops_rules.DENSE.per_example
