@@ -56,7 +56,7 @@ def target_calls(
     probes = Probes([tracked.layer for tracked in plan])
     x = keras.tree.map_structure(ops.convert_to_tensor, targets.x)
     y = keras.tree.map_structure(ops.convert_to_tensor, targets.y)
-    batchless = find_batchless_calls(model, probes, x)
+    batchless = targets_batchless_calls(model, plan, probes, x)
     mapping = [(v, v.value) for v in model.trainable_variables] + [
         (v, value.detach().clone())
         for v, value in zip(model.non_trainable_variables, non_trainable)
@@ -73,6 +73,22 @@ def target_calls(
         output_grad = torch.zeros_like(probe) if grad is None else grad
         per_layer[index].append(ProbedCall(detached(inputs), kwargs, output_grad.float()))
     return called_on_targets(plan, per_layer)
+
+
+def targets_batchless_calls(
+    model: keras.Model, plan: Sequence[TrackedLayer], probes: Probes, x: Any
+) -> frozenset[int]:
+    """`find_batchless_calls` on the targets, kept on the model per plan and shapes of
+    the targets' inputs: the search runs the model two or three times, and the
+    targets' pass runs on every tracked step with targets."""
+    key = (
+        tuple(id(tracked.layer) for tracked in plan),
+        tuple((tuple(t.shape), str(t.dtype)) for t in keras.tree.flatten(x)),
+    )
+    kept = model.__dict__.setdefault("_targets_batchless_calls", {})
+    if key not in kept:
+        kept[key] = find_batchless_calls(model, probes, x)
+    return kept[key]
 
 
 class Examples:
