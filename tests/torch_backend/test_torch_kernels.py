@@ -1,9 +1,11 @@
 """The PyTorch kernels give the shared rules' numbers (`backends/torch/kernels.py`).
 
-Each kernel against the `keras.ops` form it replaces, on every branch it takes (the
-Gram form of `<g_i, R>` and the product with `R`, with a reference factor or without,
-with a bias or without, float32 and float16 inputs) and on the shapes it hands back to
-the shared rule; the registry runs the kernel on PyTorch.
+Each kernel against the `keras.ops` form it replaces and against torch's own per-example
+gradients: Dense's direct form on every branch it takes (the Gram form of `<g_i, R>` and
+the product with `R`, with a reference factor or without, with a bias or without, float32
+and float16 inputs) and on the shapes it hands back to the shared rule; the
+convolutions' per-example gradients with strides, padding, dilation, channels first,
+1-D and 3-D, and grouped (the shared form); the registry runs the kernels on PyTorch.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from keras_gradtrack import rule_math
+from keras_gradtrack.backends.ops import conv as ops_conv
 from keras_gradtrack.backends.ops import rules as ops_rules
 from keras_gradtrack.backends.ops.rules import ProbedCall
 from keras_gradtrack.backends.torch import kernels
@@ -111,3 +114,61 @@ def test_the_registry_runs_the_kernel_for_dense():
     assert rule is kernels.DENSE
     assert rule.primitives is kernels.dense_primitives
     assert rule.per_example is ops_rules.DENSE.per_example
+
+
+CONVOLUTIONS = {
+    "conv2d": (lambda: keras.layers.Conv2D(5, 3), (4, 9, 9, 3)),
+    "conv2d-first-layer": (lambda: keras.layers.Conv2D(8, 3), (4, 12, 12, 1)),
+    "strided-same": (
+        lambda: keras.layers.Conv2D(4, (3, 2), strides=2, padding="same"),
+        (3, 8, 7, 2),
+    ),
+    "dilated": (lambda: keras.layers.Conv2D(3, 3, dilation_rate=2, use_bias=False), (2, 9, 9, 2)),
+    "channels-first": (
+        lambda: keras.layers.Conv2D(4, 2, data_format="channels_first"),
+        (3, 2, 6, 6),
+    ),
+    "conv1d-causal": (lambda: keras.layers.Conv1D(6, 4, padding="causal"), (5, 11, 3)),
+    "conv3d": (lambda: keras.layers.Conv3D(2, 2), (2, 4, 5, 4, 3)),
+    "grouped": (lambda: keras.layers.Conv2D(4, 3, groups=2), (3, 7, 7, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVOLUTIONS))
+def test_conv_kernel_gives_the_shared_rules_per_example_gradients(name):
+    build, shape = CONVOLUTIONS[name]
+    layer = build()
+    layer.build(shape)
+    generator = torch.Generator().manual_seed(len(name))
+    inputs = torch.randn(shape, generator=generator)
+    output_grad = torch.randn(tuple(layer.compute_output_shape(shape)), generator=generator)
+    values = [v.value for v in layer.trainable_variables]
+    call = ProbedCall(inputs, {}, output_grad)
+    kernel = kernels.conv_per_example(layer, values, call)
+    shared = ops_conv.conv_per_example(layer, values, call)
+    assert [tuple(g.shape) for g in kernel] == [tuple(g.shape) for g in shared]
+    for k, s in zip(kernel, shared):
+        np.testing.assert_allclose(k.numpy(), s.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_conv_kernel_matches_autograd_per_example():
+    """Example i's kernel gradient is torch's own for example i alone."""
+    layer = keras.layers.Conv2D(3, 3, strides=2, padding="same", use_bias=False)
+    shape = (3, 7, 6, 2)
+    layer.build(shape)
+    generator = torch.Generator().manual_seed(7)
+    inputs = torch.randn(shape, generator=generator)
+    output_grad = torch.randn(tuple(layer.compute_output_shape(shape)), generator=generator)
+    kernel = layer.trainable_variables[0].value
+    call = ProbedCall(inputs, {}, output_grad)
+    (per_example,) = kernels.conv_per_example(layer, [kernel], call)
+    for i in range(shape[0]):
+        outputs = layer(inputs[i : i + 1])
+        (expected,) = torch.autograd.grad(torch.sum(outputs * output_grad[i : i + 1]), [kernel])
+        np.testing.assert_allclose(per_example[i].numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_registry_runs_the_conv_kernel():
+    rule = lookup(keras.layers.Conv2D(3, 3))
+    assert rule is kernels.CONV and rule.per_example is kernels.conv_per_example
+    assert rule.primitives is ops_conv.CONV.primitives

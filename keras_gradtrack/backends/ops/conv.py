@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from keras import ops
@@ -85,11 +85,16 @@ def _windows_and_grads(layer: Any, call: ProbedCall) -> tuple[list[Any], Any]:
 
 
 def conv_per_example(
-    layer: Any, values: Sequence[Any], call: ProbedCall, others: Sequence[Any] = ()
+    layer: Any,
+    values: Sequence[Any],
+    call: ProbedCall,
+    others: Sequence[Any] = (),
+    kernel_gradients: Callable[[Sequence[Any], Any, int], Any] = rule_math.kernel_gradients,
 ) -> list[Any]:
     """Conv1D/2D/3D and DepthwiseConv1D/2D: example i's kernel gradient `S_ik^T D_i` per
     offset and group (a depthwise kernel `(..., C, M)` is the grouped case with C
-    groups), the bias's `sum_p D_i[p]`."""
+    groups), the bias's `sum_p D_i[p]`. `kernel_gradients`: the form of
+    `rule_math.kernel_gradients` to use (a backend's kernel of the same math)."""
     trainable = _trainable_names(layer)
     windows, d = _windows_and_grads(layer, call)
     batch = d.shape[0]
@@ -100,7 +105,7 @@ def conv_per_example(
             groups = kernel_shape[-2]  # depthwise: one group per input channel
         else:
             groups = layer.groups
-        kernel = rule_math.kernel_gradients(windows, d, groups)
+        kernel = kernel_gradients(windows, d, groups)
         grads["kernel"] = ops.reshape(kernel, (batch, *kernel_shape))
     if "bias" in trainable:
         grads["bias"] = rule_math.position_sums(d)

@@ -1,7 +1,7 @@
 """The PyTorch engine's rule registry: the rules written once in `keras.ops`, the
 recurrent rule (`ops/recurrent.py`) and BatchNormalization's (`ops/batch_normalization.py`,
-in training where the model opts in: `coupled.py`) among them; Dense's direct form runs
-as a torch kernel of the same math (`kernels.py`).
+in training where the model opts in: `coupled.py`) among them; Dense's direct form and the
+convolutions' per-example gradients run as torch kernels of the same math (`kernels.py`).
 
 Example:
 
@@ -18,6 +18,6 @@ from keras_gradtrack.backends.ops.registry import SHARED_RULES, Registry
 from keras_gradtrack.backends.torch import kernels
 
 # The shared rules, with the torch kernels where they are faster (`kernels.py`).
-RULES = (*SHARED_RULES, BATCH_NORMALIZATION, RECURRENT, kernels.DENSE)
+RULES = (*SHARED_RULES, BATCH_NORMALIZATION, RECURRENT, *kernels.RULES)
 REGISTRY = Registry({rule.name: rule for rule in RULES})
 lookup = REGISTRY.lookup
