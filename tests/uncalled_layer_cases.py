@@ -1,6 +1,6 @@
-"""A tracked layer the model's forward pass does not call, on a probed engine (JAX,
-PyTorch; each backend's test module imports these): refused naming it, before any weight
-changes, in `fit` and in `gradient_statistics`."""
+"""A tracked layer the model's forward pass does not call, on every engine (TensorFlow,
+JAX, PyTorch; each backend's test module imports these): refused naming it, before any
+weight changes, in `fit` and in `gradient_statistics`."""
 
 from __future__ import annotations
 

@@ -105,10 +105,11 @@ def covered_layers(
     context: TrackingContext, sources: Sequence[Any], recorded: Recorded
 ) -> StepLayers:
     """The tracked layers whose variables are among the sources, their recorded calls
-    and forms."""
+    and forms (a covered layer the forward pass did not call is refused, naming it)."""
     plan = covered_plan(context.plan, sources)
     columns = tuple(context.plan.index(tracked) for tracked in plan)
     calls = tuple(tuple(r.call for r in recorded[column]) for column in columns)
+    checks.refuse_uncalled_layers(plan, calls)
     forms = layer_forms(plan, calls, coupled_layer_names(context.coupling, plan))
     # A batchless call broadcast to the batch (see `merged_broadcast_rows`).
     broadcast = frozenset(

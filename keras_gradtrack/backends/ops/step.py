@@ -40,6 +40,7 @@ from keras_gradtrack.engine.reductions import (
     refuse_unknown_reductions,
 )
 from keras_gradtrack.engine.reductions import loss_factor as reductions_loss_factor
+from keras_gradtrack.engine.refusals import uncalled_layers_message
 from keras_gradtrack.rule_math import f32
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
@@ -304,13 +305,7 @@ def refuse_uncalled_layers(plan: Sequence[TrackedLayer], probed: ProbedPass) -> 
     called = {index for index, _ in probed.calls}
     uncalled = [tracked.name for index, tracked in enumerate(plan) if index not in called]
     if uncalled:
-        raise ValueError(
-            f"This step's forward pass did not call the tracked layers {uncalled} (built, "
-            "with trainable variables, but not run by the model's `call` on this batch), "
-            "so the rules have no inputs and output gradients for them. Freeze them "
-            "(`layer.trainable = False`) or remove them; in a `train_step` of one's own, "
-            "run the model (`self(x, training=True)`) before differentiating the loss."
-        )
+        raise ValueError(uncalled_layers_message(uncalled))
 
 
 def layer_columns(
