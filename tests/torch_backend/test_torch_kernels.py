@@ -5,7 +5,8 @@ gradients: Dense's direct form on every branch it takes (the Gram form of `<g_i,
 the product with `R`, with a reference factor or without, with a bias or without, float32
 and float16 inputs) and on the shapes it hands back to the shared rule; the
 convolutions' per-example gradients with strides, padding, dilation, channels first,
-1-D and 3-D, and grouped (the shared form); the registry runs the kernels on PyTorch.
+1-D and 3-D, and grouped (the shared form); Dense's local VJP (the private step's clipped
+sum) against autograd's; the registry runs the kernels on PyTorch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from keras_gradtrack import rule_math
 from keras_gradtrack.backends.ops import conv as ops_conv
 from keras_gradtrack.backends.ops import rules as ops_rules
+from keras_gradtrack.backends.ops.probes import preactivation_call
 from keras_gradtrack.backends.ops.rules import ProbedCall
 from keras_gradtrack.backends.torch import kernels
 from keras_gradtrack.backends.torch.registry import lookup
@@ -172,3 +174,49 @@ def test_the_registry_runs_the_conv_kernel():
     rule = lookup(keras.layers.Conv2D(3, 3))
     assert rule is kernels.CONV and rule.per_example is kernels.conv_per_example
     assert rule.primitives is ops_conv.CONV.primitives
+
+
+def autograd_local_vjp(layer, values, inputs, cotangent):
+    """The local VJP by autograd through the layer's pre-activation call (what
+    `private_step.local_vjp` does for a layer without a kernel)."""
+    with torch.enable_grad():
+        leaves = [value.detach().requires_grad_(True) for value in values]
+        outputs = preactivation_call(layer, leaves, [], inputs, {})
+        return list(torch.autograd.grad(outputs, leaves, grad_outputs=cotangent))
+
+
+@pytest.mark.parametrize("steps", [None, 5], ids=["2-d", "sequence"])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_dense_local_vjp_is_autograds(steps, use_bias):
+    layer, inputs, cotangent, _ = dense_case(6, 7, 4, steps=steps, use_bias=use_bias)
+    layer.activation = keras.activations.get("relu")  # the VJP is the pre-activation's
+    values = [v.value.detach() for v in layer.trainable_variables]
+    fast = kernels.dense_local_vjp(layer, values, inputs, cotangent)
+    expected = autograd_local_vjp(layer, values, inputs, cotangent)
+    assert len(fast) == len(expected) == (2 if use_bias else 1)
+    for f, e in zip(fast, expected):
+        np.testing.assert_allclose(f.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class ScaledDense(keras.layers.Dense):
+    def call(self, inputs):
+        return 2.0 * super().call(inputs)
+
+
+def test_dense_local_vjp_leaves_other_layers_to_autograd():
+    _, inputs, cotangent, _ = dense_case(3, 4, 2)
+    scaled = ScaledDense(2)
+    scaled.build((3, 4))
+    values = [v.value.detach() for v in scaled.trainable_variables]
+    assert kernels.dense_local_vjp(scaled, values, inputs, cotangent) is None
+    lora = keras.layers.Dense(2)
+    lora.build((3, 4))
+    lora.enable_lora(1)
+    values = [v.value.detach() for v in lora.trainable_variables]
+    assert kernels.dense_local_vjp(lora, values, inputs, cotangent) is None
+    half, inputs16, cotangent16, _ = dense_case(3, 4, 2, dtype="float16")
+    values = [v.value.detach() for v in half.trainable_variables]
+    assert kernels.dense_local_vjp(half, values, inputs16, cotangent16) is None
+    conv = keras.layers.Conv1D(2, 1)
+    conv.build((3, 5, 4))
+    assert kernels.dense_local_vjp(conv, [], inputs, cotangent) is None

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import torch
 
 from keras_gradtrack import rule_math
@@ -83,6 +84,25 @@ def conv_per_example(
 ) -> list[Any]:
     """`ops_conv.conv_per_example` with the kernel gradients of `kernel_gradients`."""
     return ops_conv.conv_per_example(layer, values, call, others, kernel_gradients)
+
+
+def dense_local_vjp(layer: Any, values: Sequence[Any], inputs: Any, cotangent: Any) -> list | None:
+    """The local VJP of a plain Dense layer's pre-activation output `z = x W + b` (what
+    the private step's clipped sum pulls the reweighted output gradients back through):
+    `x^T C` and `sum C` over every example and position, in one product, without the
+    layer's forward pass again and autograd's (`private_step.local_vjp`). None for any
+    other layer (a subclass with its own `call`, LoRA, quantized) or other than float32
+    values, inputs and cotangent (mixed precision: autograd's, in the layer's dtypes)."""
+    if not isinstance(layer, keras.layers.Dense) or type(layer).call is not keras.layers.Dense.call:
+        return None
+    if not ops_rules.plain_weights(layer):
+        return None
+    if any(t.dtype != torch.float32 for t in (inputs, cotangent, *values)):
+        return None
+    x = inputs.reshape(-1, inputs.shape[-1])
+    c = cotangent.reshape(-1, cotangent.shape[-1])
+    grads = {"kernel": x.T @ c, "bias": torch.sum(c, dim=0)}
+    return [grads[v.name] for v in layer.trainable_variables]
 
 
 DENSE = dataclasses.replace(ops_rules.DENSE, primitives=dense_primitives)
