@@ -1,18 +1,21 @@
-"""PyTorch kernels for the shared rules' math where `keras.ops` dispatch is the cost.
+"""PyTorch kernels of the shared math where `keras.ops` dispatch or autograd is the cost.
 
 On eager PyTorch every `keras.ops` call converts and checks its arguments (about ten
 Python calls each); on a model of a few Dense layers the shared Dense rule's dozen
-ops cost more in dispatch than in arithmetic, and `torch.einsum` over a convolution's
-strided windows runs slower than a batched product of the same values. The kernels
-here compute the same math in `torch` directly where that is measured faster, and
-hand every other shape to the shared rule (`backends/ops/rules.py`, `conv.py`). Each is tested
-against the shared form on the shapes it takes (`tests/torch_backend/test_torch_kernels.py`).
+ops cost more in dispatch than in arithmetic, `torch.einsum` over a convolution's
+strided windows runs slower than a batched product of the same values, and the
+private step's local VJP of a Dense layer by autograd runs the layer's forward pass
+again. The kernels here compute the same math in `torch` directly where that is
+measured faster, and hand every other case to the shared form (`backends/ops/rules.py`,
+`conv.py`, `private_step.local_vjp`). Each is tested against the shared form (and
+torch's own gradients) on the shapes it takes (`tests/torch_backend/test_torch_kernels.py`).
 
 Example:
 
 ```python
 DENSE.primitives(layer, call, refs)   # 2-D inputs: torch ops; sequences: the shared rule
 CONV.per_example(layer, values, call)  # one torch.bmm per kernel offset
+dense_local_vjp(layer, values, inputs, cotangent)  # [x^T C, sum C], or None
 ```
 """
 
