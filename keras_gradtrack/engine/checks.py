@@ -13,7 +13,6 @@ import tensorflow as tf
 
 from keras_gradtrack._keras_seam import flatten_layers, layer_losses, tf_variable
 from keras_gradtrack.engine.plan import TrackedLayer
-from keras_gradtrack.engine.refusals import uncalled_layers_message
 from keras_gradtrack.engine.taps import RecordedCall
 
 # Operations that run another function graph and receive variable handles for it.
@@ -126,14 +125,6 @@ def refuse_tied_variables(
                     "calls, so they would miss that use. Give each use its own variable, "
                     "or call the owning layer for every use."
                 )
-
-
-def refuse_uncalled_layers(plan: Sequence[TrackedLayer], calls: Sequence[Sequence[Any]]) -> None:
-    """Raises naming the tracked layers the step's forward pass did not call (`calls`: per
-    layer of `plan`, its calls), as the JAX and PyTorch engines do."""
-    uncalled = [tracked.name for tracked, layer_calls in zip(plan, calls) if not layer_calls]
-    if uncalled:
-        raise ValueError(uncalled_layers_message(uncalled))
 
 
 def refuse_activation_losses(model: Any) -> None:

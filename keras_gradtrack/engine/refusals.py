@@ -3,13 +3,34 @@
 Example:
 
 ```python
-raise ValueError(uncalled_layers_message(["unused"]))
+refuse_uncalled_layers(plan, called={0, 2})  # raises naming plan[1] and plan[3]
 ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
+
+
+def uncalled_names(plan: Sequence[Any], called: Collection[int]) -> list[str]:
+    """The names of the tracked layers of `plan` (in its order) whose index is not in
+    `called`, the indexes of the layers a forward pass called."""
+    return [tracked.name for index, tracked in enumerate(plan) if index not in called]
+
+
+def refuse_uncalled_layers(plan: Sequence[Any], called: Collection[int]) -> None:
+    """Refuses a step whose forward pass called only the tracked layers `called` (indexes
+    into `plan`).
+
+    Raises:
+        ValueError: Naming the layers not called (built, with trainable variables, but
+            not run by the step's forward pass: their rules have no input and output
+            gradient).
+    """
+    uncalled = uncalled_names(plan, called)
+    if uncalled:
+        raise ValueError(uncalled_layers_message(uncalled))
 
 
 def uncalled_layers_message(names: Sequence[str]) -> str:

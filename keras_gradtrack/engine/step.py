@@ -19,7 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_gradtrack.engine import checks, clipping, distribute
+from keras_gradtrack.engine import checks, clipping, distribute, refusals
 from keras_gradtrack.engine.backward import (
     Backward,
     Calls,
@@ -109,7 +109,7 @@ def covered_layers(
     plan = covered_plan(context.plan, sources)
     columns = tuple(context.plan.index(tracked) for tracked in plan)
     calls = tuple(tuple(r.call for r in recorded[column]) for column in columns)
-    checks.refuse_uncalled_layers(plan, calls)
+    refusals.refuse_uncalled_layers(plan, {index for index, found in enumerate(calls) if found})
     forms = layer_forms(plan, calls, coupled_layer_names(context.coupling, plan))
     # A batchless call broadcast to the batch (see `merged_broadcast_rows`).
     broadcast = frozenset(

@@ -64,6 +64,7 @@ from keras_gradtrack.backends.ops.step import (
     one_loss_of_one_output,
 )
 from keras_gradtrack.engine.reductions import LossRecorder, per_example_shares
+from keras_gradtrack.engine.refusals import uncalled_names
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 
 # Where a tracked step of the model's own `train_step` leaves its `OwnStepTracking`
@@ -282,10 +283,7 @@ def tracked_call(
     )(trainable, zeros, loss_zeros, penalty_zeros)
     calls = probes.call_kwargs(tensors)
     grads, (probe_grads, input_grads), loss_grads, penalty_weights = gradients
-    uncalled = sorted(
-        {tracked.name for tracked in tracking.plan}
-        - {tracking.plan[index].name for index, _ in calls}
-    )
+    uncalled = uncalled_names(tracking.plan, {index for index, _ in calls})
     if uncalled:
         raise ValueError(
             f"The function given to `tracked_value_and_grad` did not call the tracked "

@@ -59,6 +59,7 @@ from keras_gradtrack.engine.attribution_requests import (
     matrix_sides,
     projection_matrices,
 )
+from keras_gradtrack.engine.refusals import uncalled_names
 
 f32 = rule_math.f32
 LayerCalls = Sequence[ProbedCall]
@@ -171,7 +172,7 @@ def called_on_targets(
     Raises:
         ValueError: When the pass on the targets did not call a tracked layer.
     """
-    uncalled = [tracked.name for tracked, found in zip(plan, per_layer) if not found]
+    uncalled = uncalled_names(plan, {index for index, found in enumerate(per_layer) if found})
     if uncalled:
         raise ValueError(
             f"The model's forward pass on the targets (inference mode) did not call the "

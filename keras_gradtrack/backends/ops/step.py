@@ -40,7 +40,7 @@ from keras_gradtrack.engine.reductions import (
     refuse_unknown_reductions,
 )
 from keras_gradtrack.engine.reductions import loss_factor as reductions_loss_factor
-from keras_gradtrack.engine.refusals import uncalled_layers_message
+from keras_gradtrack.engine.refusals import refuse_uncalled_layers
 from keras_gradtrack.rule_math import f32
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
@@ -295,19 +295,6 @@ class ProbedPass:
 Columns = list[tuple[LayerPrimitives, Any]]
 
 
-def refuse_uncalled_layers(plan: Sequence[TrackedLayer], probed: ProbedPass) -> None:
-    """Refuses a step whose forward pass did not call some tracked layer.
-
-    Raises:
-        ValueError: Naming the layers (built, with trainable variables, but not run
-            by this step's forward pass: its rules have no input and output gradient).
-    """
-    called = {index for index, _ in probed.calls}
-    uncalled = [tracked.name for index, tracked in enumerate(plan) if index not in called]
-    if uncalled:
-        raise ValueError(uncalled_layers_message(uncalled))
-
-
 def layer_columns(
     model: keras.Model,
     plan: Sequence[TrackedLayer],
@@ -321,7 +308,7 @@ def layer_columns(
     the probed pass and the loss's factor `c` (`loss = c sum_i l_i`, plus penalties
     unless `exact_factor`, which is then `c`); the columns in `coupled` (by position
     in the plan) are given (`coupled.py`)."""
-    refuse_uncalled_layers(plan, probed)
+    refuse_uncalled_layers(plan, {index for index, _ in probed.calls})
     lookup_value = value_lookup(model, probed)
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
 
