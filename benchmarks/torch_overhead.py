@@ -3,7 +3,8 @@
 For each model (`mlp`, `cnn`, `transformer` of `zoo.py`) and batch size, in a fresh
 process: milliseconds per step of plain `keras.Model.fit` on the torch backend and of
 `GradientTrackingModel.fit` with every step tracked (the default statistics, read to the
-host in blocks as `HDF5GradientLogger` does, no file) and made private
+host in blocks as `HDF5GradientLogger` does, no file), tracked with the norms only
+(`loss`, `grad_norm`, `layer_grad_norm`: what Opacus' ghost norms compute) and made private
 (`make_private(l2_norm_clip=1.0, noise_multiplier=1.0)`, no logger: the DP-SGD step from
 its one backward pass); and, on PyTorch twins of the same
 models (same layers and widths), a plain PyTorch step, Opacus' ghost-clipping norms
@@ -40,7 +41,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep
 from jax_overhead import NUM_BATCHES, BlockReader, timed_rounds
 
 MESSAGE_PREFIX = "@@torch_overhead "
-KERAS_VARIANTS = ("keras_plain", "keras_tracked", "keras_private")
+KERAS_VARIANTS = ("keras_plain", "keras_tracked", "keras_norms", "keras_private")
+# The statistics of the norms-only variant: each example's loss and gradient norms.
+NORMS_ONLY = ["loss", "grad_norm", "layer_grad_norm"]
 OPACUS_VARIANTS = ("torch_plain", "opacus_ghost_norms", "opacus_ghost_dp")
 
 
@@ -172,17 +175,22 @@ def keras_fits(name: str, x: Any, y: Any, batch_size: int) -> dict[str, Any]:
     plain = build_compiled(name, keras.Model)
     tracked = build_compiled(name, kgt.GradientTrackingModel)
     tracked.set_weights(plain.get_weights())
+    norms = build_compiled(name, kgt.GradientTrackingModel)
+    norms.set_weights(plain.get_weights())
     private = build_compiled(name, kgt.GradientTrackingModel)
     private.set_weights(plain.get_weights())
     private.make_private(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=batch_size)
-    default_statistics = kgt_statistics.resolve(None)
+    statistics = {
+        id(tracked): kgt_statistics.resolve(None),
+        id(norms): kgt_statistics.resolve(NORMS_ONLY),
+    }
 
     def fitted(model: Any) -> Any:
         def run(epochs: int) -> float:
-            if model is tracked:
+            if id(model) in statistics:
                 reader = BlockReader()
                 model.gradient_tracking.subscribe(
-                    "bench", default_statistics, 1, reader.consume, finish=reader.read
+                    "bench", statistics[id(model)], 1, reader.consume, finish=reader.read
                 )
             begin = time.perf_counter()
             model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
@@ -194,6 +202,7 @@ def keras_fits(name: str, x: Any, y: Any, batch_size: int) -> dict[str, Any]:
     return {
         "keras_plain": fitted(plain),
         "keras_tracked": fitted(tracked),
+        "keras_norms": fitted(norms),
         "keras_private": fitted(private),
     }
 
@@ -266,16 +275,17 @@ def run_child(*arguments: str) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | B | Keras plain ms | tracked ms | tracked / plain | private ms "
+        "| model | B | Keras plain ms | tracked ms | tracked / plain | norms only ms "
+        "| norms only / plain | private ms "
         "| private / plain | torch plain ms | Opacus ghost norms ms | norms / plain "
         "| Opacus ghost DP ms | DP / plain | memory growth MiB: Keras plain / tracked / "
-        "private / torch plain / ghost norms / ghost DP |",
+        "norms only / private / torch plain / ghost norms / ghost DP |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| --- |",
+        "| ---: | ---: | --- |",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['model']} | {row['batch_size']} | failed |" + " |" * 11)
+            lines.append(f"| {row['model']} | {row['batch_size']} | failed |" + " |" * 13)
             continue
 
         def ms(variant: str, row: dict[str, Any] = row) -> str:
@@ -293,6 +303,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['model']} | {row['batch_size']} | {ms('keras_plain')} "
             f"| {ms('keras_tracked')} | {ratio('keras_tracked', 'keras_plain')} "
+            f"| {ms('keras_norms')} | {ratio('keras_norms', 'keras_plain')} "
             f"| {ms('keras_private')} | {ratio('keras_private', 'keras_plain')} "
             f"| {ms('torch_plain')} | {ms('opacus_ghost_norms')} "
             f"| {ratio('opacus_ghost_norms', 'torch_plain')} | {ms('opacus_ghost_dp')} "
