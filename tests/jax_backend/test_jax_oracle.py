@@ -187,6 +187,22 @@ def test_weight_penalties_are_in_the_batch_gradient_not_in_the_examples() -> Non
     assert_matches_oracle(tracked_statistics(model, x, y), expected)
 
 
+# The statistics that read no product with the batch gradient (`Statistic.needs_dot`):
+# the rules' norm-only forms (`dot` None).
+NORMS = ["loss", "grad_norm", "layer_grad_norm", "gradient_diversity", "batch_grad_norm"]
+
+
+@pytest.mark.parametrize(
+    "name", ["dense", "dense_long_sequence", "embedding", "conv2d", "lora_dense", "shared_dense"]
+)
+def test_norm_only_statistics_match_the_oracle(name: str) -> None:
+    model, x = LAYERS[name]()
+    y = labels()
+    expected = oracle_statistics(model, x, y)
+    got = tracked_statistics(model, x, y, names=NORMS)
+    assert_matches_oracle(got, {name: expected[name] for name in NORMS})
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_model_matches_the_oracle(name: str) -> None:
     build, shape = MODELS[name]

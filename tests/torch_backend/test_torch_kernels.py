@@ -103,6 +103,41 @@ def test_sequences_are_the_shared_rules(factor):
     )
 
 
+@pytest.mark.parametrize("factor", [None, 0.25])
+@pytest.mark.parametrize("steps", [None, 3, 40], ids=["2d", "gram", "materialized"])
+def test_norm_only_dense_forms_leave_the_dot_out(steps, factor, monkeypatch):
+    """`refs=None`: the same norms (and `||S||^2` without a factor), `dot` None, from the
+    kernel and from each of the shared rule's forms."""
+    monkeypatch.setattr(ops_rules, "MATERIALIZED_VALUES", 100)
+    layer, inputs, output_grad, refs = dense_case(4, 6, 5, steps=steps)
+    call = ProbedCall(inputs, {}, output_grad, factor)
+    if steps is not None:
+        assert ops_rules.dense_takes_gram_form(4, steps, 6, 5) == (steps == 3)
+    for primitives in (kernels.dense_primitives, ops_rules.dense_primitives):
+        full, norms = primitives(layer, call, refs), primitives(layer, call, None)
+        assert norms.dot is None
+        np.testing.assert_allclose(norms.sq_norm.numpy(), full.sq_norm.numpy(), rtol=1e-6)
+        if factor is None:
+            np.testing.assert_allclose(float(norms.sum_sq_norm), float(full.sum_sq_norm))
+        else:
+            assert norms.sum_sq_norm is None
+
+
+def test_norm_only_embedding_leaves_the_dot_out():
+    layer = keras.layers.Embedding(7, 4)
+    layer.build((3, 5))
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 7, (3, 5), generator=generator)
+    ids[:, 1] = ids[:, 0]  # a repeated id
+    output_grad = torch.randn((3, 5, 4), generator=generator)
+    call = ProbedCall(ids, {}, output_grad, None)
+    full = ops_rules.embedding_primitives(layer, call, [torch.randn((7, 4), generator=generator)])
+    norms = ops_rules.embedding_primitives(layer, call, None)
+    assert norms.dot is None
+    np.testing.assert_allclose(norms.sq_norm.numpy(), full.sq_norm.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(float(norms.sum_sq_norm), float(full.sum_sq_norm))
+
+
 def test_lora_dense_is_not_the_kernels():
     layer, inputs, output_grad, _ = dense_case(4, 6, 5)
     layer.enable_lora(2)

@@ -14,8 +14,10 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+import torch
 from backend_models import MODELS, ChannelScale, compiled, head
 from backend_oracle import tracked_statistics
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
@@ -150,3 +152,55 @@ def test_every_layer_with_a_rule_runs_on_it() -> None:
     assert paths.pop("ChannelScale") == FALLBACK_PATH
     assert all(path.startswith("rule:") for path in paths.values()), paths
     assert paths["Dense"] == "rule:lora_dense" or paths["Dense"] == "rule:dense"
+
+
+# The statistics that read no product with the batch gradient (`Statistic.needs_dot`).
+NORMS = ["loss", "grad_norm", "layer_grad_norm", "gradient_diversity", "batch_grad_norm"]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_norm_only_statistics_match_the_oracle(name: str) -> None:
+    model = compiled(BUILDERS[name][0](kgt.GradientTrackingModel))
+    x, y = data(name, seed=5)
+    model(x[:1])
+    expected = oracle_statistics(model, x, y)
+    got = tracked_statistics(model, x, y, names=NORMS)
+    assert_matches_oracle(got, {name: expected[name] for name in NORMS})
+
+
+class CountedProducts(TorchDispatchMode):
+    """Counts the matrix products (and convolutions) torch runs while it is on."""
+
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["mlp", "embedding_sequence", "cnn"])
+def test_norm_only_step_forms_no_product_with_the_batch_gradient(name: str) -> None:
+    """Eager torch runs what it is given: a step whose statistics read no `<g_i, G>`
+    forms none (on the MLP no product at all beyond its forward and backward pass's)."""
+    model = compiled(BUILDERS[name][0](kgt.GradientTrackingModel))
+    x, y = data(name)
+    model(x[:1])
+
+    def products(names: list[str]) -> int:
+        model.gradient_statistics(x, y, statistics=names)  # the plan and its searches
+        with CountedProducts() as counted:
+            model.gradient_statistics(x, y, statistics=names)
+        return counted.count
+
+    norms, cosine = products(NORMS), products([*NORMS, "cosine"])
+    assert norms < cosine, (norms, cosine)
+    if name == "mlp":
+        with CountedProducts() as counted:
+            loss = model.compute_loss(x=x, y=torch.as_tensor(y), y_pred=model(x))
+            torch.autograd.grad(loss, [v.value for v in model.trainable_variables])
+        assert norms == counted.count, (norms, counted.count)

@@ -46,6 +46,7 @@ from keras_gradtrack.backends.ops.step import (
     batch_size_of,
     columns_payload,
     layer_columns,
+    needs_dots,
     opt_in_primitives,
     per_example_losses,
 )
@@ -213,7 +214,9 @@ def step_payload(
     the learning rate, by key."""
     plan, statistics = tracking.plan, tracking.statistics
     coupling = coupling or Coupling()
-    columns = layer_columns(model, plan, probed, factor, exact_factor, coupling.columns, sums)
+    columns = layer_columns(
+        model, plan, probed, factor, exact_factor, coupling.columns, sums, needs_dots(statistics)
+    )
     opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupling)
     payload = columns_payload(statistics, columns, losses, batch, opt_in)
     payload.update(

@@ -163,8 +163,11 @@ def plain_weights(layer: Any) -> bool:
     )
 
 
-def _split_kernel_bias(layer: Any, refs: Sequence[Any]) -> tuple[Any, Any]:
-    by_name = {v.name: ref for v, ref in zip(layer.trainable_variables, refs)}
+def _split_kernel_bias(layer: Any, refs: Sequence[Any] | None) -> tuple[Any, Any]:
+    """`(kernel, bias)` of `refs` (the bias None without one); of the layer's variables
+    where `refs` is None (norm-only: their shapes)."""
+    found = layer.trainable_variables if refs is None else refs
+    by_name = {v.name: ref for v, ref in zip(layer.trainable_variables, found)}
     return by_name["kernel"], by_name.get("bias")
 
 
@@ -193,11 +196,17 @@ def dense_takes_gram_form(batch: int, steps: int, width_in: int, width_out: int)
     return materialized > MATERIALIZED_VALUES and 2 * steps**2 < width_in * width_out
 
 
-def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> LayerPrimitives | None:
+def dense_primitives(
+    layer: Any, call: ProbedCall, refs: Sequence[Any] | None
+) -> LayerPrimitives | None:
     """Dense: `||g_i||^2 = ||a_i||^2 ||d_i||^2` and `<g_i, R> = a_i^T R d_i` on 2-D
     inputs; on sequences `g_i = A_i^T D_i` materialized, or the Gram form when that
-    would hold too many values and the Gram form fewer (`dense_takes_gram_form`)."""
-    if not plain_weights(layer) or len(layer.trainable_variables) != len(refs):
+    would hold too many values and the Gram form fewer (`dense_takes_gram_form`).
+    With `refs=None` (norm-only) it returns `dot=None` and forms no product with a
+    reference."""
+    if not plain_weights(layer):
+        return None
+    if refs is not None and len(layer.trainable_variables) != len(refs):
         return None
     kernel_ref, bias_ref = _split_kernel_bias(layer, refs)
     a, d = f32(call.inputs), f32(call.output_grad)
@@ -208,7 +217,9 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
     if steps == 1:
         rows, grads = a[:, 0], d[:, 0]
         sq_norm = ops.sum(rows**2, axis=1) * ops.sum(grads**2, axis=1)
-        if call.reference_factor is not None and rule_math.gram_has_fewer_products(
+        if refs is None:
+            dot = None
+        elif call.reference_factor is not None and rule_math.gram_has_fewer_products(
             batch, d_in, d_out
         ):
             # R = c sum_j a_j d_j^T: <g_i, R> = c sum_j <a_i, a_j> <d_i, d_j>, cheaper
@@ -219,18 +230,21 @@ def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> Layer
             dot = ops.sum(ops.matmul(rows, f32(kernel_ref)) * grads, axis=1)
     elif dense_takes_gram_form(batch, steps, d_in, d_out):
         sq_norm = rule_math.gram_sq_norms(a, d)
-        dot = ops.sum(ops.einsum("bti,io->bto", a, f32(kernel_ref)) * d, axis=(1, 2))
+        dot = None
+        if refs is not None:
+            dot = ops.sum(ops.einsum("bti,io->bto", a, f32(kernel_ref)) * d, axis=(1, 2))
     else:
         per_example = rule_math.dense_kernel_gradients(a, d)
         sq_norm = ops.sum(per_example**2, axis=(1, 2))
-        dot = ops.einsum("bio,io->b", per_example, f32(kernel_ref))
+        dot = None if refs is None else ops.einsum("bio,io->b", per_example, f32(kernel_ref))
     sum_sq_norm = None  # with a reference factor, the step's ||G||^2 / c^2
     if call.reference_factor is None:
         sum_sq_norm = ops.sum(ops.einsum("bti,bto->io", a, d) ** 2)
     if bias_ref is not None:
         bias_grad = rule_math.bias_gradients(d, bias_ref.shape)
         sq_norm = sq_norm + ops.sum(bias_grad**2, axis=1)
-        dot = dot + ops.matmul(bias_grad, f32(bias_ref))
+        if dot is not None:
+            dot = dot + ops.matmul(bias_grad, f32(bias_ref))
         if sum_sq_norm is not None:
             sum_sq_norm = sum_sq_norm + ops.sum(ops.sum(bias_grad, axis=0) ** 2)
     return LayerPrimitives(sq_norm, dot, sum_sq_norm)
@@ -311,15 +325,15 @@ EINSUM_DENSE = ProbedRule("einsum_dense", einsum_dense_per_example, applies=eins
 
 
 def embedding_primitives(
-    layer: Any, call: ProbedCall, refs: Sequence[Any]
+    layer: Any, call: ProbedCall, refs: Sequence[Any] | None
 ) -> LayerPrimitives | None:
     """Embedding: example i's gradient adds `d_it` to row `id_it`; `||g_i||^2` sums
     `<d_it, d_is>` over the positions with equal ids (the masked Gram form up to
     `rule_math.GRAM_MAX_TOKENS` tokens, sorting and segment sums beyond), `<g_i, R> =
-    sum_t <d_it, R[id_it]>`."""
-    if not plain_weights(layer) or len(refs) != 1:
+    sum_t <d_it, R[id_it]>` (`dot=None` with `refs=None`: norm-only)."""
+    if not plain_weights(layer) or (refs is not None and len(refs) != 1):
         return None
-    (table_ref,) = refs
+    (table_ref,) = layer.trainable_variables if refs is None else refs
     ids, d = call.inputs, f32(call.output_grad)
     batch, dim = ids.shape[0], d.shape[-1]
     ids = ops.reshape(ops.cast(ids, "int32"), (batch, -1))
@@ -329,7 +343,7 @@ def embedding_primitives(
         sq_norm = rule_math.token_gram_sq_norms(ids, d)
     else:  # the Gram form's (B, T, T) matrices would outgrow the output gradient
         sq_norm = rule_math.token_segment_sq_norms(ids, d)
-    dot = rule_math.token_dots(ids, d, table_ref)
+    dot = None if refs is None else rule_math.token_dots(ids, d, table_ref)
     sum_sq_norm = None  # with a reference factor, the step's ||G||^2 / c^2
     if call.reference_factor is None:
         summed = scattered_rows(

@@ -155,8 +155,11 @@ def layer_primitives(
     fallback: PerExample,
     factor: float | None = None,
     sums: dict[int, Any] | None = None,
+    dots: bool = True,
 ) -> tuple[LayerPrimitives, Any]:
-    """One layer's primitives and `||G^(k)||^2`, from its calls in the step.
+    """One layer's primitives and `||G^(k)||^2`, from its calls in the step (`dot`
+    None where not `dots`: no statistic of the step reads it, and an eager backend
+    then forms no product with the batch gradient).
 
     With `factor` (`c`, when the loss is `c sum_i l_i` and nothing else), `||sum_i
     g_i||^2` is `||G||^2 / c^2`, and what the rule computes for it is left unused
@@ -174,6 +177,7 @@ def layer_primitives(
         fallback,
         None if factor is None else sums,
         factor,
+        dots,
     )
     if factor is not None:
         sum_sq_norm = reference_sq_norm / factor**2
@@ -189,6 +193,7 @@ def _layer_primitives(
     fallback: PerExample,
     sums: dict[int, Any] | None = None,
     factor: float | None = None,
+    dots: bool = True,
 ) -> tuple[LayerPrimitives, Any]:
     layer = tracked.layer
     all_variables = list(layer.trainable_variables)
@@ -197,7 +202,7 @@ def _layer_primitives(
     own = [positions[id(v)] for v in tracked.variables]
     reference_sq_norm = sum(ops.sum(references[i] ** 2) for i in own)
     rule = tracked.rule
-    direct = direct_primitives(tracked, calls, references)
+    direct = direct_primitives(tracked, calls, references if dots else None)
     if direct is not None:
         return direct, reference_sq_norm
     values = [lookup_value(v) for v in all_variables]
@@ -221,9 +226,8 @@ def _layer_primitives(
             start += size
     else:
         reference = ops.concatenate([ops.reshape(references[i], (-1,)) for i in own])
-    primitives = LayerPrimitives(
-        ops.sum(flat**2, axis=1), ops.matmul(flat, reference), ops.sum(total**2), summed
-    )
+    dot = ops.matmul(flat, reference) if dots else None
+    primitives = LayerPrimitives(ops.sum(flat**2, axis=1), dot, ops.sum(total**2), summed)
     return primitives, reference_sq_norm
 
 
@@ -303,11 +307,13 @@ def layer_columns(
     exact_factor: Any,
     coupled: Mapping[int, tuple[LayerPrimitives, Any]] | None = None,
     sums: dict[int, Any] | None = None,
+    dots: bool = True,
 ) -> Columns:
     """Per tracked layer, its primitives and `||G^(k)||^2` (`layer_primitives`), from
     the probed pass and the loss's factor `c` (`loss = c sum_i l_i`, plus penalties
     unless `exact_factor`, which is then `c`); the columns in `coupled` (by position
-    in the plan) are given (`coupled.py`)."""
+    in the plan) are given (`coupled.py`). Without `dots` (no statistic reads them:
+    `needs_dots`) the layers' `dot` is None where their rules can leave it out."""
     refuse_uncalled_layers(plan, {index for index, _ in probed.calls})
     lookup_value = value_lookup(model, probed)
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
@@ -333,9 +339,15 @@ def layer_columns(
                 probed.fallback,
                 exact_factor,
                 sums,
+                dots,
             )
         )
     return columns
+
+
+def needs_dots(statistics: Sequence[Statistic]) -> bool:
+    """Whether a statistic of the step reads `<g_i^(k), G^(k)>` (`Statistic.needs_dot`)."""
+    return any(statistic.needs_dot for statistic in statistics)
 
 
 def columns_payload(
@@ -348,10 +360,11 @@ def columns_payload(
     """Each statistic of the step, from its layers' columns, the losses `l_i` and the
     opt-in primitives (`opt_in_primitives`)."""
     opt_in = opt_in or {}
+    dots = needs_dots(statistics)
     primitives = StepPrimitives(
         loss=losses,
         sq_norm=ops.stack([c.sq_norm for c, _ in columns], axis=1),
-        dot=ops.stack([c.dot for c, _ in columns], axis=1),
+        dot=ops.stack([c.dot for c, _ in columns], axis=1) if dots else None,
         reference_sq_norm=ops.stack([r for _, r in columns]),
         sum_sq_norm=ops.stack([c.sum_sq_norm for c, _ in columns]),
         batch_size=ops.convert_to_tensor(batch, "float32"),

@@ -34,30 +34,36 @@ from keras_gradtrack.backends.ops import rules as ops_rules
 from keras_gradtrack.backends.ops.rules import LayerPrimitives, ProbedCall
 
 
-def dense_primitives(layer: Any, call: ProbedCall, refs: Sequence[Any]) -> LayerPrimitives | None:
+def dense_primitives(
+    layer: Any, call: ProbedCall, refs: Sequence[Any] | None
+) -> LayerPrimitives | None:
     """`ops_rules.dense_primitives` on 2-D inputs, in torch: `||g_i||^2 = (||a_i||^2 (+ 1
     with a bias)) ||d_i||^2`, `<g_i, R>` as `a_i^T R d_i` or, with a reference factor `c`
-    where it takes fewer products, `c sum_j <a_i, a_j> <d_i, d_j>`. Other inputs: the
-    shared rule."""
+    where it takes fewer products, `c sum_j <a_i, a_j> <d_i, d_j>` (none with `refs=None`:
+    norm-only). Other inputs: the shared rule."""
     if call.inputs.dim() != 2 or not ops_rules.plain_weights(layer):
         return ops_rules.dense_primitives(layer, call, refs)
-    if len(layer.trainable_variables) != len(refs):
+    if refs is not None and len(layer.trainable_variables) != len(refs):
         return None
-    by_name = {v.name: ref for v, ref in zip(layer.trainable_variables, refs)}
-    kernel_ref, bias_ref = by_name["kernel"].float(), by_name.get("bias")
+    found = layer.trainable_variables if refs is None else refs
+    by_name = {v.name: ref for v, ref in zip(layer.trainable_variables, found)}
+    kernel_ref, bias_ref = by_name["kernel"], by_name.get("bias")
     a, d = call.inputs.float(), call.output_grad.float()
     batch, width_in = a.shape
     width_out = d.shape[1]
     a_sq, d_sq = torch.sum(a * a, dim=1), torch.sum(d * d, dim=1)
     factor = call.reference_factor
-    if factor is not None and rule_math.gram_has_fewer_products(batch, width_in, width_out):
+    if refs is None:
+        dot = None
+    elif factor is not None and rule_math.gram_has_fewer_products(batch, width_in, width_out):
         dot = factor * torch.sum((a @ a.T) * (d @ d.T), dim=1)
     else:
-        dot = torch.sum((a @ kernel_ref) * d, dim=1)
+        dot = torch.sum((a @ kernel_ref.float()) * d, dim=1)
     sum_sq_norm = None if factor is not None else torch.sum((a.T @ d) ** 2)
     if bias_ref is None:
         return LayerPrimitives(a_sq * d_sq, dot, sum_sq_norm)
-    dot = dot + d @ bias_ref.float()
+    if dot is not None:
+        dot = dot + d @ bias_ref.float()
     if sum_sq_norm is not None:
         sum_sq_norm = sum_sq_norm + torch.sum(torch.sum(d, dim=0) ** 2)
     return LayerPrimitives((a_sq + 1.0) * d_sq, dot, sum_sq_norm)

@@ -186,7 +186,13 @@ class GradientTrackingMixin(
             # Without penalties or added losses the loss is `c sum_i l_i` exactly.
             exact_factor = factor if not self.losses else None
             columns = shared.layer_columns(
-                self, tracking.plan, probed, factor, exact_factor, coupling.columns
+                self,
+                tracking.plan,
+                probed,
+                factor,
+                exact_factor,
+                coupling.columns,
+                dots=shared.needs_dots(tracking.statistics),
             )
             opt_in = shared.opt_in_primitives(
                 self, tracking.plan, tracking.statistics, probed, factor, coupling
