@@ -17,8 +17,7 @@ import pytest
 import torch
 from backend_models import MODELS, ChannelScale, compiled, head
 from backend_oracle import tracked_statistics
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch_oracle import assert_matches_oracle, oracle_statistics
+from torch_oracle import CountedProducts, assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
 from keras_gradtrack.backends.torch.plan import FALLBACK_PATH
@@ -166,21 +165,6 @@ def test_norm_only_statistics_match_the_oracle(name: str) -> None:
     expected = oracle_statistics(model, x, y)
     got = tracked_statistics(model, x, y, names=NORMS)
     assert_matches_oracle(got, {name: expected[name] for name in NORMS})
-
-
-class CountedProducts(TorchDispatchMode):
-    """Counts the matrix products (and convolutions) torch runs while it is on."""
-
-    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.overloadpacket.__name__ in self.PRODUCTS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("name", ["mlp", "embedding_sequence", "cnn"])

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from backend_oracle import layer_columns, statistics_of
 from tolerance import assert_matches_oracle  # noqa: F401 (the one tolerance rule)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_gradtrack._keras_seam import LossFunctionWrapper
 
@@ -155,3 +156,18 @@ def input_grad_norms(
         grads = torch.autograd.grad(value, keras.tree.flatten(inputs))
         norms.append(np.sqrt(sum(np.sum(g.cpu().numpy().astype(np.float64) ** 2) for g in grads)))
     return np.asarray(norms)
+
+
+class CountedProducts(TorchDispatchMode):
+    """Counts the matrix products (and convolutions) torch runs while it is on."""
+
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -131,19 +131,28 @@ class GradientTrackingMixin(
         marked = [*forward.probes.probed, *forward.inputs, *records]
         # Through BatchNormalization in training (opted in): the layers it couples.
         coupled = coupled_positions(self, tracking.plan, forward.mixing)
-        grads = torch.autograd.grad(
-            loss,
-            [v.value for v in variables] + marked,
-            allow_unused=True,
-            retain_graph=bool(coupled),
+        # A private step with nothing to log needs no batch gradient `G` (its update
+        # is the clipped sums' and the noise): the backward pass then computes none of
+        # the weights' gradients (a product per Dense layer, a filter gradient per
+        # convolution), as the compilers of the other backends leave them out.
+        private_only = (
+            training_step
+            and self.privacy_settings is not None
+            and not tracking.statistics
+            and not tracking.requests
+            and not coupled
         )
-        weight_grads = list(grads[: len(variables)])
+        differentiated = marked if private_only else [v.value for v in variables] + marked
+        grads = torch.autograd.grad(
+            loss, differentiated, allow_unused=True, retain_graph=bool(coupled)
+        )
+        weight_grads = [None] * len(variables) if private_only else list(grads[: len(variables)])
         with torch.no_grad():
             # The statistics are the unscaled loss's (the optimizer unscales its own).
             marked_grads = unscaled(
                 [
                     torch.zeros_like(tensor) if grad is None else grad
-                    for tensor, grad in zip(marked, grads[len(variables) :])
+                    for tensor, grad in zip(marked, grads[len(grads) - len(marked) :])
                 ],
                 scale,
             )
