@@ -27,14 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from keras_gradtrack.backends.ops.probes import ProbeRecords
-from keras_gradtrack.backends.ops.recurrent import (
-    from_output_rows,
-    on_the_rule,
-    output_rows,
-    recurrent_call,
-)
-from keras_gradtrack.backends.ops.rules import splits_activation
-from keras_gradtrack.engine.preactivation import marked_preactivation_call
 
 
 def probed_output(leaf: Any, first: Any) -> bool:
@@ -64,6 +56,8 @@ class Probes(ProbeRecords):
     Args:
         layers: The tracked layers.
     """
+
+    BACKEND = "JAX"
 
     def __init__(self, layers: Sequence[Any]):
         super().__init__(layers)
@@ -97,39 +91,12 @@ class Probes(ProbeRecords):
             (index, {**kwargs, **found}) for (index, _, kwargs), found in zip(self.calls, tensors)
         ]
 
-    def _add_probe(self, tensor: Any) -> Any:
+    def _probed_output(self, leaf: Any, first: Any) -> bool:
+        return probed_output(leaf, first)
+
+    def _probe(self, tensor: Any) -> Any:
         position = len(self.probed)
         self.probed.append(tensor)
         if self._probes is None:
             return tensor
         return tensor + self._probes[position].astype(tensor.dtype)
-
-    def _probing_call(self, index: int, layer: Any) -> Any:
-        original = layer.call
-
-        def probing_call(*args: Any, **kwargs: Any) -> Any:
-            args = self._recorded(index, layer, args, kwargs)
-            if on_the_rule(layer):  # the probe goes on the gate pre-activations
-                outputs, saved = recurrent_call(layer, original, args, kwargs, self._add_probe)
-                self.calls[-1] = (index, saved, dict(kwargs))
-                return outputs
-            if splits_activation(layer):
-                outputs, _ = marked_preactivation_call(
-                    layer, original, args, kwargs, self._add_probe, "probed."
-                )
-                return outputs
-            outputs = original(*args, **kwargs)
-            leaves = jax.tree.leaves(outputs)
-            if not leaves or not all(probed_output(leaf, leaves[0]) for leaf in leaves):
-                raise ValueError(
-                    f"Layer {layer.name!r} ({type(layer).__name__}) returned "
-                    f"{type(outputs).__name__}: the JAX engine probes layers whose output "
-                    "is one float tensor, or several with a row per example."
-                )
-            if hasattr(outputs, "shape"):
-                return self._add_probe(outputs)
-            # Several outputs (a recurrent layer's sequence and states): one probe on
-            # their rows side by side, as the per-layer fallback contracts them.
-            return from_output_rows(self._add_probe(output_rows(outputs)), outputs)
-
-        return probing_call

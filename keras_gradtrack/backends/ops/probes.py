@@ -1,9 +1,11 @@
 """What the probed engines' probes share: the record of each tracked call, the calls
 without the batch's rows, and installing a backend's probing `call` on every layer.
 
-A backend's `Probes` subclasses `ProbeRecords` with `_probing_call(index, layer)`: the
-layer's `call` that records `(index, input, kwargs)` in `calls` and each probed output
-in `probed` (JAX adds a zero probe to it, PyTorch keeps the output itself).
+A backend's `Probes` subclasses `ProbeRecords` with `_probe(tensor)`, what a probed
+output becomes (JAX adds a zero probe to it, PyTorch keeps the output itself), and
+`_probed_output(leaf, first)`, which outputs its probes can mark; the probing `call`
+that records `(index, input, kwargs)` in `calls` and each probed output in `probed` is
+written here once.
 
 Example:
 
@@ -20,10 +22,18 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from keras import tree
+
 from keras_gradtrack._patching import patched
 from keras_gradtrack.backends.ops.batchless import broadcast_to_batch
-from keras_gradtrack.backends.ops.recurrent import output_rows
+from keras_gradtrack.backends.ops.recurrent import (
+    from_output_rows,
+    on_the_rule,
+    output_rows,
+    recurrent_call,
+)
 from keras_gradtrack.backends.ops.rules import splits_activation
+from keras_gradtrack.engine.preactivation import marked_preactivation_call
 
 
 class ProbeRecords:
@@ -67,8 +77,48 @@ class ProbeRecords:
         self.calls.append((index, args[0], dict(kwargs)))
         return args
 
-    def _probing_call(self, index: int, layer: Any) -> Any:
+    # The engine's name in the refusal of an output it cannot probe.
+    BACKEND = ""
+
+    def _probe(self, tensor: Any) -> Any:
+        """The probed output in the pass, recorded in `probed`."""
         raise NotImplementedError
+
+    def _probed_output(self, leaf: Any, first: Any) -> bool:
+        """Whether a layer's output tensor can be probed (`first`: its first output)."""
+        raise NotImplementedError
+
+    def _probing_call(self, index: int, layer: Any) -> Any:
+        """The layer's `call`, recording the call and probing its (pre-activation)
+        output: a recurrent layer on its rule at its gates' pre-activations, several
+        outputs as one probe on their rows side by side (as the fallback contracts
+        them), from which the layer's outputs are read again so the loss reaches them."""
+        original = layer.call
+
+        def probing_call(*args: Any, **kwargs: Any) -> Any:
+            args = self._recorded(index, layer, args, kwargs)
+            if on_the_rule(layer):
+                outputs, saved = recurrent_call(layer, original, args, kwargs, self._probe)
+                self.calls[-1] = (index, saved, dict(kwargs))
+                return outputs
+            if splits_activation(layer):
+                outputs, _ = marked_preactivation_call(
+                    layer, original, args, kwargs, self._probe, "probed."
+                )
+                return outputs
+            outputs = original(*args, **kwargs)
+            leaves = tree.flatten(outputs)
+            if not leaves or not all(self._probed_output(leaf, leaves[0]) for leaf in leaves):
+                raise ValueError(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) returned "
+                    f"{type(outputs).__name__}: the {self.BACKEND} engine probes layers "
+                    "whose output is one float tensor, or several with a row per example."
+                )
+            if hasattr(outputs, "shape"):
+                return self._probe(outputs)
+            return from_output_rows(self._probe(output_rows(outputs)), outputs)
+
+        return probing_call
 
 
 def preactivation_call(

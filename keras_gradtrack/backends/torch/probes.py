@@ -25,17 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from keras import tree
 
 from keras_gradtrack.backends.ops.probes import ProbeRecords
-from keras_gradtrack.backends.ops.recurrent import (
-    from_output_rows,
-    on_the_rule,
-    output_rows,
-    recurrent_call,
-)
-from keras_gradtrack.backends.ops.rules import splits_activation
-from keras_gradtrack.engine.preactivation import marked_preactivation_call
 
 
 def probed_output(leaf: Any, first: Any) -> bool:
@@ -52,6 +43,8 @@ def probed_output(leaf: Any, first: Any) -> bool:
 class Probes(ProbeRecords):
     """Records, per call of `layers`, the inputs and the probed outputs."""
 
+    BACKEND = "PyTorch"
+
     @contextlib.contextmanager
     def installed(
         self, batchless: frozenset[int] = frozenset(), batch_size: int = 0
@@ -60,37 +53,9 @@ class Probes(ProbeRecords):
         with self.patched_calls(batchless, batch_size):
             yield self
 
+    def _probed_output(self, leaf: Any, first: Any) -> bool:
+        return probed_output(leaf, first)
+
     def _probe(self, tensor: Any) -> Any:
         self.probed.append(tensor)
         return tensor
-
-    def _probing_call(self, index: int, layer: Any) -> Any:
-        original = layer.call
-
-        def probing_call(*args: Any, **kwargs: Any) -> Any:
-            args = self._recorded(index, layer, args, kwargs)
-            if on_the_rule(layer):  # the probe is the gate pre-activations `P`
-                outputs, saved = recurrent_call(layer, original, args, kwargs, self._probe)
-                self.calls[-1] = (index, saved, dict(kwargs))
-                return outputs
-            if splits_activation(layer):
-                outputs, _ = marked_preactivation_call(
-                    layer, original, args, kwargs, self._probe, "probed."
-                )
-                return outputs
-            outputs = original(*args, **kwargs)
-            leaves = tree.flatten(outputs)
-            if not leaves or not all(probed_output(leaf, leaves[0]) for leaf in leaves):
-                raise ValueError(
-                    f"Layer {layer.name!r} ({type(layer).__name__}) returned "
-                    f"{type(outputs).__name__}: the PyTorch engine probes layers whose "
-                    "output is one float tensor, or several with a row per example."
-                )
-            if isinstance(outputs, torch.Tensor):
-                return self._probe(outputs)
-            # Several outputs (a recurrent layer's sequence and states): one probe, their
-            # rows side by side, from which the layer's outputs are read again (so that
-            # the loss reaches them through it), as the fallback contracts them.
-            return from_output_rows(self._probe(output_rows(outputs)), outputs)
-
-        return probing_call
