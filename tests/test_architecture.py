@@ -189,6 +189,7 @@ def backends_imported(module: str) -> set[str]:
         "keras_gradtrack.rule_math",
         "keras_gradtrack.recurrent_cells",
         "keras_gradtrack.attribution_math",
+        "keras_gradtrack.engine.tracked_layer",
     ],
 )
 def test_the_backend_free_modules_import_no_backend(module: str) -> None:

@@ -12,7 +12,7 @@ from layers_without_rule import NoRule
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics
-from keras_gradtrack.engine import backward, plan, schedule, step, tracking
+from keras_gradtrack.engine import backward, plan, schedule, step, tracked_layer, tracking
 
 rng = np.random.default_rng(61)
 X = rng.normal(size=(6, 4, 3)).astype("float32")
@@ -45,7 +45,7 @@ def traced_forward(built: Any) -> tuple[tracking.TrackingContext, Any, Any]:
 def test_the_plan_is_frozen_and_in_variable_order() -> None:
     tracked = model().gradient_tracking_plan()
     assert [t.name for t in tracked] == ["sequence", "no_rule", "head"]
-    assert [t.path for t in tracked] == ["rule:dense", plan.FALLBACK_PATH, "rule:dense"]
+    assert [t.path for t in tracked] == ["rule:dense", tracked_layer.FALLBACK_PATH, "rule:dense"]
     with pytest.raises(AttributeError):
         tracked[0].name = "other"  # type: ignore[misc]
 

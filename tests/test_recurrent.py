@@ -26,7 +26,7 @@ from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
-from keras_gradtrack.engine.plan import FALLBACK_PATH
+from keras_gradtrack.engine.tracked_layer import FALLBACK_PATH
 from keras_gradtrack.rules import RECURRENT
 
 rng = np.random.default_rng(17)

@@ -21,7 +21,7 @@ import tensorflow as tf
 from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
-from keras_gradtrack.engine.plan import FALLBACK_PATH
+from keras_gradtrack.engine.tracked_layer import FALLBACK_PATH
 from keras_gradtrack.rule_math import gram_has_fewer_products
 from keras_gradtrack.rules import LayerCall, chunks, filter_gradients, lookup
 from keras_gradtrack.rules.filter_gradients import grouped_filter_gradient_runs

@@ -17,7 +17,7 @@ import pytest
 from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
-from keras_gradtrack.engine.plan import FALLBACK_PATH
+from keras_gradtrack.engine.tracked_layer import FALLBACK_PATH
 from keras_gradtrack.rules.einsum import einsum_roles
 from keras_gradtrack.rules.ops import GRAM_MAX_TOKENS
 

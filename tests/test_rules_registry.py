@@ -12,7 +12,7 @@ import tensorflow as tf
 from oracle import assert_matches_oracle, oracle_statistics
 
 import keras_gradtrack as kgt
-from keras_gradtrack.engine.plan import FALLBACK_PATH
+from keras_gradtrack.engine.tracked_layer import FALLBACK_PATH
 
 rng = np.random.default_rng(21)
 X = rng.normal(size=(12, 5, 4)).astype("float32")

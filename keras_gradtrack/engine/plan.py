@@ -2,49 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import keras
 
 from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
 from keras_gradtrack.engine.repeatable_calls import unrepeatable_call
-from keras_gradtrack.rules import Rule, lookup
-
-FALLBACK_PATH = "fallback (per-layer vectorized Jacobian)"
+from keras_gradtrack.engine.tracked_layer import TrackedLayer, unique_name
+from keras_gradtrack.rules import lookup
 
 # Layers whose training-mode output for one example depends on the others.
 EXAMPLE_MIXING_LAYERS: tuple[type, ...] = (keras.layers.BatchNormalization,)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrackedLayer:
-    """One column of the per-layer statistics.
-
-    Attributes:
-        name: Column name (the layer's name, made unique within the model).
-        layer: The Keras layer.
-        variables: The layer's own trainable variables (not its sublayers', unless
-            its rule covers them: `Rule.covers_sublayers`).
-        rule: The rule computing its primitives, or None for the fallback.
-        reason: Why the layer has no rule (empty when it has one).
-    """
-
-    name: str
-    layer: Any
-    variables: tuple[Any, ...]
-    rule: Rule | None
-    reason: str = ""
-
-    @property
-    def path(self) -> str:
-        """How the primitives are computed: `rule:<name>` or the fallback."""
-        return f"rule:{self.rule.name}" if self.rule else FALLBACK_PATH
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(math.prod(v.shape) for v in self.variables)
 
 
 def example_mixing_refusal(layer: Any, opted_in: bool = False) -> str:
@@ -161,12 +129,3 @@ def tracked_layers(model: keras.Model) -> Plan:
             "Create them inside a keras.layers.Layer."
         )
     return tuple(plan)
-
-
-def unique_name(name: str, used: set[str]) -> str:
-    candidate, suffix = name, 1
-    while candidate in used:
-        candidate = f"{name}_{suffix}"
-        suffix += 1
-    used.add(candidate)
-    return candidate

@@ -52,11 +52,13 @@ from keras_gradtrack.backends.jax.plan import BACKEND
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import fallback_per_example
 from keras_gradtrack.backends.jax.step import (
+    JAX,
+    learning_rate,
     recording_added_losses,
-    step_payload,
     tracked_train_step,
 )
 from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, recording_loss_scale, unscaled
+from keras_gradtrack.backends.ops.payload import columns_and_payload
 from keras_gradtrack.backends.ops.step import (
     ProbedPass,
     Tracking,
@@ -66,6 +68,7 @@ from keras_gradtrack.backends.ops.step import (
 from keras_gradtrack.engine.reductions import LossRecorder, per_example_shares
 from keras_gradtrack.engine.refusals import uncalled_names
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
+from keras_gradtrack.io.schema import LEARNING_RATE
 
 # Where a tracked step of the model's own `train_step` leaves its `OwnStepTracking`
 # (in the model's `__dict__`, while the step is traced).
@@ -333,9 +336,9 @@ def tracked_call(
     # The function may add terms of its own (penalties) to `c sum_i l_i`: the rules
     # sum the per-example gradients rather than take `sum_i g_i` from `G`.
     optimizer_variables = own.state[2]
-    columns, payload = step_payload(
-        model, tracking, probed, losses, own.batch, factor, None, optimizer_variables, coupling
-    )
+    parts = (factor, None, coupling, JAX)
+    columns, payload = columns_and_payload(model, tracking, probed, losses, *parts)
+    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     if tracking.private is not None:
         # After the statistics: they read the step's adaptive bound before its update.
         arguments = (columns, factor, added_losses, optimizer_variables, scale)

@@ -61,7 +61,6 @@ from keras_gradtrack.backends.jax.secure_noise import secure_standard_normal
 from keras_gradtrack.backends.ops import private_step as shared
 from keras_gradtrack.backends.ops.private_model import BOUND_KEY
 from keras_gradtrack.backends.ops.probes import preactivation_call
-from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
 
@@ -104,24 +103,17 @@ def private_gradients(
     settings = settings_of(model)
     assert settings is not None
     penalties = penalty_gradients(model, probed.trainable, added_losses, penalty_weights)
-    sq_norms = [jnp.maximum(f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
     bound = step_bound(model, settings)  # this step's C (adaptive: before its update)
-    # Through the module, as on TensorFlow: the seam of the audit's control
-    # (`privacy_audit.clipping_off`).
-    weights, clipped = shared_clipping.clip_weights(settings, model, plan, sq_norms, bound)
+    weights, clipped = shared.clipping_weights(settings, model, plan, columns, bound)
     sums = shared.clipped_sums(
         model, plan, probed, weights, factor, local_vjp, fallback_per_example, loss_scale
     )
     batch = clipped.shape[0]
-    divisor = settings.expected_batch_size or float(batch)
+    divisor = shared.step_divisor(settings, batch)
     sigma = settings.gradient_noise_multiplier
     noise_factor = sigma * jnp.asarray(bound, jnp.float32)
     k = settings.accumulation_steps
-    if k > 1:
-        # Keras' accumulation applies the mean of k physical batches' gradients: each
-        # goes over B_logical / k, and only the k-th carries the logical batch's noise.
-        if settings.expected_batch_size is not None:
-            divisor = divisor / k
+    if k > 1:  # only the k-th physical batch carries the logical batch's noise
         applies = optimizer_value(model, optimizer_variables, optimizer_apply_count)
         noise_factor = jnp.where((applies + 1) % k == 0, noise_factor, 0.0)
     key = step_key(model, settings.seed, optimizer_variables)

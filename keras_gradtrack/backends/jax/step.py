@@ -37,21 +37,19 @@ from keras_gradtrack.backends.jax.coupled import Coupling, step_coupling
 from keras_gradtrack.backends.jax.opt_in import InputProbes, needs_input_gradients
 from keras_gradtrack.backends.jax.probes import Probes
 from keras_gradtrack.backends.jax.rules import f32, fallback_per_example
-from keras_gradtrack.backends.ops.attribution import requested_rows
 from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, recording_loss_scale, unscaled
+from keras_gradtrack.backends.ops.payload import columns_and_payload
+from keras_gradtrack.backends.ops.protocol import Backend
 from keras_gradtrack.backends.ops.step import (
-    Columns,
     ProbedPass,
     Tracking,
     batch_size_of,
-    columns_payload,
-    layer_columns,
-    needs_dots,
-    opt_in_primitives,
     per_example_losses,
 )
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
+
+JAX = Backend("JAX", fallback_per_example, target_calls)
 
 
 def tracked_train_step(
@@ -134,18 +132,9 @@ def tracked_train_step(
     # The batch gradient of each layer with materialized per-example gradients is their
     # sum (for the optimizer too, times the loss scale), unless the step is private.
     sums: dict[int, Any] | None = {} if tracking.private is None else None
-    columns, payload = step_payload(
-        model,
-        tracking,
-        probed,
-        losses,
-        batch,
-        factor,
-        exact_factor,
-        optimizer_variables,
-        coupling,
-        sums,
-    )
+    parts = (factor, exact_factor, coupling or Coupling(), JAX, sums)
+    columns, payload = columns_and_payload(model, tracking, probed, losses, *parts)
+    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
     if sums:
         grads = summed_gradients(model, grads, sums, scale)
     rows: dict[str, Any] = {}
@@ -194,45 +183,6 @@ def recording_added_losses(model: keras.Model) -> Iterator[list[int]]:
 
     with patched(model, "stateless_call", recording_stateless_call):
         yield added_losses
-
-
-def step_payload(
-    model: keras.Model,
-    tracking: Tracking,
-    probed: ProbedPass,
-    losses: Any,
-    batch: int,
-    factor: Any,
-    exact_factor: Any,
-    optimizer_variables: Any,
-    coupling: Coupling | None = None,
-    sums: dict[int, Any] | None = None,
-) -> tuple[Columns, dict[str, Any]]:
-    """`(columns, payload)`: the tracked layers' columns (`layer_columns`; those that
-    BatchNormalization in training couples from `coupling`), and from them and the
-    `(B,)` losses `l_i` the step's statistics, the rows of its attribution requests and
-    the learning rate, by key."""
-    plan, statistics = tracking.plan, tracking.statistics
-    coupling = coupling or Coupling()
-    columns = layer_columns(
-        model, plan, probed, factor, exact_factor, coupling.columns, sums, needs_dots(statistics)
-    )
-    opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupling)
-    payload = columns_payload(statistics, columns, losses, batch, opt_in)
-    payload.update(
-        requested_rows(
-            model,
-            plan,
-            tracking.requests,
-            probed,
-            factor,
-            coupling.columns,
-            target_calls,
-            fallback_per_example,
-        )
-    )
-    payload[LEARNING_RATE] = learning_rate(model, optimizer_variables)
-    return columns, payload
 
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]

@@ -39,6 +39,7 @@ from keras import ops
 
 from keras_gradtrack import attribution_math, rule_math
 from keras_gradtrack.backends.ops.plan import TrackedLayer
+from keras_gradtrack.backends.ops.protocol import TargetCalls
 from keras_gradtrack.backends.ops.rules import (
     DENSE,
     EMBEDDING,
@@ -63,9 +64,6 @@ from keras_gradtrack.engine.refusals import uncalled_names
 
 f32 = rule_math.f32
 LayerCalls = Sequence[ProbedCall]
-# `(model, plan, targets, trainable, non_trainable, target_losses) -> per layer of the
-# plan, its calls on the targets with their losses' output gradients`.
-TargetCalls = Callable[..., list[list[ProbedCall]]]
 
 
 def refuse_unknown_requests(requests: Sequence[Any]) -> None:

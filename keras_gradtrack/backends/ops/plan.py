@@ -15,7 +15,6 @@ plan = planned_layers(model, lookup, refusal, "fallback (torch.func)")
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,29 +24,7 @@ import keras
 from keras_gradtrack._keras_seam import flatten_layers, own_trainable_variables
 from keras_gradtrack.backends.ops.recurrent import recurrent_refusal
 from keras_gradtrack.backends.ops.rules import ProbedRule, backend_name
-
-
-@dataclasses.dataclass(frozen=True)
-class TrackedLayer:
-    """One column of the per-layer statistics.
-
-    Attributes:
-        name: Column name (the layer's name, made unique within the model).
-        layer: The Keras layer.
-        variables: The layer's own trainable variables.
-        rule: Its rule, or None for the backend's exact per-layer fallback.
-        fallback: How the fallback is named in the layer's path.
-    """
-
-    name: str
-    layer: Any
-    variables: tuple[Any, ...]
-    rule: ProbedRule | None
-    fallback: str = "fallback"
-
-    @property
-    def path(self) -> str:
-        return f"rule:{self.rule.name}" if self.rule else self.fallback
+from keras_gradtrack.engine.tracked_layer import TrackedLayer, unique_name
 
 
 def refusal(layer: Any, track_batch_normalization: bool = False) -> str:
@@ -139,11 +116,8 @@ def planned_layers(
     plan: list[TrackedLayer] = []
     used: set[str] = set()
     for layer, own in groups:
-        name, suffix = layer.name, 1
-        while name in used:
-            name, suffix = f"{layer.name}_{suffix}", suffix + 1
-        used.add(name)
-        plan.append(TrackedLayer(name, layer, tuple(own), lookup(layer), fallback))
+        name = unique_name(layer.name, used)
+        plan.append(TrackedLayer(name, layer, tuple(own), lookup(layer), fallback=fallback))
     if not plan:
         raise ValueError(f"Model {model.name!r} has no trainable variables to track.")
     return plan

@@ -47,6 +47,8 @@ from keras import ops
 from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.rules import PerExample, ProbedCall, summed_per_example
 from keras_gradtrack.backends.ops.step import direct_primitives, probed_calls, value_lookup
+from keras_gradtrack.engine import clip_weights as shared_clipping
+from keras_gradtrack.engine.private_settings import PrivacySettings
 
 # `(layer, values, fixed, inputs, kwargs, cotangent) -> grads`: `d <z(theta), cotangent>
 # / d theta` of the layer's (pre-activation) output on the recorded inputs.
@@ -144,6 +146,32 @@ def from_per_example(
     if not calls or rule is None or rule.per_example is None:
         return False
     return direct_primitives(tracked, calls, references) is None
+
+
+def clipping_weights(
+    settings: PrivacySettings,
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    columns: Sequence[Any],
+    bound: Any,
+) -> tuple[Any, Any]:
+    """`(weights, clipped)`: each example's `w_i = min(1, C / ||g_i||)` at the bound
+    `C` from the columns' squared norms (`clip_weights.clip_weights`, looked up through
+    its module: the seam of the audit's control, `privacy_audit.clipping_off`), and
+    whether it was clipped."""
+    sq_norms = [ops.maximum(f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
+    return shared_clipping.clip_weights(settings, model, plan, sq_norms, bound)
+
+
+def step_divisor(settings: PrivacySettings, batch: int) -> float:
+    """What the clipped sum goes over: `B_expected`, or the batch's size without one.
+    Keras' gradient accumulation applies the mean of k physical batches' gradients,
+    so with `accumulation_steps` k each goes over `B_expected / k` (only the k-th
+    carries the logical batch's noise: the backend's step says when)."""
+    divisor = settings.expected_batch_size or float(batch)
+    if settings.accumulation_steps > 1 and settings.expected_batch_size is not None:
+        divisor = divisor / settings.accumulation_steps
+    return divisor
 
 
 def noised_gradients(

@@ -12,11 +12,13 @@ import torch
 from keras import ops
 
 from keras_gradtrack.backends.ops import step as shared
-from keras_gradtrack.backends.ops.attribution import refuse_unknown_requests, requested_rows
+from keras_gradtrack.backends.ops.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, unscaled
 from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
+from keras_gradtrack.backends.ops.payload import columns_and_payload
 from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.private_model import ProbedPrivateTraining
+from keras_gradtrack.backends.ops.protocol import Backend
 from keras_gradtrack.backends.ops.step import ProbedPass, Tracking
 from keras_gradtrack.backends.torch.attribution import target_calls
 from keras_gradtrack.backends.torch.batchless import find_batchless_calls
@@ -35,6 +37,7 @@ from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
 BACKEND = "PyTorch"
+TORCH = Backend(BACKEND, fallback_per_example, target_calls)
 
 
 class GradientTrackingMixin(
@@ -194,30 +197,8 @@ class GradientTrackingMixin(
             )
             # Without penalties or added losses the loss is `c sum_i l_i` exactly.
             exact_factor = factor if not self.losses else None
-            columns = shared.layer_columns(
-                self,
-                tracking.plan,
-                probed,
-                factor,
-                exact_factor,
-                coupling.columns,
-                dots=shared.needs_dots(tracking.statistics),
-            )
-            opt_in = shared.opt_in_primitives(
-                self, tracking.plan, tracking.statistics, probed, factor, coupling
-            )
-            payload = shared.columns_payload(tracking.statistics, columns, losses, batch, opt_in)
-            payload.update(
-                requested_rows(
-                    self,
-                    tracking.plan,
-                    tracking.requests,
-                    probed,
-                    factor,
-                    coupling.columns,
-                    target_calls,
-                    fallback_per_example,
-                )
+            columns, payload = columns_and_payload(
+                self, tracking, probed, losses, factor, exact_factor, coupling, TORCH
             )
             if self.optimizer is not None:
                 payload[LEARNING_RATE] = ops.convert_to_tensor(

@@ -43,7 +43,6 @@ from keras_gradtrack.backends.ops.probes import preactivation_call
 from keras_gradtrack.backends.ops.secure_noise import host_secure_normal
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.kernels import dense_local_vjp
-from keras_gradtrack.engine import clip_weights as shared_clipping
 from keras_gradtrack.engine.private_settings import settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
 
@@ -79,24 +78,19 @@ def private_gradients(
     settings = settings_of(model)
     assert settings is not None
     penalties = penalty_gradients(model, probed.trainable)
-    sq_norms = [ops.maximum(shared.f32(primitives.sq_norm), 0.0) for primitives, _ in columns]
     adaptive = settings.adaptive_clip
     bound = settings.sensitivity if adaptive is None else float(model.__dict__[BOUND_KEY].numpy())
-    weights, clipped = shared_clipping.clip_weights(settings, model, plan, sq_norms, bound)
+    weights, clipped = shared.clipping_weights(settings, model, plan, columns, bound)
     sums = shared.clipped_sums(
         model, plan, probed, weights, factor, local_vjp, fallback_per_example, None, columns
     )
     batch = int(clipped.shape[0])
-    divisor = settings.expected_batch_size or float(batch)
+    divisor = shared.step_divisor(settings, batch)
     sigma = settings.gradient_noise_multiplier
     noised = sigma > 0.0
     k = settings.accumulation_steps
     optimizer = model.optimizer
-    if k > 1:
-        # Keras' accumulation applies the mean of k physical batches' gradients: each
-        # goes over B_logical / k, and only the k-th carries the logical batch's noise.
-        if settings.expected_batch_size is not None:
-            divisor = divisor / k
+    if k > 1:  # only the k-th physical batch carries the logical batch's noise
         noised = noised and (int(optimizer_apply_count(optimizer)) + 1) % k == 0
     device = probed.trainable[0].device
     draw = NoiseDraws(settings.seed, int(optimizer.iterations), settings.secure_noise, device)
