@@ -62,7 +62,6 @@ from keras_gradtrack.backends.ops import private_step as shared
 from keras_gradtrack.backends.ops.private_model import BOUND_KEY
 from keras_gradtrack.backends.ops.probes import preactivation_call
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
-from keras_gradtrack.privacy.adaptive_clip import next_bound
 
 
 def private_gradients(
@@ -103,19 +102,11 @@ def private_gradients(
     settings = settings_of(model)
     assert settings is not None
     penalties = penalty_gradients(model, probed.trainable, added_losses, penalty_weights)
-    bound = step_bound(model, settings)  # this step's C (adaptive: before its update)
-    weights, clipped = shared.clipping_weights(settings, model, plan, columns, bound)
-    sums = shared.clipped_sums(
-        model, plan, probed, weights, factor, local_vjp, fallback_per_example, loss_scale
-    )
-    batch = clipped.shape[0]
-    divisor = shared.step_divisor(settings, batch)
-    sigma = settings.gradient_noise_multiplier
-    noise_factor = sigma * jnp.asarray(bound, jnp.float32)
+    noised: Any = True
     k = settings.accumulation_steps
     if k > 1:  # only the k-th physical batch carries the logical batch's noise
         applies = optimizer_value(model, optimizer_variables, optimizer_apply_count)
-        noise_factor = jnp.where((applies + 1) % k == 0, noise_factor, 0.0)
+        noised = (applies + 1) % k == 0
     key = step_key(model, settings.seed, optimizer_variables)
 
     def draw(position: int, shape: tuple[int, ...], scale: Any) -> Any:
@@ -123,23 +114,9 @@ def private_gradients(
             return secure_standard_normal(shape, scale)
         return scale * jax.random.normal(jax.random.fold_in(key, position), shape, jnp.float32)
 
-    gradients = shared.noised_gradients(
-        model,
-        sums,
-        probed.trainable,
-        draw if sigma > 0.0 else None,
-        noise_factor,
-        divisor,
-        penalties,
-        loss_scale,
-    )
-    clipped_count = jnp.sum(clipped.astype(jnp.float32))
-    rows = {"dp_fraction_clipped": clipped_count / batch}
-    if settings.adaptive_clip is not None:
-        rows["dp_l2_norm_clip"] = bound
-        count_key = jax.random.fold_in(key, len(model.trainable_variables))
-        update_bound(model, settings, batch - clipped_count, batch, divisor, bound, count_key)
-    return gradients, rows
+    bound = step_bound(model, settings)  # this step's C (adaptive: before its update)
+    step = shared.BackendStep(bound, penalties, local_vjp, fallback_per_example, draw, noised)
+    return shared.private_gradients(step, model, plan, probed, columns, factor, loss_scale)
 
 
 def step_bound(model: keras.Model, settings: PrivacySettings) -> Any:
@@ -148,29 +125,6 @@ def step_bound(model: keras.Model, settings: PrivacySettings) -> Any:
     if settings.adaptive_clip is None:
         return settings.sensitivity
     return jnp.asarray(keras.ops.convert_to_tensor(model.__dict__[BOUND_KEY]), jnp.float32)
-
-
-def update_bound(
-    model: keras.Model,
-    settings: PrivacySettings,
-    unclipped_count: Any,
-    batch_size: int,
-    divisor: Any,
-    bound: Any,
-    key: Any,
-) -> None:
-    """Assigns `C_{t+1}` (`adaptive_clip.next_bound`) to the bound's variable (in the
-    step's `keras.StatelessScope`), the count of unclipped examples noised with
-    deviation `clipped_count_stddev` (drawn from `key`, or the secure draw)."""
-    clip = settings.adaptive_clip
-    assert clip is not None
-    count_noise: Any = jnp.float32(0.0)
-    if clip.clipped_count_stddev > 0 and settings.secure_noise:
-        count_noise = secure_standard_normal((), clip.clipped_count_stddev)
-    elif clip.clipped_count_stddev > 0:
-        count_noise = clip.clipped_count_stddev * jax.random.normal(key, (), jnp.float32)
-    found = next_bound(bound, unclipped_count, float(batch_size), count_noise, divisor, clip)
-    model.__dict__[BOUND_KEY].assign(found)
 
 
 def penalty_gradients(

@@ -22,22 +22,25 @@ from its one backward pass with the probes, as the TensorFlow engine does
   weight penalties added unclipped and without noise, other added losses refused
   (`added_losses_refusal`).
 
-What a backend gives: the layer's local VJP (`LocalVjp`) and its exact per-layer
-fallback (`PerExample`), the noise's draws (`Draw`: seeded, or `secure_noise.py`'s),
-and the penalties' gradient (its autodiff). JAX's step (`backends/jax/private_step.py`)
-runs these inside its `jax.jit`; PyTorch's (`backends/torch/private_step.py`) eagerly.
+`private_gradients` runs these steps in order, and with adaptive clipping the bound's
+update; what a backend gives is one `BackendStep`: the layer's local VJP (`LocalVjp`)
+and its exact per-layer fallback (`PerExample`), the step's bound, the noise's draws
+(`Draw`: seeded, or `secure_noise.py`'s) and whether this step carries the noise (with
+accumulation, only a logical batch's last), and the penalties' gradient (its
+autodiff). JAX's step (`backends/jax/private_step.py`) runs it inside its `jax.jit`;
+PyTorch's (`backends/torch/private_step.py`) eagerly.
 
 Example:
 
 ```python
-weights, clipped = clip_weights(settings, model, plan, sq_norms, bound)
-sums = clipped_sums(model, plan, probed, weights, factor, local_vjp, fallback)
-gradients = noised_gradients(model, sums, probed.trainable, draw, noise, divisor, None)
+step = BackendStep(bound, penalties, local_vjp, fallback, draw)
+gradients, rows = private_gradients(step, model, plan, probed, columns, factor)
 ```
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,10 +48,12 @@ import keras
 from keras import ops
 
 from keras_gradtrack.backends.ops.plan import TrackedLayer
+from keras_gradtrack.backends.ops.private_model import BOUND_KEY
 from keras_gradtrack.backends.ops.rules import PerExample, ProbedCall, summed_per_example
 from keras_gradtrack.backends.ops.step import direct_primitives, probed_calls, value_lookup
 from keras_gradtrack.engine import clip_weights as shared_clipping
-from keras_gradtrack.engine.private_settings import PrivacySettings
+from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
+from keras_gradtrack.privacy.adaptive_clip import next_bound
 
 # `(layer, values, fixed, inputs, kwargs, cotangent) -> grads`: `d <z(theta), cotangent>
 # / d theta` of the layer's (pre-activation) output on the recorded inputs.
@@ -172,6 +177,102 @@ def step_divisor(settings: PrivacySettings, batch: int) -> float:
     if settings.accumulation_steps > 1 and settings.expected_batch_size is not None:
         divisor = divisor / settings.accumulation_steps
     return divisor
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendStep:
+    """What a backend's private step hands `private_gradients` for one step.
+
+    Attributes:
+        bound: The step's `C` (adaptive clipping: the bound before its update).
+        penalties: The weight penalties' gradient per trainable variable, or None.
+        local_vjp: The backend's local VJP of a layer (`LocalVjp`).
+        fallback: The backend's exact per-layer fallback (`PerExample`).
+        draw: The step's seeded (or secure) draws (`Draw`).
+        noised: Whether this step carries the noise (with accumulation, only a
+            logical batch's last): a bool, or a traced boolean.
+        eager: An eager backend: the clipped sums reuse the columns' per-example
+            gradients (nothing computed twice) and the rows are host floats.
+    """
+
+    bound: Any
+    penalties: Sequence[Any] | None
+    local_vjp: LocalVjp
+    fallback: PerExample
+    draw: Draw
+    noised: Any = True
+    eager: bool = False
+
+
+def private_gradients(
+    step: BackendStep,
+    model: keras.Model,
+    plan: Sequence[TrackedLayer],
+    probed: Any,
+    columns: Sequence[Any],
+    factor: Any,
+    loss_scale: Any = None,
+) -> tuple[list[Any], dict[str, Any]]:
+    """`(gradients, rows)`: what the optimizer receives (aligned with
+    `model.trainable_variables`) and the values for fit's logs (`dp_fraction_clipped`,
+    with adaptive clipping `dp_l2_norm_clip`, whose variable it assigns `C_{t+1}`).
+
+    Args:
+        step: What the backend gives for this step (`BackendStep`).
+        model: The private model, after the step's forward pass.
+        plan: Its tracked layers.
+        probed: The step's `ProbedPass`.
+        columns: Per tracked layer, its primitives and `||G^(k)||^2`.
+        factor: `c`, with which the loss reduces the examples' losses.
+        loss_scale: `s`, the loss scale of the step's gradients, or None: the
+            optimizer receives `s` times the private gradient, which it unscales.
+
+    Raises:
+        ValueError: When a trainable variable is in no tracked layer.
+    """
+    settings = settings_of(model)
+    assert settings is not None
+    bound = step.bound
+    weights, clipped = clipping_weights(settings, model, plan, columns, bound)
+    sums = clipped_sums(
+        model,
+        plan,
+        probed,
+        weights,
+        factor,
+        step.local_vjp,
+        step.fallback,
+        loss_scale,
+        columns if step.eager else None,
+    )
+    batch = int(clipped.shape[0])
+    divisor = step_divisor(settings, batch)
+    sigma = settings.gradient_noise_multiplier
+    noise_scale = sigma * bound
+    if not isinstance(step.noised, bool):
+        noise_scale = ops.where(step.noised, noise_scale, 0.0)
+    draw = step.draw if sigma > 0.0 and step.noised is not False else None
+    gradients = noised_gradients(
+        model, sums, probed.trainable, draw, noise_scale, divisor, step.penalties, loss_scale
+    )
+    clipped_count = ops.sum(ops.cast(clipped, "float32"))
+    if step.eager:
+        clipped_count = float(clipped_count)
+    rows: dict[str, Any] = {"dp_fraction_clipped": clipped_count / batch}
+    adaptive = settings.adaptive_clip
+    if adaptive is not None:
+        rows["dp_l2_norm_clip"] = bound
+        count_noise: Any = 0.0
+        if adaptive.clipped_count_stddev > 0:
+            # The count's draw comes after every variable's.
+            position = len(model.trainable_variables)
+            count_noise = step.draw(position, (), adaptive.clipped_count_stddev)
+            if step.eager:
+                count_noise = float(count_noise)
+        unclipped = batch - clipped_count
+        found = next_bound(bound, unclipped, float(batch), count_noise, divisor, adaptive)
+        model.__dict__[BOUND_KEY].assign(found)
+    return gradients, rows
 
 
 def noised_gradients(

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from keras import ops
 
+from keras_gradtrack.backends.ops import private_step as shared_private
 from keras_gradtrack.backends.ops import step as shared
 from keras_gradtrack.backends.ops.attribution import refuse_unknown_requests
 from keras_gradtrack.backends.ops.loss_scale import loss_scale_of, unscaled
@@ -28,7 +29,7 @@ from keras_gradtrack.backends.torch.forward import ProbedForward, detached, reco
 from keras_gradtrack.backends.torch.independence import ExampleIndependenceChecks
 from keras_gradtrack.backends.torch.own_step import OWN_STEP_KEY, own_tracked_step
 from keras_gradtrack.backends.torch.plan import build_plan
-from keras_gradtrack.backends.torch.private_step import private_gradients
+from keras_gradtrack.backends.torch.private_step import backend_step
 from keras_gradtrack.backends.torch.probes import Probes
 from keras_gradtrack.engine import private_training, reductions
 from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizationTracking
@@ -208,9 +209,9 @@ class GradientTrackingMixin(
             payload = {k: v.detach().cpu().numpy().copy() for k, v in payload.items()}
             rows: dict[str, Any] = {}
             if training_step and self.privacy_settings is not None:
-                weight_grads, rows = private_gradients(
-                    self, tracking.plan, probed, columns, factor, scale
-                )
+                step = backend_step(self, probed)
+                arguments = (self, tracking.plan, probed, columns, factor, scale)
+                weight_grads, rows = shared_private.private_gradients(step, *arguments)
                 # The private step's own values take their columns' place (the step's bound).
                 payload.update(
                     {k: np.asarray(v, np.float32) for k, v in rows.items() if k in payload}

@@ -20,7 +20,8 @@ TensorFlow. What is PyTorch's:
 Example:
 
 ```python
-gradients, rows = private_gradients(model, plan, probed, columns, factor)
+step = backend_step(model, probed)
+gradients, rows = shared.private_gradients(step, model, plan, probed, columns, factor)
 model.optimizer.apply(gradients, model.trainable_weights)
 ```
 """
@@ -33,90 +34,45 @@ from typing import Any
 import keras
 import numpy as np
 import torch
-from keras import ops
 
 from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.ops import private_step as shared
-from keras_gradtrack.backends.ops.plan import TrackedLayer
 from keras_gradtrack.backends.ops.private_model import BOUND_KEY
 from keras_gradtrack.backends.ops.probes import preactivation_call
 from keras_gradtrack.backends.ops.secure_noise import host_secure_normal
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.kernels import dense_local_vjp
 from keras_gradtrack.engine.private_settings import settings_of
-from keras_gradtrack.privacy.adaptive_clip import next_bound
 
 BACKEND = "PyTorch"
 
 
-def private_gradients(
-    model: keras.Model,
-    plan: Sequence[TrackedLayer],
-    probed: Any,
-    columns: Sequence[Any],
-    factor: Any,
-    loss_scale: float | None = None,
-) -> tuple[list[Any], dict[str, Any]]:
-    """`(gradients, rows)`: what the optimizer receives (aligned with
-    `model.trainable_variables`) and the values for fit's logs
-    (`dp_fraction_clipped`, with adaptive clipping `dp_l2_norm_clip`).
+def backend_step(model: keras.Model, probed: Any) -> shared.BackendStep:
+    """What PyTorch gives the shared private step (`private_gradients`) for this step:
+    the bound, the penalties' gradient, the local VJP and fallback, the step's seeded
+    draws and whether it carries the noise.
 
     Args:
         model: The private model, after the step's forward pass (its `losses`).
-        plan: Its tracked layers.
         probed: The step's `ProbedPass`.
-        columns: Per tracked layer, its primitives and `||G^(k)||^2`.
-        factor: `c`, with which the loss reduces the examples' losses.
-        loss_scale: The optimizer's `loss_scale_factor` `s`, or None: `probed` holds
-            the unscaled gradients, and the optimizer receives `s` times the private
-            gradient, which it unscales.
 
     Raises:
-        ValueError: When the forward pass adds losses other than weight penalties, or
-            a trainable variable is in no tracked layer.
+        ValueError: When the forward pass adds losses other than weight penalties.
     """
     settings = settings_of(model)
     assert settings is not None
-    penalties = penalty_gradients(model, probed.trainable)
-    adaptive = settings.adaptive_clip
-    bound = settings.sensitivity if adaptive is None else float(model.__dict__[BOUND_KEY].numpy())
-    weights, clipped = shared.clipping_weights(settings, model, plan, columns, bound)
-    sums = shared.clipped_sums(
-        model, plan, probed, weights, factor, local_vjp, fallback_per_example, None, columns
-    )
-    batch = int(clipped.shape[0])
-    divisor = shared.step_divisor(settings, batch)
-    sigma = settings.gradient_noise_multiplier
-    noised = sigma > 0.0
-    k = settings.accumulation_steps
     optimizer = model.optimizer
+    bound = settings.sensitivity
+    if settings.adaptive_clip is not None:
+        bound = float(model.__dict__[BOUND_KEY].numpy())
+    noised = True
+    k = settings.accumulation_steps
     if k > 1:  # only the k-th physical batch carries the logical batch's noise
-        noised = noised and (int(optimizer_apply_count(optimizer)) + 1) % k == 0
+        noised = (int(optimizer_apply_count(optimizer)) + 1) % k == 0
     device = probed.trainable[0].device
     draw = NoiseDraws(settings.seed, int(optimizer.iterations), settings.secure_noise, device)
-    gradients = shared.noised_gradients(
-        model,
-        sums,
-        probed.trainable,
-        draw if noised else None,
-        sigma * bound,
-        divisor,
-        penalties,
-        loss_scale,
-    )
-    clipped_count = float(ops.sum(ops.cast(clipped, "float32")))
-    rows: dict[str, Any] = {"dp_fraction_clipped": clipped_count / batch}
-    if adaptive is not None:
-        rows["dp_l2_norm_clip"] = bound
-        count_noise = 0.0
-        if adaptive.clipped_count_stddev > 0:
-            position = len(model.trainable_variables)
-            count_noise = float(draw(position, (), adaptive.clipped_count_stddev))
-        found = next_bound(
-            bound, batch - clipped_count, float(batch), count_noise, divisor, adaptive
-        )
-        model.__dict__[BOUND_KEY].assign(found)
-    return gradients, rows
+    penalties = penalty_gradients(model, probed.trainable)
+    return shared.BackendStep(bound, penalties, local_vjp, fallback_per_example, draw, noised, True)
 
 
 class NoiseDraws:
