@@ -2,9 +2,14 @@
 gradients (against `torch.autograd.grad` per example), plus noise of deviation
 `sigma C`, over `B_expected` (the cases of `private_step_cases.py`, which JAX runs too)."""
 
+from typing import Any
+from unittest import mock
+
 from private_step_cases import *  # noqa: F403 (the shared cases, collected here)
 from private_step_cases import batch, private_model, update
 from torch_oracle import CountedProducts
+
+from keras_gradtrack.backends.ops import payload
 
 
 def test_a_private_step_with_nothing_to_log_computes_no_weight_gradient() -> None:
@@ -23,3 +28,25 @@ def test_a_private_step_with_nothing_to_log_computes_no_weight_gradient() -> Non
     with CountedProducts() as counted:
         update(plain, x, y)
     assert private.count == counted.count, (private.count, counted.count)
+
+
+def test_a_private_step_with_nothing_to_log_reads_no_batch_gradient() -> None:
+    """Without a batch gradient the columns take none of its place: no zeros stand in
+    for `G`, and no `||G^(k)||^2` is computed (only the norms the clipping reads);
+    `test_without_noise_the_update_is_the_clipped_sum` holds the update to the oracle."""
+    model = private_model("cnn")
+    model.make_private(l2_norm_clip=1.0, noise_multiplier=0.0)
+    seen: list[Any] = []
+    layer_columns = payload.layer_columns
+
+    def spy(model: Any, plan: Any, probed: Any, *args: Any) -> Any:
+        columns = layer_columns(model, plan, probed, *args)
+        seen.append((probed.grads, columns))
+        return columns
+
+    with mock.patch.object(payload, "layer_columns", spy):
+        update(model, *batch("cnn"))
+    ((grads, columns),) = seen
+    assert grads is None
+    assert [reference for _, reference in columns] == [None] * len(model.tracked_layer_names)
+    assert all(primitives.sq_norm.shape == (len(batch("cnn")[0]),) for primitives, _ in columns)

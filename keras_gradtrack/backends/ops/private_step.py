@@ -104,7 +104,6 @@ def clipped_sums(
         all_variables = list(layer.trainable_variables)
         values = [value_of(v) for v in all_variables]
         fixed = [value_of(v) for v in layer.non_trainable_variables]
-        references = [f32(probed.grads[position[id(v)]]) for v in all_variables]
         calls = per_layer_calls[index]
         total: list[Any] | None = None
         rule = tracked.rule
@@ -112,7 +111,9 @@ def clipped_sums(
             per_example = columns[index][0].per_example
             if rule is None or rule.per_example is None:
                 per_example = None  # the fallback's: its local VJP costs less
-        elif from_per_example(tracked, calls, references):
+        elif from_per_example(
+            tracked, calls, [f32(probed.grads[position[id(v)]]) for v in all_variables]
+        ):
             per_example = summed_per_example(layer, rule, values, calls, fixed, fallback)
         else:
             per_example = None

@@ -179,7 +179,7 @@ def layer_primitives(
         factor,
         dots,
     )
-    if factor is not None:
+    if factor is not None and reference_sq_norm is not None:
         sum_sq_norm = reference_sq_norm / factor**2
         primitives = dataclasses.replace(primitives, sum_sq_norm=sum_sq_norm)
     return primitives, reference_sq_norm
@@ -197,10 +197,15 @@ def _layer_primitives(
 ) -> tuple[LayerPrimitives, Any]:
     layer = tracked.layer
     all_variables = list(layer.trainable_variables)
-    references = [f32(lookup_gradient(v)) for v in all_variables]
+    gradients = [lookup_gradient(v) for v in all_variables]
     positions = {id(v): i for i, v in enumerate(all_variables)}
     own = [positions[id(v)] for v in tracked.variables]
-    reference_sq_norm = sum(ops.sum(references[i] ** 2) for i in own)
+    references: list[Any] | None = None
+    reference_sq_norm = None  # without a batch gradient (`ProbedPass.grads` None)
+    if not any(g is None for g in gradients):
+        references = [f32(g) for g in gradients]
+        reference_sq_norm = sum(ops.sum(references[i] ** 2) for i in own)
+    dots = dots and references is not None
     rule = tracked.rule
     direct = direct_primitives(tracked, calls, references if dots else None)
     if direct is not None:
@@ -224,7 +229,8 @@ def _layer_primitives(
                 reference[start : start + size], tuple(summed[i].shape[1:])
             )
             start += size
-    else:
+    elif dots:
+        assert references is not None
         reference = ops.concatenate([ops.reshape(references[i], (-1,)) for i in own])
     dot = ops.matmul(flat, reference) if dots else None
     primitives = LayerPrimitives(ops.sum(flat**2, axis=1), dot, ops.sum(total**2), summed)
@@ -278,7 +284,9 @@ class ProbedPass:
         probe_grads: Per probed call, its probe's gradient (`c d l_i / d z_i`).
         trainable: The values of `model.trainable_variables` differentiated at.
         non_trainable: The values of `model.non_trainable_variables`.
-        grads: The gradients of the loss with respect to `trainable` (`G`).
+        grads: The gradients of the loss with respect to `trainable` (`G`); None
+            where the step computed none (a private step with nothing to log: the
+            columns then hold no `||G^(k)||^2`).
         fallback: The backend's exact per-layer fallback (`PerExample`: a layer's
             per-example gradients from its inputs and output gradients), for the
             layers without a rule.
@@ -291,7 +299,7 @@ class ProbedPass:
     probe_grads: Sequence[Any]
     trainable: Sequence[Any]
     non_trainable: Sequence[Any]
-    grads: Sequence[Any]
+    grads: Sequence[Any] | None
     fallback: PerExample
     input_grads: Sequence[Any] = ()
 
@@ -319,7 +327,7 @@ def layer_columns(
     position = {id(v): i for i, v in enumerate(model.trainable_variables)}
 
     def lookup_gradient(variable: Any) -> Any:
-        return probed.grads[position[id(variable)]]
+        return None if probed.grads is None else probed.grads[position[id(variable)]]
 
     columns = []
     for index, (layer_calls, tracked) in enumerate(
@@ -359,6 +367,8 @@ def columns_payload(
 ) -> dict[str, Any]:
     """Each statistic of the step, from its layers' columns, the losses `l_i` and the
     opt-in primitives (`opt_in_primitives`)."""
+    if not statistics:
+        return {}
     opt_in = opt_in or {}
     dots = needs_dots(statistics)
     primitives = StepPrimitives(

@@ -168,19 +168,20 @@ class GradientTrackingMixin(
                 loss_grads = marked_grads[len(marked) - len(records) :]
                 losses = reductions.per_example_shares(recorder.records, loss_grads) / factor
             inputs_end = len(forward.probes.probed) + len(forward.inputs)
+            batch_grads = None  # none computed: the columns then hold no ||G^(k)||^2
+            if not private_only:
+                zero_filled = [
+                    torch.zeros_like(v.value) if g is None else g
+                    for v, g in zip(variables, weight_grads)
+                ]
+                batch_grads = unscaled(zero_filled, scale)
             probed = ProbedPass(
                 calls=[(index, kwargs) for index, _, kwargs in forward.probes.calls],
                 inputs=[detached(inputs) for _, inputs, _ in forward.probes.calls],
                 probe_grads=probe_grads,
                 trainable=[v.value.detach() for v in variables],
                 non_trainable=[v.value.detach() for v in self.non_trainable_variables],
-                grads=unscaled(
-                    [
-                        torch.zeros_like(v.value) if g is None else g
-                        for v, g in zip(variables, weight_grads)
-                    ],
-                    scale,
-                ),
+                grads=batch_grads,
                 fallback=fallback_per_example,
                 input_grads=marked_grads[len(forward.probes.probed) : inputs_end],
             )
