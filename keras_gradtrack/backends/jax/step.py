@@ -49,7 +49,7 @@ from keras_gradtrack.backends.ops.step import (
 from keras_gradtrack.engine.schedule import PAYLOAD_KEY
 from keras_gradtrack.io.schema import LEARNING_RATE
 
-JAX = Backend("JAX", fallback_per_example, target_calls)
+JAX = Backend(fallback_per_example, target_calls)
 
 
 def tracked_train_step(

@@ -21,12 +21,10 @@ class Backend:
     """A probed engine's parts of the protocol that the shared step calls.
 
     Attributes:
-        name: How messages name the backend ("JAX", "PyTorch").
         fallback: The exact per-layer fallback (`PerExample`): per-example gradients of
             a layer without a rule, from its local VJP.
         target_calls: The pass on an attribution request's targets (`TargetCalls`).
     """
 
-    name: str
     fallback: PerExample
     target_calls: TargetCalls

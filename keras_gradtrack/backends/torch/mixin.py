@@ -38,7 +38,7 @@ from keras_gradtrack.io.schema import BATCH_SIZE, EXAMPLE_ID, LEARNING_RATE
 from keras_gradtrack.statistics import Statistic
 
 BACKEND = "PyTorch"
-TORCH = Backend(BACKEND, fallback_per_example, target_calls)
+TORCH = Backend(fallback_per_example, target_calls)
 
 
 class GradientTrackingMixin(
