@@ -28,6 +28,7 @@ import numpy as np
 from keras import tree
 
 from keras_gradtrack._keras_seam import compiled_loss
+from keras_gradtrack.engine import reductions
 
 # Relative and absolute (to the largest value) tolerance of the comparison, by the
 # lowest float precision among the outputs: a different batch size may change the
@@ -142,6 +143,22 @@ def compare(
     ):
         return None
     return Mixing(what, float(difference.max()), scale, len(variant), size)
+
+
+def compared_values(outputs: Any, records: Any) -> dict[str, Any]:
+    """`{what: (B, ...) values}` of one inference pass: the float outputs of rank 1 or
+    more, and each recorded loss reduction's per-example sums (`records`: what
+    `reductions.recording_losses` recorded; a scalar reduction has no rows to compare).
+    Backend tensors, in `keras.ops`: every backend's guard compares these."""
+    found: dict[str, Any] = {}
+    for index, output in enumerate(tree.flatten(outputs)):
+        dtype = keras.backend.standardize_dtype(getattr(output, "dtype", "int32"))
+        if keras.ops.is_tensor(output) and len(output.shape) and "float" in dtype:
+            found[f"output {index}"] = output
+    for index, record in enumerate(records):
+        if len(record.values.shape):
+            found[f"loss {index}"] = reductions.per_example_values(record.values)
+    return found
 
 
 def mixing_error(model: Any, mixing: Mixing) -> ValueError:

@@ -28,13 +28,13 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack._keras_seam import compute_loss, flatten_layers
 from keras_gradtrack.engine.example_independence import (
     IndependenceGuard,
     Mixing,
+    compared_values,
     find_mixing,
     first_batch,
     mixing_error,
@@ -85,18 +85,8 @@ def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndar
         y_pred = model(x, training=False)
         if y is not None and getattr(model, "compiled_loss", None) is not None:
             compute_loss(model, x, y, y_pred, sample_weight, training=False)
-    found: dict[str, np.ndarray] = {}
-    for index, output in enumerate(tree.flatten(y_pred)):
-        if tf.is_tensor(output) and output.shape.rank and output.dtype.is_floating:
-            found[f"output {index}"] = np.asarray(output)
-    for index, record in enumerate(recorder.records):
-        values = tf.cast(record.values, tf.float32)
-        if values.shape.rank:
-            axes = list(range(1, values.shape.rank))
-            found[f"loss {index}"] = np.asarray(
-                tf.reduce_sum(values, axis=axes) if axes else values
-            )
-    return found
+    found = compared_values(y_pred, recorder.records)
+    return {name: keras.ops.convert_to_numpy(value) for name, value in found.items()}
 
 
 def state_variables(model: Any) -> list[Any]:

@@ -26,18 +26,17 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
-from keras import tree
 
 from keras_gradtrack._keras_seam import compute_loss
 from keras_gradtrack.backends.jax.distribution import on_host
-from keras_gradtrack.backends.jax.losses import per_example_values, recording_losses
+from keras_gradtrack.backends.jax.losses import recording_losses
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
     Mixing,
     checked_once,
+    compared_values,
     find_mixing,
 )
 
@@ -125,13 +124,7 @@ def forward(model: Any, values: Any, x: Any, y: Any, sample_weight: Any) -> dict
         y_pred = model(x, training=False)
         if y is not None:
             compute_loss(model, x, y, y_pred, sample_weight, training=False)
-    found: dict[str, Any] = {}
-    for index, output in enumerate(tree.flatten(y_pred)):
-        if getattr(output, "ndim", 0) and jnp.issubdtype(output.dtype, jnp.floating):
-            found[f"output {index}"] = output
-    for index, record in enumerate(recorder.records):
-        found[f"loss {index}"] = per_example_values(record)
-    return found
+    return compared_values(y_pred, recorder.records)
 
 
 def as_numpy(found: dict[str, Any]) -> dict[str, np.ndarray]:

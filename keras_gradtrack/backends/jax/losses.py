@@ -33,9 +33,9 @@ from typing import Any
 
 from keras_gradtrack.backends.ops.step import recorded_loss_factor
 from keras_gradtrack.engine import reductions
-from keras_gradtrack.engine.reductions import LossRecord, LossRecorder
+from keras_gradtrack.engine.reductions import LossRecorder
 
-__all__ = ["loss_factor", "per_example_values", "recording_losses"]
+__all__ = ["loss_factor", "recording_losses"]
 
 
 def recording_losses(
@@ -60,11 +60,6 @@ def recording_losses(
         return values + probes[position].astype(values.dtype)
 
     return reductions.recording_losses(mark)
-
-
-def per_example_values(record: LossRecord) -> Any:
-    """`(B,)` sums of one record's values over all but the batch axis, in float32."""
-    return reductions.per_example_values(record.values)
 
 
 def loss_factor(recorder: LossRecorder, batch: int) -> Any:

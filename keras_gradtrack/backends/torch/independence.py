@@ -21,7 +21,6 @@ from typing import Any
 import keras
 import numpy as np
 import torch
-from keras import tree
 
 from keras_gradtrack._keras_seam import compute_loss
 from keras_gradtrack.engine import example_independence as independence
@@ -74,10 +73,5 @@ def forward(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, np.ndar
         y_pred = model(x, training=False)
         if y is not None and model.loss is not None:
             compute_loss(model, x, y, y_pred, sample_weight, training=False)
-    found: dict[str, np.ndarray] = {}
-    for index, output in enumerate(tree.flatten(y_pred)):
-        if isinstance(output, torch.Tensor) and output.ndim and output.is_floating_point():
-            found[f"output {index}"] = output.cpu().numpy()
-    for index, record in enumerate(recorder.records):
-        found[f"loss {index}"] = reductions.per_example_values(record.values).cpu().numpy()
-    return found
+    found = independence.compared_values(y_pred, recorder.records)
+    return {name: keras.ops.convert_to_numpy(value) for name, value in found.items()}
