@@ -21,6 +21,7 @@ grads = kernel_gradients(windows, d, groups=1)              # (B, K, C, F)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import string
@@ -384,6 +385,11 @@ def position_sums(output_grad: Any) -> Any:
     """`(B, F)`: example i's gradient of a bias added at every position, `sum_p D_i[p]`."""
     d = f32(output_grad)
     return ops.sum(d, axis=tuple(range(1, len(d.shape) - 1)))
+
+
+def total(terms: Sequence[Any]) -> Any:
+    """The sum of one or more tensors of one shape (what `tf.add_n` gives, on any backend)."""
+    return functools.reduce(ops.add, terms)
 
 
 def prelu_gradients(inputs: Any, output_grad: Any, shared_axes: Sequence[int]) -> Any:

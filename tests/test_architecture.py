@@ -196,6 +196,46 @@ def test_the_backend_free_modules_import_no_backend(module: str) -> None:
     assert backends_imported(module) == set()
 
 
+# The modules of the TensorFlow engine that still import TensorFlow (its protocol
+# pieces: the tape, taps, `tf.while_loop` chunks, `tf.distribute`, the compiled loops,
+# and rules not yet in `keras.ops`). Every other module of `engine/` and `rules/`
+# imports no backend; a module that stops importing TensorFlow leaves this list.
+TENSORFLOW_ENGINE_MODULES = {
+    "keras_gradtrack.engine.backward",
+    "keras_gradtrack.engine.batchless",
+    "keras_gradtrack.engine.checks",
+    "keras_gradtrack.engine.chunked",
+    "keras_gradtrack.engine.clipping",
+    "keras_gradtrack.engine.coupled",
+    "keras_gradtrack.engine.distribute",
+    "keras_gradtrack.engine.executions",
+    "keras_gradtrack.engine.fallback",
+    "keras_gradtrack.engine.per_layer",
+    "keras_gradtrack.engine.preflight",
+    "keras_gradtrack.engine.secure_noise",
+    "keras_gradtrack.engine.step",
+    "keras_gradtrack.engine.taps",
+    "keras_gradtrack.rules.chunks",
+    "keras_gradtrack.rules.dense",
+    "keras_gradtrack.rules.einsum",
+    "keras_gradtrack.rules.filter_gradients",
+    "keras_gradtrack.rules.lora",
+    "keras_gradtrack.rules.ops",
+    "keras_gradtrack.rules.recurrent",
+    "keras_gradtrack.rules.windows",
+}
+
+
+def test_only_the_listed_engine_modules_import_tensorflow() -> None:
+    modules = in_package("keras_gradtrack.engine") + in_package("keras_gradtrack.rules")
+    importing = {m for m in modules if backends_imported(m)}
+    assert all(backends_imported(m) == {"tensorflow"} for m in importing)
+    assert importing == TENSORFLOW_ENGINE_MODULES, (
+        f"import a backend, not listed: {sorted(importing - TENSORFLOW_ENGINE_MODULES)}; "
+        f"listed, import none: {sorted(TENSORFLOW_ENGINE_MODULES - importing)}"
+    )
+
+
 def in_package(prefix: str) -> list[str]:
     return sorted(m for m in GRAPH if m == prefix or m.startswith(prefix + "."))
 

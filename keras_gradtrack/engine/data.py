@@ -7,7 +7,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import tree
 
 from keras_gradtrack._keras_seam import functional_inputs
@@ -23,7 +22,7 @@ def check_example_ids(x: Any, model: Any = None) -> None:
     """Raises unless `x['example_id']`, when present, holds one integer id per example,
     and (given the `model`) every other key of a dict `x` can be one of its inputs.
 
-    Accepts numpy arrays, tensors and `tf.TensorSpec`s; call it on `fit`'s `x`
+    Accepts numpy arrays, tensors and `AnySpec`s; call it on `fit`'s `x`
     before Keras converts the arrays (it fails on string ids with "Invalid dtype").
 
     Raises:
@@ -38,7 +37,7 @@ def check_example_ids(x: Any, model: Any = None) -> None:
     ids = x[EXAMPLE_ID_KEY]
     if not hasattr(ids, "dtype"):
         ids = np.asarray(ids)
-    dtype = tf.as_dtype(ids.dtype).name
+    dtype = dtype_name(ids.dtype)
     shape = tuple(ids.shape)
     if dtype in EXAMPLE_ID_DTYPES and len(shape) == 1:
         return
@@ -153,24 +152,29 @@ def strip_example_ids(data: Any, validate: bool = True) -> Any:
     return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
 
-def batch_size_of(x: Any) -> tf.Tensor:
-    """The number of examples in the batch (int32 scalar)."""
-    first = next(t for t in tree.flatten(x) if t is not None)
-    return tf.shape(first)[0]
+def dtype_name(dtype: Any) -> str:
+    """The dtype's name as Keras spells it ("int64"); "string" for numpy's and
+    TensorFlow's strings (numpy's `<U4`, which Keras does not name)."""
+    try:
+        return keras.backend.standardize_dtype(dtype)
+    except ValueError:
+        if np.dtype(dtype).kind in "USO":
+            return "string"
+        raise
 
 
-def float_inputs(x: Any) -> list[tf.Tensor]:
+def float_inputs(x: Any) -> list[Any]:
     """The batch's float input tensors (for input gradients).
 
     Raises:
         ValueError: If no input is a float tensor.
     """
-    inputs = [tf.convert_to_tensor(t) for t in tree.flatten(x) if t is not None]
-    floats = [t for t in inputs if t.dtype.is_floating]
+    inputs = [keras.ops.convert_to_tensor(t) for t in tree.flatten(x) if t is not None]
+    floats = [t for t in inputs if "float" in keras.backend.standardize_dtype(t.dtype)]
     if not floats:
         raise ValueError(
             "input_grad_norm needs float inputs: the gradient with respect to integer "
             f"inputs (such as token ids) is not defined. Received input dtypes: "
-            f"{[t.dtype.name for t in inputs]}"
+            f"{[keras.backend.standardize_dtype(t.dtype) for t in inputs]}"
         )
     return floats

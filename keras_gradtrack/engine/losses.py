@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import tensorflow as tf
+import keras
 
 from keras_gradtrack.engine import distribute, reductions
 from keras_gradtrack.engine.reductions import LossRecorder
@@ -42,10 +42,10 @@ def recording_losses() -> contextlib.AbstractContextManager[LossRecorder]:
     while it is traced (once per trace), the example-independence guard's two
     forward passes, and `kgt.check`'s trace.
     """
-    return reductions.recording_losses(lambda values, _: tf.identity(values))
+    return reductions.recording_losses(lambda values, _: keras.ops.copy(values))
 
 
-def loss_factor(records: Any, batch_size: tf.Tensor) -> tf.Tensor:
+def loss_factor(records: Any, batch_size: Any) -> Any:
     """`c` of the table for the recorded losses on one replica (`reductions.loss_factor`).
 
     Raises:

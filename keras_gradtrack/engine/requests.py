@@ -12,8 +12,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
-
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.attribution_requests import AttributionRequest
 from keras_gradtrack.engine.backward import Backward, Calls
@@ -42,9 +40,9 @@ class BatchGradients:
     plan: Plan
     calls: tuple[Calls, ...]
     forms: Sequence[str]
-    per_example: dict[int, tf.Tensor]
-    factor: tf.Tensor
-    loss_scale: tf.Tensor | None
+    per_example: dict[int, Any]
+    factor: Any
+    loss_scale: Any | None
     xla: bool = False
 
 
@@ -53,8 +51,8 @@ def attribution_rows(
     plan: Plan,
     backward: Backward,
     forms: Sequence[str],
-    per_example: dict[int, tf.Tensor],
-) -> dict[str, tf.Tensor]:
+    per_example: dict[int, Any],
+) -> dict[str, Any]:
     """The rows of the step's attribution requests, by key, gathered over replicas."""
     if not context.requests:
         return {}

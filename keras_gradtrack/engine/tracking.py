@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-import tensorflow as tf
+import keras
 
 from keras_gradtrack._patching import patched, patched_each
 from keras_gradtrack.engine.batchless import BatchDependence
@@ -40,14 +40,14 @@ class RowRequest(Protocol):
 
     key: str
 
-    def rows(self, batch: Any) -> tf.Tensor: ...
+    def rows(self, batch: Any) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class Penalty:
     """A weight-regularization penalty computed in the step (fresh copy on the tape)."""
 
-    value: tf.Tensor
+    value: Any
     variable: Any
     graph_ops: range
 
@@ -56,7 +56,7 @@ class Penalty:
 class StepResult:
     """What `tracked_gradient` leaves in the context: the statistics and each layer's form."""
 
-    payload: dict[str, tf.Tensor]
+    payload: dict[str, Any]
     forms: dict[str, str]
 
 
@@ -96,8 +96,8 @@ class TrackingContext:
         ]
         self.losses = LossRecorder()
         self.penalties: list[Penalty] = []
-        self.loss_scale: tf.Tensor | None = None
-        self.watched_inputs: list[tf.Tensor] = []
+        self.loss_scale: Any | None = None
+        self.watched_inputs: list[Any] = []
         self.forward = OpRange()
         # BatchNormalization in training mode, when the model opted in to it.
         self.coupling = coupling_recorder(model)
@@ -151,9 +151,9 @@ class TrackingContext:
         ]
 
         def recording(variable: Any, regularizer: Any) -> Any:
-            def penalty(value: Any) -> tf.Tensor:
+            def penalty(value: Any) -> Any:
                 with graph_ops_recorded() as ops:
-                    result = tf.identity(regularizer(value))
+                    result = keras.ops.copy(regularizer(value))
                 self.penalties.append(Penalty(result, variable, ops.range))
                 return result
 
@@ -172,7 +172,8 @@ class TrackingContext:
         original = optimizer.scale_loss
 
         def recording_scale_loss(loss: Any) -> Any:
-            self.loss_scale = tf.cast(original(tf.constant(1.0, tf.float32)), tf.float32)
+            one = keras.ops.ones((), "float32")
+            self.loss_scale = keras.ops.cast(original(one), "float32")
             return original(loss)
 
         with patched(optimizer, "scale_loss", recording_scale_loss):
@@ -185,7 +186,7 @@ def active(model: Any) -> TrackingContext | None:
     return context if context is not None and context.model is model else None
 
 
-def watch_inputs(model: Any, tape: tf.GradientTape, x: Any) -> None:
+def watch_inputs(model: Any, tape: Any, x: Any) -> None:
     """Watches the batch's float inputs on `tape` when a statistic needs their gradients."""
     context = active(model)
     if context is not None and context.needs_input_gradients():

@@ -214,7 +214,7 @@ class GradientTrackingMixin(
             y_pred, loss = self._forward_and_loss(tape, x, y, sample_weight)
             self._loss_tracker.update_state(  # type: ignore[attr-defined]
                 loss_module.unscale_loss_for_distribution(loss),
-                sample_weight=batch_data.batch_size_of(x),
+                sample_weight=batch_size_of(x),
             )
             if self.optimizer is not None:  # type: ignore[attr-defined]
                 loss = self.optimizer.scale_loss(loss)  # type: ignore[attr-defined]
@@ -414,7 +414,7 @@ class GradientTrackingMixin(
         x, _, _, _ = batch_data.unpack_batch(data)
         logs = self.train_step(batch_data.strip_example_ids(data))
         # The batch size lets callbacks number examples on untracked steps too.
-        (batch_size,) = distribute.all_reduce_sum([batch_data.batch_size_of(x)])
+        (batch_size,) = distribute.all_reduce_sum([batch_size_of(x)])
         return {**logs, PAYLOAD_KEY: {"batch_size": batch_size}}
 
     def _tracked_step(
@@ -546,3 +546,9 @@ class GradientTrackingMixin(
             return execution.logs
 
         return self._prepared_on_first_call(train_function)
+
+
+def batch_size_of(x: Any) -> tf.Tensor:
+    """The number of examples in the batch (int32 scalar, known at run time)."""
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return tf.shape(first)[0]

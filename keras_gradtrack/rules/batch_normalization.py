@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack._keras_seam import batch_moments
 from keras_gradtrack.rule_math import uses_batch_statistics
@@ -31,7 +31,7 @@ def batch_normalization_applies(layer: Any) -> bool:
     return not getattr(layer, "renorm", False)
 
 
-def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+def moments_of_call(layer: Any, x: Any, call: LayerCall) -> tuple[Any, Any]:
     """`(mean, inverse)` of one call's float32 input `x`, with the moments the call used,
     shaped to broadcast against `x`: `xhat = (x - mean) * inverse`."""
     if uses_batch_statistics(layer, call.args, call.kwargs):
@@ -40,12 +40,12 @@ def moments_of_call(layer: Any, x: tf.Tensor, call: LayerCall) -> tuple[tf.Tenso
         mean, variance = batch_moments(layer, x, mask)
     else:
         mean, variance = layer.moving_mean, layer.moving_variance
-    shape = [1] * x.shape.rank
-    axis = layer.axis % x.shape.rank
+    shape = [1] * len(x.shape)
+    axis = layer.axis % len(x.shape)
     shape[axis] = x.shape[axis]
-    mean = tf.reshape(tf.cast(mean, tf.float32), shape)
-    variance = tf.reshape(tf.cast(variance, tf.float32), shape)
-    return mean, tf.math.rsqrt(variance + layer.epsilon)
+    mean = ops.reshape(ops.cast(mean, "float32"), shape)
+    variance = ops.reshape(ops.cast(variance, "float32"), shape)
+    return mean, ops.rsqrt(variance + layer.epsilon)
 
 
 def batch_normalization_statistics(layer: Any) -> StatisticsFn:

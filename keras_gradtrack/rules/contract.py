@@ -14,7 +14,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import tensorflow as tf
+import keras
+from keras import ops
+
+from keras_gradtrack import rule_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +46,9 @@ class LayerCall:
 
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
-    tapped: tuple[tf.Tensor, ...] = ()
+    tapped: tuple[Any, ...] = ()
     saved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    output_grads: tuple[tf.Tensor, ...] | None = None
+    output_grads: tuple[Any, ...] | None = None
     one_chunk: bool = False
     xla: bool = False
 
@@ -57,7 +60,7 @@ class LayerCall:
         return self.kwargs["inputs"]
 
     @property
-    def output_grad(self) -> tf.Tensor:
+    def output_grad(self) -> Any:
         """The gradient at the first tapped tensor (the only one for most rules)."""
         if self.output_grads is None:
             raise ValueError("The output gradients of a call exist only after the backward pass.")
@@ -79,10 +82,10 @@ class Reference:
             may take from the Gram matrix when that costs less.
     """
 
-    values: Mapping[int, tf.Tensor]
+    values: Mapping[int, Any]
     batch_sums: frozenset[int] = frozenset()
 
-    def __call__(self, variable: Any) -> tf.Tensor:
+    def __call__(self, variable: Any) -> Any:
         return self.values[id(variable)]
 
     def is_batch_sum(self, variables: Sequence[Any]) -> bool:
@@ -104,13 +107,13 @@ class Projection:
         matrices: `{id(variable): (rows (rows, r_in), columns (cols, r_out))}`, float32.
     """
 
-    matrices: Mapping[int, tuple[tf.Tensor, tf.Tensor]]
+    matrices: Mapping[int, tuple[Any, Any]]
 
-    def rows(self, variable: Any) -> tf.Tensor:
+    def rows(self, variable: Any) -> Any:
         """`(rows, r_in)`: the projection of the variable's row side."""
         return self.matrices[id(variable)][0]
 
-    def columns(self, variable: Any) -> tf.Tensor:
+    def columns(self, variable: Any) -> Any:
         """`(cols, r_out)`: the projection of the variable's column side."""
         return self.matrices[id(variable)][1]
 
@@ -124,8 +127,8 @@ class LayerPrimitives(NamedTuple):
             rule received no `Reference`).
     """
 
-    sq_norm: tf.Tensor
-    dot: tf.Tensor | None
+    sq_norm: Any
+    dot: Any | None
 
 
 # (layer, calls, reference) -> LayerPrimitives. `calls` holds every call of the
@@ -142,18 +145,18 @@ RuleFn = Callable[[Any, Sequence[LayerCall], "Reference | None"], LayerPrimitive
 # Optional: (layer, calls) -> (B, B) Gram matrix <g_i^(k), g_j^(k)>. Rules
 # without one (and without `per_example`) get the layer's Gram matrix from the
 # exact per-layer fallback.
-GramFn = Callable[[Any, Sequence[LayerCall]], tf.Tensor]
+GramFn = Callable[[Any, Sequence[LayerCall]], Any]
 
 # Optional: (layer, calls, target_calls) -> (B, T) `<g_i^(k), g'_j^(k)>` between the
 # examples of `calls` and those of `target_calls` (other examples through the same
 # layer, with their own output gradients). Homogeneous of degree 1 in each side's
 # output gradients. Rules without one get it from per-example gradients.
-CrossFn = Callable[[Any, Sequence[LayerCall], Sequence[LayerCall]], tf.Tensor]
+CrossFn = Callable[[Any, Sequence[LayerCall], Sequence[LayerCall]], Any]
 
 # Optional: (layer, calls, projection) -> [(variable, (B, r_in, r_out) sketch)], one
 # pair per trainable variable: `projection.rows(v)^T mat(g_i) projection.columns(v)`
 # (see `Projection`), from the factors. Rules without one project per-example gradients.
-SketchFn = Callable[[Any, Sequence[LayerCall], Projection], list[tuple[Any, tf.Tensor]]]
+SketchFn = Callable[[Any, Sequence[LayerCall], Projection], list[tuple[Any, Any]]]
 
 # Optional: (layer, calls, reference) -> (B,) `<g_i^(k), R^(k)>` without per-example
 # gradients: the layer's own linear map applied to R, paired with the output
@@ -161,14 +164,14 @@ SketchFn = Callable[[Any, Sequence[LayerCall], Projection], list[tuple[Any, tf.T
 # With it, the engine builds a materialized layer's per-example gradients a chunk of
 # examples at a time and keeps only their squared norms and sum, when the batch
 # exceeds a chunk (`Rule.dot`).
-DotFn = Callable[[Any, Sequence[LayerCall], Reference], tf.Tensor]
+DotFn = Callable[[Any, Sequence[LayerCall], Reference], Any]
 
 # Optional: (layer, calls) -> [(variable, per-example gradient)], one pair per
 # trainable variable of the layer, each `d l_i / d variable`, float32, laid out
 # `(B, *variable.shape)` (or the same values in another shape, such as `(B, n)`).
 # Under mixed precision the layer's inputs are float16 (and the output gradients
 # may be): cast both. The engine checks both (`checked_per_example`).
-PerExampleFn = Callable[[Any, Sequence[LayerCall]], list[tuple[Any, tf.Tensor]]]
+PerExampleFn = Callable[[Any, Sequence[LayerCall]], list[tuple[Any, Any]]]
 
 # (layer, calls) -> whether `per_example` is the cheaper form for the calls'
 # static shapes. Called after the forward pass, before the backward pass: only
@@ -186,7 +189,7 @@ class Tapped(NamedTuple):
     """
 
     outputs: Any
-    tapped: tuple[tf.Tensor, ...]
+    tapped: tuple[Any, ...]
     saved: Mapping[str, Any] = {}
 
 
@@ -197,8 +200,8 @@ TapFn = Callable[[Any, Callable[..., Any], tuple[Any, ...], Mapping[str, Any]], 
 
 
 def checked_per_example(
-    rule: str, layer: Any, pairs: list[tuple[Any, tf.Tensor]]
-) -> list[tuple[Any, tf.Tensor]]:
+    rule: str, layer: Any, pairs: list[tuple[Any, Any]]
+) -> list[tuple[Any, Any]]:
     """`pairs` as a rule's `per_example` returned them, checked against the contract:
     each gradient float32 and laid out `(B, *variable.shape)`, or another shape of
     the same n values per example (flat, `(B, n)`).
@@ -209,18 +212,19 @@ def checked_per_example(
     """
     for variable, grad in pairs:
         where = f"Rule {rule!r} on layer {layer.name!r}, variable {variable.path!r}"
-        if grad.dtype != tf.float32:
+        dtype = keras.backend.standardize_dtype(grad.dtype)
+        if dtype != "float32":
             raise TypeError(
                 f"{where}: per-example gradients must be float32 (cast the layer's inputs "
-                f"and output gradients first). Received: dtype={grad.dtype.name}"
+                f"and output gradients first). Received: dtype={dtype}"
             )
         size = math.prod(variable.shape)
-        if grad.shape.rank is None:  # known only at run time (a chunk loop's result)
+        try:
+            shape = tuple(grad.shape)
+        except ValueError:  # a rank known only at run time (a chunk loop's result)
             continue
-        per_example = grad.shape[1:]
-        if grad.shape.rank == 0 or (
-            per_example.is_fully_defined() and math.prod(per_example) != size
-        ):
+        per_example = shape[1:]
+        if not shape or (None not in per_example and math.prod(per_example) != size):
             raise ValueError(
                 f"{where}: per-example gradients must be laid out (batch, *variable.shape) "
                 f"= {(None, *variable.shape)}, or hold its {size} values per example in "
@@ -239,14 +243,12 @@ def primitives_from(rule: str, per_example: PerExampleFn) -> RuleFn:
         pairs = checked_per_example(rule, layer, per_example(layer, calls))
         if not pairs:
             raise ValueError(f"Layer {layer.name!r} has no trainable parameter for this rule.")
-        flat = [(tf.reshape(g, [tf.shape(g)[0], -1]), variable) for variable, g in pairs]
-        sq_norm = tf.add_n([tf.reduce_sum(tf.square(g), axis=1) for g, _ in flat])
+        flat = [(ops.reshape(g, (-1, math.prod(v.shape))), v) for v, g in pairs]
+        sq_norm = rule_math.total([ops.sum(ops.square(g), axis=1) for g, _ in flat])
         if reference is None:
             return LayerPrimitives(sq_norm=sq_norm, dot=None)
-        return LayerPrimitives(
-            sq_norm=sq_norm,
-            dot=tf.add_n([tf.linalg.matvec(g, tf.reshape(reference(v), [-1])) for g, v in flat]),
-        )
+        dots = [ops.matmul(g, ops.reshape(reference(v), (-1, 1)))[:, 0] for g, v in flat]
+        return LayerPrimitives(sq_norm=sq_norm, dot=rule_math.total(dots))
 
     return primitives
 
@@ -311,10 +313,10 @@ class Rule:
         # y = x * w (w broadcast over the batch): g_i = sum over positions of x_i * d_i
         grads = []
         for call in calls:
-            x = tf.cast(call.inputs, tf.float32)
-            d = tf.cast(call.output_grad, tf.float32)
-            grads.append(tf.reduce_sum(x * d, axis=list(range(1, len(x.shape) - 1))))
-        return [(layer.w, tf.add_n(grads))]
+            x = ops.cast(call.inputs, "float32")
+            d = ops.cast(call.output_grad, "float32")
+            grads.append(ops.sum(x * d, axis=tuple(range(1, len(x.shape) - 1))))
+        return [(layer.w, sum(grads))]
 
     kgt.register_rule(Scale, kgt.rules.Rule.from_per_example("scale", scale_per_example))
     ```

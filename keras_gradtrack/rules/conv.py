@@ -11,7 +11,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
 from keras import ops
 
 from keras_gradtrack._keras_seam import causal_padding
@@ -65,7 +64,7 @@ def conv_primitives(
     )
 
 
-def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> Any:
     """`(B,)` `<g_i, R>` without per-example gradients: the layer's convolution of its
     inputs with R's kernel, paired with the output gradients, plus the bias term.
 
@@ -76,7 +75,7 @@ def conv_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf
     ```
     """
 
-    def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+    def convolved(inputs: Any, kernel: Any) -> Any:
         if layer.padding == "causal":  # as Conv1D's own call
             inputs = ops.pad(inputs, causal_padding(layer))
             return ops.conv(inputs, kernel, **convolution_options(layer, padding="valid"))
@@ -92,7 +91,7 @@ def conv_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     return kernel_materializes(layer, calls, channels, filters // groups, groups)
 
 
-def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def conv_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of a Conv1D/2D/3D layer's kernel and bias."""
     return kernel_and_bias_per_example(
         layer, calls, channels_last_pairs(layer, calls), layer.groups
@@ -118,10 +117,10 @@ def depthwise_primitives(
     )
 
 
-def depthwise_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+def depthwise_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> Any:
     """`(B,)` `<g_i, R>` without per-example gradients (see `conv_dot`)."""
 
-    def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+    def convolved(inputs: Any, kernel: Any) -> Any:
         return ops.depthwise_conv(inputs, kernel, **convolution_options(layer))
 
     return forward_dot(layer, calls, reference, convolved)
@@ -133,7 +132,7 @@ def depthwise_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     return kernel_materializes(layer, calls, 1, multiplier, channels)
 
 
-def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def depthwise_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of a DepthwiseConv1D/2D layer's kernel and bias."""
     channels = layer.kernel.shape[-2]
     return kernel_and_bias_per_example(layer, calls, channels_last_pairs(layer, calls), channels)

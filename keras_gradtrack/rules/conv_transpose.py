@@ -14,7 +14,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
 from keras import ops
 
 from keras_gradtrack.rule_math import gram_is_cheaper
@@ -51,12 +50,12 @@ def conv_transpose_primitives(
     )
 
 
-def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+def conv_transpose_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> Any:
     """`(B,)` `<g_i, R>` without per-example gradients: the layer's transposed
     convolution of its inputs with R's kernel, paired with the output gradients,
     plus the bias term."""
 
-    def convolved(inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+    def convolved(inputs: Any, kernel: Any) -> Any:
         options = windows.convolution_options(layer, output_padding=layer.output_padding)
         return ops.conv_transpose(inputs, kernel, **options)
 
@@ -74,9 +73,7 @@ def conv_transpose_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     return not gram_is_cheaper(positions, window_width, channels, dots=True)
 
 
-def conv_transpose_per_example(
-    layer: Any, calls: Sequence[LayerCall]
-) -> list[tuple[Any, tf.Tensor]]:
+def conv_transpose_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of a transposed convolution's kernel and bias."""
     return kernel_and_bias_per_example(
         layer, calls, windows.channels_last_pairs(layer, calls, swapped=True), 1

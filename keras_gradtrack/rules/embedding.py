@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
-
 from keras_gradtrack import attribution_math, rule_math
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.ops import as_token_sequences, has_plain_weights, token_sq_norms
@@ -48,7 +46,7 @@ def embedding_primitives(
 
 def embedding_cross(
     layer: Any, calls: Sequence[LayerCall], target_calls: Sequence[LayerCall]
-) -> tf.Tensor:
+) -> Any:
     """`(B, T)` products with other examples' gradients: `sum_{t,s: id_t = id'_s} <d_t, d'_s>`.
 
     Cost `B T_b T S dim` for `T_b` and `S` tokens per example (a masked product of the
@@ -61,7 +59,7 @@ def embedding_cross(
 
 def embedding_sketch(
     layer: Any, calls: Sequence[LayerCall], projection: Projection
-) -> list[tuple[Any, tf.Tensor]]:
+) -> list[tuple[Any, Any]]:
     """The sketch `sum_t R[id_t]^T (C^T d_t)` (rows of R looked up, no one-hot rows)."""
     ids, d = as_token_sequences(layer, calls)
     rows, columns = projection.rows(layer.embeddings), projection.columns(layer.embeddings)

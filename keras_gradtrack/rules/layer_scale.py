@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
-
 from keras_gradtrack import rule_math
 from keras_gradtrack.rules.contract import LayerCall, Rule
 
 
-def layer_scale_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def layer_scale_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of LayerScale's `gamma`.
 
     Example:
@@ -26,7 +24,7 @@ def layer_scale_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tupl
     ```
     """
     grads = [rule_math.layer_scale_gradients(call.inputs, call.output_grad) for call in calls]
-    return [(layer.gamma, tf.add_n(grads))]
+    return [(layer.gamma, rule_math.total(grads))]
 
 
 LAYER_SCALE = Rule.from_per_example("layer_scale", layer_scale_per_example)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
-
 from keras_gradtrack import rule_math
 from keras_gradtrack._keras_seam import reshape_into_groups
 from keras_gradtrack.rules.contract import LayerCall, Rule
@@ -64,7 +62,7 @@ def group_normalization_statistics(layer: Any) -> StatisticsFn:
     """
     epsilon = rule_math.epsilon_of(layer)
 
-    def statistics(x: tf.Tensor, call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+    def statistics(x: Any, call: LayerCall) -> tuple[Any, Any]:
         return rule_math.group_moments(reshape_into_groups(layer, x), layer.axis, epsilon)
 
     return statistics

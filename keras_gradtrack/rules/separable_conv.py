@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import tensorflow as tf
 from keras import ops
 
 from keras_gradtrack.rule_math import gram_is_cheaper
@@ -73,11 +72,11 @@ def separable_tap(
     return Tapped(outputs, (preactivation, depthwise))
 
 
-def sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Tensor]:
+def sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[Any, Any]:
     """`U` `(B, P, C * M)` and `D` `(B, P, filters)`, every call's positions stacked."""
 
-    def positions(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
-        u = tf.cast(call.tapped[1], tf.float32)
+    def positions(call: LayerCall) -> tuple[Any, Any]:
+        u = ops.cast(call.tapped[1], "float32")
         d = channels_last(call.output_grad, layer.data_format)
         return reshape_per_example(u, [-1, u.shape[-1]]), reshape_per_example(d, [-1, d.shape[-1]])
 
@@ -85,25 +84,23 @@ def sequences(layer: Any, calls: Sequence[LayerCall]) -> tuple[tf.Tensor, tf.Ten
     return u, d
 
 
-def depthwise_pairs(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[tf.Tensor, tf.Tensor]]:
+def depthwise_pairs(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per call, the input and the gradient at the depthwise output, channels last."""
     return [
         (
             channels_last(call.inputs, layer.data_format),
-            tf.cast(call.output_grads[1], tf.float32),  # type: ignore[index]
+            ops.cast(call.output_grads[1], "float32"),  # type: ignore[index]
         )
         for call in calls
     ]
 
 
-def pointwise_dot(
-    layer: Any, intermediate: tf.Tensor, targets: tf.Tensor, reference: Reference
-) -> tf.Tensor:
+def pointwise_dot(layer: Any, intermediate: Any, targets: Any, reference: Reference) -> Any:
     """`(B,)` `<U_i^T D_i, R_pointwise>` from `sequences`' `U` and `D`."""
     pointwise = layer.pointwise_kernel
-    pointwise_reference = tf.reshape(reference(pointwise), pointwise.shape[-2:])
-    response = tf.einsum("bpc,cf->bpf", intermediate, pointwise_reference)
-    return tf.reduce_sum(response * targets, axis=[1, 2])
+    pointwise_reference = ops.reshape(reference(pointwise), pointwise.shape[-2:])
+    response = ops.einsum("bpc,cf->bpf", intermediate, pointwise_reference)
+    return ops.sum(response * targets, axis=(1, 2))
 
 
 def separable_primitives(
@@ -134,7 +131,7 @@ def separable_primitives(
         slices, grads = stacked_windows(depthwise_pairs(layer, calls), Window.of(layer))
         depthwise_reference = None
         if reference is not None:
-            depthwise_reference = tf.reshape(reference(depthwise), [len(slices), 1, -1])
+            depthwise_reference = ops.reshape(reference(depthwise), (len(slices), 1, -1))
         terms.append(
             grouped_kernel_primitives(
                 slices, grads, depthwise.shape[-2], depthwise_reference, calls[0].xla
@@ -143,7 +140,7 @@ def separable_primitives(
     return with_bias(layer, calls, reference, terms)
 
 
-def separable_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> tf.Tensor:
+def separable_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) -> Any:
     """`(B,)` `<g_i, R>` without per-example gradients: the depthwise convolution of
     the inputs with R's depthwise kernel paired with the gradient at `U_i`, `U_i`
     times R's pointwise kernel paired with `D_i`, and the bias term."""
@@ -155,7 +152,7 @@ def separable_dot(layer: Any, calls: Sequence[LayerCall], reference: Reference) 
         kernel = reference(depthwise)
         for source, target in depthwise_pairs(layer, calls):
             options = convolution_options(layer, data_format="channels_last")
-            outputs = ops.depthwise_conv(tf.cast(source, tf.float32), kernel, **options)
+            outputs = ops.depthwise_conv(ops.cast(source, "float32"), kernel, **options)
             terms.append(paired(outputs, target))
     return with_bias_dot(layer, calls, reference, terms)
 
@@ -172,7 +169,7 @@ def separable_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     return not gram_is_cheaper(positions, width_in, filters, dots=True)
 
 
-def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of a SeparableConv1D/2D layer's kernels and bias."""
     depthwise, pointwise = layer.depthwise_kernel, layer.pointwise_kernel
     pairs = []
@@ -185,7 +182,7 @@ def separable_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
         pairs.append((depthwise, grads))
     if pointwise.trainable:
         intermediate, targets = sequences(layer, calls)
-        pairs.append((pointwise, tf.einsum("bpc,bpf->bcf", intermediate, targets)))
+        pairs.append((pointwise, ops.einsum("bpc,bpf->bcf", intermediate, targets)))
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
         pairs.append((layer.bias, bias_grad))
