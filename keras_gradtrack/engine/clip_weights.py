@@ -60,3 +60,15 @@ def clip_weights(
         ops.stack([ops.greater(n, c) for c, n in zip(groups.bounds, group_norms)], axis=1), axis=1
     )
     return [group_weights[k] for k in groups.index], clipped
+
+
+def step_divisor(settings: PrivacySettings, batch: Any) -> Any:
+    """What the clipped sum goes over: `B_expected`, or without one the batch's size
+    (`batch`: an int, or a tensor: the global batch under `tf.distribute`). Keras'
+    gradient accumulation applies the mean of k physical batches' gradients, so with
+    `accumulation_steps` k each goes over `B_expected / k` (only the k-th carries the
+    logical batch's noise: the backend's step says when). Every backend's private
+    step divides by it."""
+    if settings.expected_batch_size is None:
+        return batch
+    return float(settings.expected_batch_size) / settings.accumulation_steps

@@ -51,6 +51,7 @@ from keras_gradtrack.engine.backward import Materialized
 from keras_gradtrack.engine.fallback import per_example_output_products
 from keras_gradtrack.engine.per_layer import layers_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.private_gradient import noised_gradients
 from keras_gradtrack.engine.private_settings import (
     PrivacySettings,
     batch_normalization_refusal,
@@ -99,19 +100,15 @@ def private_step(state: StepState) -> PrivateStep | None:
 
     local_batch = tf.cast(tf.shape(clipped)[0], tf.float32)
     (global_batch,) = distribute.all_reduce_sum([local_batch])
-    divisor = (
-        tf.constant(float(settings.expected_batch_size))
-        if settings.expected_batch_size is not None
-        else global_batch
-    )
+    divisor = shared_clipping.step_divisor(settings, global_batch)
 
-    def gradients_of(settings: PrivacySettings, divisor: tf.Tensor) -> list[Any]:
+    def gradients_of(settings: PrivacySettings) -> list[Any]:
         return noisy_gradients(state, settings, sums, unscale, divisor, bound)
 
     if settings.accumulation_steps > 1:
-        gradients = accumulated_gradients(model, settings, divisor, gradients_of)
+        gradients = accumulated_gradients(model, settings, gradients_of)
     else:
-        gradients = gradients_of(settings, divisor)
+        gradients = gradients_of(settings)
     # For fit's logs (a gradient logger also logs the norms: `privacy_statistics`).
     (clipped_count,) = distribute.all_reduce_sum([tf.reduce_sum(tf.cast(clipped, tf.float32))])
     rows = {"dp_fraction_clipped": clipped_count / global_batch}
@@ -165,26 +162,21 @@ def update_bound(
 def accumulated_gradients(
     model: Any,
     settings: PrivacySettings,
-    divisor: tf.Tensor,
-    gradients_of: Callable[[PrivacySettings, tf.Tensor], list[Any]],
+    gradients_of: Callable[[PrivacySettings], list[Any]],
 ) -> list[Any]:
     """One physical batch's part of a logical batch of `k`: what the optimizer receives,
-    `gradients_of(settings, divisor)` (`noisy_gradients` of the step).
+    `gradients_of(settings)` (`noisy_gradients` of the step).
 
     Keras' `gradient_accumulation_steps` adds the `k` gradients it receives and
     applies their mean on the k-th; so each physical batch's clipped sum goes over
-    `B_logical / k` (`divisor`: `expected_batch_size / k`, or the physical batch),
-    and the noise is drawn on the k-th alone: one draw per logical batch, over the
-    logical batch's expected size."""
+    `B_logical / k` (`clip_weights.step_divisor`: `expected_batch_size / k`, or the
+    physical batch), and the noise is drawn on the k-th alone: one draw per logical
+    batch, over the logical batch's expected size."""
     k = settings.accumulation_steps
-    if settings.expected_batch_size is not None:
-        divisor = divisor / k
     applies = optimizer_apply_count(model.optimizer)
     last = tf.equal((applies + 1) % k, 0)
     clean = dataclasses.replace(settings, noise_multiplier=0.0)
-    return tf.cond(
-        last, lambda: gradients_of(settings, divisor), lambda: gradients_of(clean, divisor)
-    )
+    return tf.cond(last, lambda: gradients_of(settings), lambda: gradients_of(clean))
 
 
 def clip_weights(
@@ -233,27 +225,23 @@ def noisy_gradients(
             "read on the host (`os.urandom`), which XLA cannot compile: compile with "
             "`jit_compile=False`."
         )
-    # One pass per variable: `sum * a + z * b`, the noise's factor `b` applied to the
-    # draw's radii (half its size) before they are multiplied out.
-    clipped_factor = unscale * (scale / divisor)
-    noise_factor = (std * noise_switch()) * (scale / divisor)
-    gradients = []
-    for position, v in enumerate(state.request.sources):
-        if id(v) not in sums:
-            raise ValueError(
-                "A private step needs every source to be a trainable variable of a tracked "
-                f"layer. Received: {getattr(v, 'path', v)!r}"
-            )
-        gradient = sums[id(v)] * clipped_factor
-        if sigma > 0.0 and settings.secure_noise:
-            gradient += secure_standard_normal(v.shape, noise_factor)
-        elif sigma > 0.0:
-            seed_v = tf.random.experimental.stateless_fold_in(seed, position)
-            gradient += standard_normal(v.shape, seed_v, noise_factor)
-        if id(v) in state.penalties:
-            gradient += tf.reshape(state.penalties[id(v)], v.shape)
-        gradients.append(tf.cast(gradient, v.dtype))
-    return gradients
+
+    def draw(position: int, shape: tuple[int, ...], factor: Any) -> tf.Tensor:
+        if settings.secure_noise:
+            return secure_standard_normal(shape, factor)
+        return standard_normal(
+            shape, tf.random.experimental.stateless_fold_in(seed, position), factor
+        )
+
+    sources = state.request.sources
+    return noised_gradients(
+        sources,
+        sums,
+        draw if sigma > 0.0 else None,
+        noise_factor=(std * noise_switch()) * (scale / divisor),
+        sums_factor=unscale * (scale / divisor),  # the sums are in the rules' scale
+        penalties=[state.penalties.get(id(v)) for v in sources],
+    )
 
 
 def standard_normal(shape: Any, seed: tf.Tensor, scale: Any = 1.0) -> tf.Tensor:

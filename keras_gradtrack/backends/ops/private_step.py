@@ -52,15 +52,14 @@ from keras_gradtrack.backends.ops.private_model import BOUND_KEY
 from keras_gradtrack.backends.ops.rules import PerExample, ProbedCall, summed_per_example
 from keras_gradtrack.backends.ops.step import direct_primitives, probed_calls, value_lookup
 from keras_gradtrack.engine import clip_weights as shared_clipping
+from keras_gradtrack.engine.clip_weights import step_divisor
+from keras_gradtrack.engine.private_gradient import Draw, noised_gradients
 from keras_gradtrack.engine.private_settings import PrivacySettings, settings_of
 from keras_gradtrack.privacy.adaptive_clip import next_bound
 
 # `(layer, values, fixed, inputs, kwargs, cotangent) -> grads`: `d <z(theta), cotangent>
 # / d theta` of the layer's (pre-activation) output on the recorded inputs.
 LocalVjp = Callable[[Any, Sequence[Any], Sequence[Any], Any, Any, Any], list[Any]]
-# `(position, shape, scale) -> scale * N(0, I)` of `shape`, for trainable variable
-# `position` (`len(trainable)`: the adaptive bound's count of unclipped examples).
-Draw = Callable[[int, tuple[int, ...], Any], Any]
 
 
 def f32(value: Any) -> Any:
@@ -169,17 +168,6 @@ def clipping_weights(
     return shared_clipping.clip_weights(settings, model, plan, sq_norms, bound)
 
 
-def step_divisor(settings: PrivacySettings, batch: int) -> float:
-    """What the clipped sum goes over: `B_expected`, or the batch's size without one.
-    Keras' gradient accumulation applies the mean of k physical batches' gradients,
-    so with `accumulation_steps` k each goes over `B_expected / k` (only the k-th
-    carries the logical batch's noise: the backend's step says when)."""
-    divisor = settings.expected_batch_size or float(batch)
-    if settings.accumulation_steps > 1 and settings.expected_batch_size is not None:
-        divisor = divisor / settings.accumulation_steps
-    return divisor
-
-
 @dataclasses.dataclass(frozen=True)
 class BackendStep:
     """What a backend's private step hands `private_gradients` for one step.
@@ -253,8 +241,17 @@ def private_gradients(
     if not isinstance(step.noised, bool):
         noise_scale = ops.where(step.noised, noise_scale, 0.0)
     draw = step.draw if sigma > 0.0 and step.noised is not False else None
+    scale = 1.0 if loss_scale is None else loss_scale
+    penalties = step.penalties
+    if penalties is not None and loss_scale is not None:
+        penalties = [f32(p) * loss_scale for p in penalties]
     gradients = noised_gradients(
-        model, sums, probed.trainable, draw, noise_scale, divisor, step.penalties, loss_scale
+        model.trainable_variables,
+        sums,
+        draw,
+        noise_factor=noise_scale * (scale / divisor),
+        sums_factor=scale / divisor,
+        penalties=penalties,
     )
     clipped_count = ops.sum(ops.cast(clipped, "float32"))
     if step.eager:
@@ -274,43 +271,6 @@ def private_gradients(
         found = next_bound(bound, unclipped, float(batch), count_noise, divisor, adaptive)
         model.__dict__[BOUND_KEY].assign(found)
     return gradients, rows
-
-
-def noised_gradients(
-    model: keras.Model,
-    sums: dict[int, Any],
-    trainable: Sequence[Any],
-    draw: Draw | None,
-    noise_scale: Any,
-    divisor: Any,
-    penalties: Sequence[Any] | None,
-    loss_scale: Any = None,
-) -> list[Any]:
-    """What the optimizer receives, aligned with `model.trainable_variables`: each
-    clipped sum plus `noise_scale * N(0, I)` (none where `draw` is None), over
-    `divisor`, plus the penalties' gradient; times the loss scale (the optimizer
-    unscales it), in each variable's dtype.
-
-    Raises:
-        ValueError: A trainable variable in no tracked layer (nothing clips it).
-    """
-    gradients = []
-    for position, (variable, value) in enumerate(zip(model.trainable_variables, trainable)):
-        if id(variable) not in sums:
-            raise ValueError(
-                "A private step needs every trainable variable to belong to a tracked "
-                f"layer. Received: {variable.path!r}"
-            )
-        gradient = sums[id(variable)]
-        if draw is not None:
-            gradient = gradient + draw(position, tuple(value.shape), noise_scale)
-        gradient = gradient / divisor
-        if penalties is not None:
-            gradient = gradient + f32(penalties[position])
-        if loss_scale is not None:
-            gradient = gradient * loss_scale
-        gradients.append(ops.cast(gradient, value.dtype))
-    return gradients
 
 
 def regularized_variables(model: keras.Model) -> list[tuple[int, Any]]:
