@@ -131,6 +131,14 @@ def noise_of(
     sigma: float, bound: float, expected_batch_size: float, seed: int, secure_noise: bool = False
 ) -> np.ndarray:
     """The noise part of one step's update (the update less the same step without noise)."""
+    noises = noise_per_variable(sigma, bound, expected_batch_size, seed, secure_noise)
+    return np.concatenate([noise.ravel() for noise in noises])
+
+
+def noise_per_variable(
+    sigma: float, bound: float, expected_batch_size: float, seed: int, secure_noise: bool = False
+) -> list[np.ndarray]:
+    """`noise_of` per trainable variable."""
     x, y = batch("mlp")
     plain = private_model("mlp", seed)
     plain.make_private(
@@ -144,7 +152,22 @@ def noise_of(
         secure_noise=secure_noise,
     )
     clean, found = update(plain, x, y), update(noisy, x, y)
-    return np.concatenate([(f - c).ravel() for f, c in zip(found, clean)])
+    return [f - c for f, c in zip(found, clean)]
+
+
+def test_each_variable_has_noise_of_its_own() -> None:
+    # However a backend draws (one draw per variable, or one for all sliced), no two
+    # variables share numbers and the whole is uncorrelated from one variable to the next.
+    noises = [n.ravel() for n in noise_per_variable(1.0, 1.0, 1.0, seed=13)]
+    assert len(noises) > 2
+    for i, first in enumerate(noises):
+        for second in noises[i + 1 :]:
+            size = min(first.size, second.size)
+            assert not np.allclose(first[:size], second[:size])
+            assert not np.allclose(first[-size:], second[-size:])
+    pairs = np.concatenate(noises)
+    correlation = np.corrcoef(pairs[:-1], pairs[1:])[0, 1]
+    assert abs(correlation) < 5.0 / np.sqrt(pairs.size)
 
 
 def test_the_noise_has_deviation_sigma_c_over_the_expected_batch() -> None:
