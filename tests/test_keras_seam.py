@@ -121,7 +121,7 @@ SUBSTITUTIONS = [
     # The loss tracker's batch size from the one helper that knows example ids.
     (
         "sample_weight=tf.shape(next((i for i in tree.flatten(x) if i is not None)))[0])",
-        "sample_weight=batch_data.batch_size_of(x))",
+        "sample_weight=batch_size_of(x))",
     ),
     # The trainable weights read once (each read collects them again).
     (
