@@ -8,10 +8,11 @@ optimizer's scale (`s`, the loss scale, which the optimizer divides out):
 
 in one pass over the variable: `sum * a + z * b`, the noise's factor `b` handed to
 the backend's draw (which applies it to the draw's radii, half its size, before they
-are multiplied out). The draws go in the order of the variables, position `p` for
-the `p`-th (a backend seeds each from its position: the same noise on every
-backend for the same seed is not promised, the same order and scale is). The
-divisor is `clip_weights.step_divisor`'s.
+are multiplied out). The draws are asked for in the order of the variables, position
+`p` for the `p`-th (TensorFlow and PyTorch seed each from its position, JAX slices
+one draw for all of them at its offset: the same noise on every backend for the same
+seed is not promised, the same order and scale is). The divisor is
+`clip_weights.step_divisor`'s.
 
 Example:
 
