@@ -22,23 +22,21 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack import rule_math
-from keras_gradtrack.rule_math import (
-    EinsumRoles,
-    einsum_roles,
-    gram_has_fewer_products,
-    gram_is_cheaper,
-)
+from keras_gradtrack.rule_math import einsum_roles, gram_is_cheaper
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.ops import (
+    canonical_operands,
+    canonical_primitives,
     has_plain_weights,
-    reshape_per_example,
+    materialized,
+    references_of,
     roles_of_call,
-    stacked_along_time,
-    sum_of_squares,
+    summed,
     summed_bias_gradient,
+    zero_primitives,
 )
 
 
@@ -48,29 +46,6 @@ def einsum_dense_applies(layer: Any) -> bool:
         return False
     input_rank = layer.input_spec.ndim if layer.input_spec is not None else None
     return einsum_roles(layer.equation, input_rank) is not None
-
-
-def canonical_operands(
-    layer: Any, calls: Sequence[LayerCall]
-) -> tuple[EinsumRoles, tf.Tensor, tf.Tensor]:
-    """Every call's input as `(B, S, T, K)` and gradient as `(B, S, T, O)`, stacked along T."""
-    roles = None
-    inputs, grads = [], []
-    for call in calls:
-        x = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grad, tf.float32)
-        roles = roles_of_call(layer, x)
-        sizes = dict(zip(roles.kernel, layer.kernel.shape))
-        shared = math.prod(sizes[c] for c in roles.shared)
-        b, s, t = roles.batch, roles.shared, roles.steps
-        x = tf.einsum(f"{roles.input}->{b}{s}{t}{roles.contracted}", x)
-        d = tf.einsum(f"{roles.output}->{b}{s}{t}{roles.produced}", d)
-        contracted = math.prod(sizes[c] for c in roles.contracted)
-        produced = math.prod(sizes[c] for c in roles.produced)
-        inputs.append(reshape_per_example(x, [shared, -1, contracted]))
-        grads.append(reshape_per_example(d, [shared, -1, produced]))
-    assert roles is not None
-    return roles, stacked_along_time(inputs, axis=2), stacked_along_time(grads, axis=2)
 
 
 def einsum_dense_primitives(
@@ -85,36 +60,22 @@ def einsum_dense_primitives(
     # g_i = X_i^T D_i with X_i (T, dim) and D_i (T, heads * head_dim), as for Dense.
     ```
     """
-    batch = tf.shape(tf.convert_to_tensor(calls[0].inputs))[0]
-    sq_norm = tf.zeros([batch], tf.float32)
-    dot = tf.zeros([batch], tf.float32)
+    xla = calls[0].xla
+    terms = []
     if layer.kernel.trainable:
-        roles, x, d = canonical_operands(layer, calls)
-        kernel_ref = None
-        if reference is not None:
-            kernel_ref = tf.einsum(
-                f"{roles.kernel}->{roles.shared}{roles.contracted}{roles.produced}",
-                reference(layer.kernel),
-            )
-            kernel_ref = tf.reshape(kernel_ref, [x.shape[1], x.shape[3], d.shape[3]])
-        if gram_has_fewer_products(x.shape[2], x.shape[3], d.shape[3]):
-            gram_x = tf.einsum("bstk,bsuk->bstu", x, x)
-            gram_d = tf.einsum("bsto,bsuo->bstu", d, d)
-            sq_norm += tf.reduce_sum(gram_x * gram_d, axis=[1, 2, 3])
-            if kernel_ref is not None:
-                projected = tf.einsum("bstk,sko->bsto", x, kernel_ref)
-                dot += tf.reduce_sum(projected * d, axis=[1, 2, 3])
-        else:
-            per_example_kernel = tf.einsum("bstk,bsto->bsko", x, d)
-            sq_norm += sum_of_squares(per_example_kernel, axis=[1, 2, 3], xla=calls[0].xla)
-            if kernel_ref is not None:
-                dot += tf.reduce_sum(per_example_kernel * kernel_ref, axis=[1, 2, 3])
+        operands = []
+        for call in calls:
+            x = ops.convert_to_tensor(call.inputs)
+            operands.append((roles_of_call(layer, x), x, call.output_grad))
+        x, d = canonical_operands(operands, layer.kernel.shape)
+        kernel_ref = None if reference is None else reference(layer.kernel)
+        terms.append(canonical_primitives(operands[0][0], x, d, kernel_ref, xla))
     if layer.bias is not None and layer.bias.trainable:
         bias_grad = summed_bias_gradient(calls, layer.bias.shape)
-        sq_norm += sum_of_squares(bias_grad, axis=1, xla=calls[0].xla)
-        if reference is not None:
-            dot += tf.linalg.matvec(bias_grad, tf.reshape(reference(layer.bias), [-1]))
-    return LayerPrimitives(sq_norm=sq_norm, dot=None if reference is None else dot)
+        terms.append(materialized([bias_grad], references_of(reference, [layer.bias]), xla))
+    if not terms:
+        return zero_primitives(ops.convert_to_tensor(calls[0].inputs), reference)
+    return summed(terms)
 
 
 def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
@@ -125,8 +86,8 @@ def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     steps: int | None = 0
     roles = None
     for call in calls:
-        shape = tf.convert_to_tensor(call.inputs).shape
-        roles = einsum_roles(layer.equation, shape.rank)
+        shape = ops.convert_to_tensor(call.inputs).shape
+        roles = einsum_roles(layer.equation, len(shape))
         if roles is None:
             return False  # the primitives explain the equation
         positions = [shape[roles.input.index(c)] for c in roles.steps]
@@ -140,17 +101,17 @@ def einsum_dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     return not gram_is_cheaper(steps, contracted, produced, dots=True)
 
 
-def einsum_dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def einsum_dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of an EinsumDense layer's kernel (in its own layout,
     `rule_math.einsum_kernel_gradients`, summed over the calls) and bias."""
     pairs = []
     if layer.kernel.trainable:
         grads = []
         for call in calls:
-            x = tf.convert_to_tensor(call.inputs)
+            x = ops.convert_to_tensor(call.inputs)
             roles = roles_of_call(layer, x)
             grads.append(rule_math.einsum_kernel_gradients(roles, x, call.output_grad))
-        pairs.append((layer.kernel, tf.add_n(grads)))
+        pairs.append((layer.kernel, rule_math.total(grads)))
     if layer.bias is not None and layer.bias.trainable:
         pairs.append((layer.bias, summed_bias_gradient(calls, layer.bias.shape)))
     return pairs

@@ -16,20 +16,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack import rule_math
 from keras_gradtrack.rule_math import LoraStage
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference, Rule
 from keras_gradtrack.rules.ops import (
     as_token_sequences,
+    canonical_operands,
+    canonical_primitives,
     materialized,
     positions_per_example,
     references_of,
     roles_of_call,
     sequence_kernel_sq_norm,
-    stacked_along_time,
-    sum_of_squares,
     summed,
     summed_bias_gradient,
     token_sq_norms,
@@ -54,7 +54,7 @@ def stages_of_call(layer: Any, call: LayerCall) -> tuple[LoraStage, LoraStage]:
     a, b = factors(layer)
     scale = rule_math.lora_scale(layer)
     if hasattr(layer, "equation"):
-        roles = roles_of_call(layer, tf.convert_to_tensor(call.inputs))
+        roles = roles_of_call(layer, ops.convert_to_tensor(call.inputs))
         return rule_math.lora_einsum_stages(roles, call.inputs, call.output_grad, a, b, scale)
     return rule_math.lora_dense_stages(call.inputs, call.output_grad, a, b, scale)
 
@@ -73,35 +73,11 @@ def stages_by_factor(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, 
 def stage_primitives(
     variable: Any, stages: Sequence[LoraStage], reference: Reference | None, xla: bool
 ) -> LayerPrimitives:
-    """One factor's primitives from its stages (one per call, stacked along the steps):
-    the Gram form `<X X^T, D D^T>` or the materialized `X_is^T D_is`, whichever takes
-    fewer products (`rule_math.gram_has_fewer_products`), as EinsumDense's rule does."""
-    roles = stages[0].roles
-    canonical = [
-        rule_math.einsum_canonical(s.roles, variable.shape, s.inputs, s.output_grad) for s in stages
-    ]
-    x = stacked_along_time([c[0] for c in canonical], axis=2)
-    d = stacked_along_time([c[1] for c in canonical], axis=2)
-    factor_ref = None
-    if reference is not None:
-        factor_ref = tf.einsum(
-            f"{roles.kernel}->{roles.shared}{roles.contracted}{roles.produced}",
-            reference(variable),
-        )
-        factor_ref = tf.reshape(factor_ref, [x.shape[1], x.shape[3], d.shape[3]])
-    if rule_math.gram_has_fewer_products(x.shape[2], x.shape[3], d.shape[3]):
-        gram_x = tf.einsum("bstk,bsuk->bstu", x, x)
-        gram_d = tf.einsum("bsto,bsuo->bstu", d, d)
-        sq_norm = tf.reduce_sum(gram_x * gram_d, axis=[1, 2, 3])
-        dot = None
-        if factor_ref is not None:
-            projected = tf.einsum("bstk,sko->bsto", x, factor_ref)
-            dot = tf.reduce_sum(projected * d, axis=[1, 2, 3])
-        return LayerPrimitives(sq_norm, dot)
-    per_example = tf.einsum("bstk,bsto->bsko", x, d)
-    sq_norm = sum_of_squares(per_example, axis=[1, 2, 3], xla=xla)
-    dot = None if factor_ref is None else tf.reduce_sum(per_example * factor_ref, axis=[1, 2, 3])
-    return LayerPrimitives(sq_norm, dot)
+    """One factor's primitives from its stages (one per call, stacked along the steps),
+    as EinsumDense's rule computes a kernel's (`einsum.canonical_primitives`)."""
+    x, d = canonical_operands([(s.roles, s.inputs, s.output_grad) for s in stages], variable.shape)
+    factor_ref = None if reference is None else reference(variable)
+    return canonical_primitives(stages[0].roles, x, d, factor_ref, xla)
 
 
 def lora_primitives(
@@ -129,7 +105,7 @@ def lora_primitives(
         bias_grad = summed_bias_gradient(calls, bias.shape)
         terms.append(materialized([bias_grad], references_of(reference, [bias]), xla))
     if not terms:
-        return zero_primitives(tf.convert_to_tensor(calls[0].output_grad), reference)
+        return zero_primitives(ops.convert_to_tensor(calls[0].output_grad), reference)
     return summed(terms)
 
 
@@ -154,13 +130,13 @@ def embedding_terms(
     if b.trainable:
         dot = None
         if reference is not None:
-            projected = tf.einsum("btr,ro->bto", looked_up, reference(b))
-            dot = tf.reduce_sum(projected * d, axis=[1, 2])
+            projected = ops.einsum("btr,ro->bto", looked_up, reference(b))
+            dot = ops.sum(projected * d, axis=(1, 2))
         terms.append(LayerPrimitives(sequence_kernel_sq_norm(looked_up, d, xla), dot))
     return terms
 
 
-def lora_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def lora_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of the trained factors (and bias), each in its variable's
     layout; an Embedding's `g_i(a)` is a `(vocabulary, rank)` table per example."""
     if hasattr(layer, "lora_embeddings_a"):
@@ -169,7 +145,7 @@ def lora_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, 
         pairs = [
             (
                 variable,
-                tf.add_n(
+                rule_math.total(
                     [
                         rule_math.einsum_kernel_gradients(s.roles, s.inputs, s.output_grad)
                         for s in stages
@@ -184,7 +160,7 @@ def lora_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, 
     return pairs
 
 
-def embedding_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def embedding_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     a, b = factors(layer)
     ids, d = as_token_sequences(layer, calls)
     projected_grad, looked_up = rule_math.lora_embedding_operands(
@@ -192,13 +168,15 @@ def embedding_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[
     )
     pairs = []
     if a.trainable:
-        batch, rows = tf.shape(ids, out_type=tf.int64)[0], a.shape[0]
+        batch, rows = ops.shape(ids)[0], a.shape[0]
         # Example i's rows are segments i * rows + id: a table per example.
-        segments = ids + tf.range(batch)[:, None] * rows
-        tables = tf.math.unsorted_segment_sum(
-            tf.reshape(projected_grad, [-1, a.shape[1]]), tf.reshape(segments, [-1]), batch * rows
+        segments = ids + ops.cast(ops.arange(batch), ids.dtype)[:, None] * rows
+        tables = ops.segment_sum(
+            ops.reshape(projected_grad, (-1, a.shape[1])),
+            ops.reshape(segments, (-1,)),
+            num_segments=batch * rows,
         )
-        pairs.append((a, tf.reshape(tables, [-1, *a.shape])))
+        pairs.append((a, ops.reshape(tables, (-1, *a.shape))))
     if b.trainable:
         pairs.append((b, rule_math.dense_kernel_gradients(looked_up, d)))
     return pairs

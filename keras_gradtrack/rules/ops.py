@@ -7,9 +7,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack import attribution_math, rule_math
-from keras_gradtrack.rule_math import GRAM_MAX_TOKENS, EinsumRoles
+from keras_gradtrack.rule_math import GRAM_MAX_TOKENS, EinsumRoles, einsum_canonical
 from keras_gradtrack.rules.contract import (
     LayerCall,
     LayerPrimitives,
@@ -292,6 +293,45 @@ def roles_of_call(layer: Any, x: tf.Tensor) -> EinsumRoles:
             f"shape={x.shape}"
         )
     return roles
+
+
+def canonical_operands(
+    roles_and_operands: Sequence[tuple[EinsumRoles, Any, Any]], kernel_shape: Sequence[int]
+) -> tuple[Any, Any]:
+    """Every call's input as `(B, S, T, K)` and gradient as `(B, S, T, O)`
+    (`rule_math.einsum_canonical`), stacked along T."""
+    canonical = [einsum_canonical(roles, kernel_shape, x, d) for roles, x, d in roles_and_operands]
+    return (
+        stacked_along_time([x for x, _ in canonical], axis=2),
+        stacked_along_time([d for _, d in canonical], axis=2),
+    )
+
+
+def canonical_primitives(
+    roles: EinsumRoles, x: Any, d: Any, kernel_ref: Any | None, xla: bool
+) -> LayerPrimitives:
+    """One kernel's primitives from its canonical operands `x` (B, S, T, K) and `d`
+    (B, S, T, O), with `kernel_ref` in the kernel's layout (None: no dot): the Gram form
+    `<X X^T, D D^T>` or the materialized `X_is^T D_is`, whichever takes fewer products
+    (`rule_math.gram_has_fewer_products`)."""
+    if kernel_ref is not None:
+        kernel_ref = ops.einsum(
+            f"{roles.kernel}->{roles.shared}{roles.contracted}{roles.produced}", kernel_ref
+        )
+        kernel_ref = ops.reshape(kernel_ref, (x.shape[1], x.shape[3], d.shape[3]))
+    if rule_math.gram_has_fewer_products(x.shape[2], x.shape[3], d.shape[3]):
+        gram_x = ops.einsum("bstk,bsuk->bstu", x, x)
+        gram_d = ops.einsum("bsto,bsuo->bstu", d, d)
+        sq_norm = ops.sum(gram_x * gram_d, axis=(1, 2, 3))
+        dot = None
+        if kernel_ref is not None:
+            projected = ops.einsum("bstk,sko->bsto", x, kernel_ref)
+            dot = ops.sum(projected * d, axis=(1, 2, 3))
+        return LayerPrimitives(sq_norm, dot)
+    per_example = ops.einsum("bstk,bsto->bsko", x, d)
+    sq_norm = sum_of_squares(per_example, axis=[1, 2, 3], xla=xla)
+    dot = None if kernel_ref is None else ops.sum(per_example * kernel_ref, axis=(1, 2, 3))
+    return LayerPrimitives(sq_norm, dot)
 
 
 def token_ids(layer: Any, call: LayerCall) -> tf.Tensor:
