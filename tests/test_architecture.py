@@ -216,7 +216,6 @@ TENSORFLOW_ENGINE_MODULES = {
     "keras_gradtrack.engine.step",
     "keras_gradtrack.engine.taps",
     "keras_gradtrack.rules.chunks",
-    "keras_gradtrack.rules.dense",
     "keras_gradtrack.rules.filter_gradients",
     "keras_gradtrack.rules.ops",
     "keras_gradtrack.rules.recurrent",

@@ -10,8 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_gradtrack.rules import LayerCall
-from keras_gradtrack.rules.dense import as_sequences
-from keras_gradtrack.rules.ops import reshape_per_example
+from keras_gradtrack.rules.ops import as_dense_sequences, reshape_per_example
 
 
 def traced_with_unknown_batch(fn, *shapes):  # type: ignore[no-untyped-def]
@@ -35,7 +34,7 @@ def test_reshape_per_example_keeps_the_folded_size_static() -> None:
 def test_dense_rule_sees_a_2d_input_as_one_step_under_an_unknown_batch() -> None:
     def sequences(a: tf.Tensor, d: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         call = LayerCall(args=(a,), kwargs={}, tapped=[d], output_grads=[d])
-        return as_sequences([call])
+        return as_dense_sequences([call])
 
     inputs, grads = traced_with_unknown_batch(sequences, (784,), (256,))
     assert inputs.shape.as_list() == [None, 1, 784]

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack import attribution_math, rule_math
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Projection, Reference, Rule
 from keras_gradtrack.rules.ops import (
-    along_time,
+    as_dense_rows,
+    as_dense_sequences,
     cross_of,
     flat_per_example,
     gram_of,
@@ -24,7 +25,6 @@ from keras_gradtrack.rules.ops import (
     materialized,
     positions_per_example,
     references_of,
-    reshape_per_example,
     sequence_kernel_sq_norm,
     sum_of_squares,
     summed,
@@ -46,38 +46,6 @@ def trained_variables(layer: Any) -> tuple[Any | None, Any | None]:
     return kernel, bias
 
 
-def as_sequences(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
-    """Stacks every call's input and output gradient as `(B, T, d_in)`, `(B, T, d_out)`.
-
-    `layer`'s kernel gives `d_in` and `d_out` where the static shape lost them (a
-    Flatten after a dilated convolution, with the batch size unknown).
-    """
-
-    def sequences(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
-        a = tf.cast(call.inputs, tf.float32)
-        d = tf.cast(call.output_grad, tf.float32)
-        if layer is not None and (a.shape[-1] is None or d.shape[-1] is None):
-            a = tf.ensure_shape(a, [*a.shape[:-1], layer.kernel.shape[0]])
-            d = tf.ensure_shape(d, [*d.shape[:-1], layer.kernel.shape[1]])
-        return reshape_per_example(a, [-1, a.shape[-1]]), reshape_per_example(d, [-1, d.shape[-1]])
-
-    a, d = along_time(calls, sequences)
-    return a, d
-
-
-def as_rows(calls: Sequence[LayerCall], layer: Any = None) -> tuple[tf.Tensor, tf.Tensor] | None:
-    """One call on 2-D inputs: its input and output gradient `(B, d_in)`, `(B, d_out)`
-    as they are (float32), without the sequences' reshapes; otherwise None."""
-    if len(calls) != 1 or calls[0].inputs.shape.rank != 2:
-        return None
-    a = tf.cast(calls[0].inputs, tf.float32)
-    d = tf.cast(calls[0].output_grad, tf.float32)
-    if layer is not None and (a.shape[-1] is None or d.shape[-1] is None):
-        a = tf.ensure_shape(a, [None, layer.kernel.shape[0]])
-        d = tf.ensure_shape(d, [None, layer.kernel.shape[1]])
-    return a, d
-
-
 def dense_primitives(
     layer: Any, calls: Sequence[LayerCall], reference: Reference | None
 ) -> LayerPrimitives:
@@ -95,18 +63,18 @@ def dense_primitives(
     ```
     """
     kernel, bias = trained_variables(layer)
-    rows = as_rows(calls, layer)
+    rows = as_dense_rows(calls, layer)
     if rows is not None:
         return dense_2d_primitives(*rows, kernel, bias, reference, calls[0].xla)
-    a, d = as_sequences(calls, layer)
+    a, d = as_dense_sequences(calls, layer)
     if a.shape[1] == 1:
         return dense_2d_primitives(a[:, 0, :], d[:, 0, :], kernel, bias, reference, calls[0].xla)
     terms = []
     if kernel is not None:
         dot = None
         if reference is not None:
-            projected = tf.einsum("btd,de->bte", a, reference(kernel))
-            dot = tf.reduce_sum(projected * d, axis=[1, 2])
+            projected = ops.einsum("btd,de->bte", a, reference(kernel))
+            dot = ops.sum(projected * d, axis=(1, 2))
         terms.append(LayerPrimitives(sq_norm=sequence_kernel_sq_norm(a, d, calls[0].xla), dot=dot))
     if bias is not None:
         bias_grad = summed_bias_gradient(calls, bias.shape)
@@ -117,8 +85,8 @@ def dense_primitives(
 
 
 def dense_2d_primitives(
-    a: tf.Tensor,
-    d: tf.Tensor,
+    a: Any,
+    d: Any,
     kernel: Any | None,
     bias: Any | None,
     reference: Reference | None,
@@ -141,20 +109,20 @@ def dense_2d_primitives(
             input_sq += 1.0
         return LayerPrimitives(input_sq * sum_of_squares(d, axis=1, xla=xla), None)
 
-    def direct() -> tuple[tf.Tensor, tf.Tensor]:
-        input_sq = tf.zeros([tf.shape(d)[0]], tf.float32)
-        projected = tf.zeros_like(d)
+    def direct() -> tuple[Any, Any]:
+        input_sq = ops.zeros((ops.shape(d)[0],), "float32")
+        projected = ops.zeros_like(d)
         if kernel is not None:
             input_sq = sum_of_squares(a, axis=1, xla=xla)
-            projected = tf.matmul(a, reference(kernel))
+            projected = ops.matmul(a, reference(kernel))
         if bias is not None:
             input_sq += 1.0
-            projected = tf.nn.bias_add(projected, reference(bias))
-        return input_sq * sum_of_squares(d, axis=1, xla=xla), tf.reduce_sum(projected * d, axis=1)
+            projected = projected + reference(bias)
+        return input_sq * sum_of_squares(d, axis=1, xla=xla), ops.sum(projected * d, axis=1)
 
-    def from_gram() -> tuple[tf.Tensor, tf.Tensor]:
+    def from_gram() -> tuple[Any, Any]:
         gram = dense_2d_gram(a, d, kernel is not None, bias is not None)
-        return tf.linalg.diag_part(gram), tf.reduce_sum(gram, axis=1)
+        return ops.diagonal(gram, axis1=-2, axis2=-1), ops.sum(gram, axis=1)
 
     d_in, d_out = a.shape[-1], d.shape[-1]
     if kernel is None or not reference.is_batch_sum(variables):
@@ -164,35 +132,33 @@ def dense_2d_primitives(
             from_gram() if rule_math.gram_has_fewer_products(a.shape[0], d_in, d_out) else direct()
         )
     else:
-        sq_norm, dot = tf.cond(
-            rule_math.gram_has_fewer_products(tf.shape(a)[0], d_in, d_out), from_gram, direct
+        sq_norm, dot = ops.cond(
+            rule_math.gram_has_fewer_products(ops.shape(a)[0], d_in, d_out), from_gram, direct
         )
     return LayerPrimitives(sq_norm=sq_norm, dot=dot)
 
 
-def dense_2d_gram(a: tf.Tensor, d: tf.Tensor, has_kernel: bool, has_bias: bool) -> tf.Tensor:
+def dense_2d_gram(a: Any, d: Any, has_kernel: bool, has_bias: bool) -> Any:
     """`(B, B)` `<g_i, g_j> = (a_i . a_j (+ 1 with a bias)) (d_i . d_j)`."""
     return dense_2d_cross(a, d, a, d, has_kernel, has_bias)
 
 
-def dense_2d_cross(
-    a: tf.Tensor, d: tf.Tensor, a2: tf.Tensor, d2: tf.Tensor, has_kernel: bool, has_bias: bool
-) -> tf.Tensor:
+def dense_2d_cross(a: Any, d: Any, a2: Any, d2: Any, has_kernel: bool, has_bias: bool) -> Any:
     """`(B, T)` `<g_i, h_j> = (a_i . a2_j (+ 1 with a bias)) (d_i . d2_j)`."""
     return rule_math.dense_cross(a, d, a2, d2, has_kernel, has_bias)
 
 
-def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor:
+def dense_gram(layer: Any, calls: Sequence[LayerCall]) -> Any:
     """`(B, B)` Gram matrix of a Dense layer's per-example gradients.
 
     On 2-D inputs `<g_i, g_j> = (a_i . a_j)(d_i . d_j) (+ d_i . d_j for the bias)`;
     on sequences from the per-example gradients.
     """
     kernel, bias = trained_variables(layer)
-    rows = as_rows(calls, layer)
+    rows = as_dense_rows(calls, layer)
     if rows is not None:
         return dense_2d_gram(*rows, kernel is not None, bias is not None)
-    a, d = as_sequences(calls, layer)
+    a, d = as_dense_sequences(calls, layer)
     if a.shape[1] == 1:
         return dense_2d_gram(a[:, 0, :], d[:, 0, :], kernel is not None, bias is not None)
     return gram_of([flat_per_example(g) for _, g in dense_per_example(layer, calls)])
@@ -211,9 +177,9 @@ def dense_materializes(layer: Any, calls: Sequence[LayerCall]) -> bool:
     )
 
 
-def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, tf.Tensor]]:
+def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any, Any]]:
     """Per-example gradients of a Dense layer's kernel `A_i^T D_i` and bias `sum_t D_i`."""
-    a, d = as_sequences(calls, layer)
+    a, d = as_dense_sequences(calls, layer)
     kernel, bias = trained_variables(layer)
     pairs = []
     if kernel is not None:
@@ -223,16 +189,14 @@ def dense_per_example(layer: Any, calls: Sequence[LayerCall]) -> list[tuple[Any,
     return pairs
 
 
-def dense_cross(
-    layer: Any, calls: Sequence[LayerCall], target_calls: Sequence[LayerCall]
-) -> tf.Tensor:
+def dense_cross(layer: Any, calls: Sequence[LayerCall], target_calls: Sequence[LayerCall]) -> Any:
     """`(B, T)` products of a Dense layer's per-example gradients with other examples'.
 
     On 2-D inputs `<g_i, h_j> = (a_i . a'_j + 1) (d_i . d'_j)` (the `+ 1` with a bias),
     never building a gradient; on sequences from the per-example gradients.
     """
-    a, d = as_sequences(calls)
-    a2, d2 = as_sequences(target_calls)
+    a, d = as_dense_sequences(calls)
+    a2, d2 = as_dense_sequences(target_calls)
     kernel, bias = trained_variables(layer)
     if a.shape[1] == 1 and a2.shape[1] == 1:
         return dense_2d_cross(
@@ -246,12 +210,12 @@ def dense_cross(
 
 def dense_sketch(
     layer: Any, calls: Sequence[LayerCall], projection: Projection
-) -> list[tuple[Any, tf.Tensor]]:
+) -> list[tuple[Any, Any]]:
     """Sketches of a Dense layer's per-example gradients from its factors.
 
     Kernel: `sum_t (R^T a_it)(C^T d_it)^T`, never `a_it d_it^T` itself; bias: `sum_t C^T d_it`.
     """
-    a, d = as_sequences(calls)
+    a, d = as_dense_sequences(calls)
     kernel, bias = trained_variables(layer)
     pairs = []
     if kernel is not None:

@@ -334,6 +334,42 @@ def canonical_primitives(
     return LayerPrimitives(sq_norm, dot)
 
 
+def as_dense_sequences(
+    calls: Sequence[LayerCall], layer: Any = None
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Stacks every call's input and output gradient as `(B, T, d_in)`, `(B, T, d_out)`.
+
+    `layer`'s kernel gives `d_in` and `d_out` where the static shape lost them (a
+    Flatten after a dilated convolution, with the batch size unknown).
+    """
+
+    def sequences(call: LayerCall) -> tuple[tf.Tensor, tf.Tensor]:
+        a = tf.cast(call.inputs, tf.float32)
+        d = tf.cast(call.output_grad, tf.float32)
+        if layer is not None and (a.shape[-1] is None or d.shape[-1] is None):
+            a = tf.ensure_shape(a, [*a.shape[:-1], layer.kernel.shape[0]])
+            d = tf.ensure_shape(d, [*d.shape[:-1], layer.kernel.shape[1]])
+        return reshape_per_example(a, [-1, a.shape[-1]]), reshape_per_example(d, [-1, d.shape[-1]])
+
+    a, d = along_time(calls, sequences)
+    return a, d
+
+
+def as_dense_rows(
+    calls: Sequence[LayerCall], layer: Any = None
+) -> tuple[tf.Tensor, tf.Tensor] | None:
+    """One call on 2-D inputs: its input and output gradient `(B, d_in)`, `(B, d_out)`
+    as they are (float32), without the sequences' reshapes; otherwise None."""
+    if len(calls) != 1 or calls[0].inputs.shape.rank != 2:
+        return None
+    a = tf.cast(calls[0].inputs, tf.float32)
+    d = tf.cast(calls[0].output_grad, tf.float32)
+    if layer is not None and (a.shape[-1] is None or d.shape[-1] is None):
+        a = tf.ensure_shape(a, [None, layer.kernel.shape[0]])
+        d = tf.ensure_shape(d, [None, layer.kernel.shape[1]])
+    return a, d
+
+
 def token_ids(layer: Any, call: LayerCall) -> tf.Tensor:
     """The row indices the layer looked up in this call, as `Embedding.call` computes them."""
     ids = call.inputs
