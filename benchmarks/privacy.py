@@ -22,7 +22,7 @@ steps included), from the same timed fits: on a machine shared with other jobs, 
 the step computes shows there more steadily than in its wall time.
 
 `--secure-noise` adds a private step with `make_private(..., secure_noise=True)` (the
-noise in float64 from `os.urandom`, a sum of 4 draws: `engine/secure_noise.py`), timed in
+noise in float64 from `os.urandom`, a sum of 4 draws: `privacy/secure_noise.py`), timed in
 the same interleaved rounds.
 
 `--accumulation` trains private logical batches of `--logical` examples (default 4096)

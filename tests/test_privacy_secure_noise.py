@@ -1,5 +1,6 @@
 """`make_private(..., secure_noise=True)`: the noise drawn in float64 from the operating
-system's cryptographically secure generator (`engine/secure_noise.py`, after Opacus'
+system's cryptographically secure generator (`privacy/secure_noise.py` by
+`engine/secure_noise.py`, after Opacus'
 `secure_mode`): its distribution, its float64 resolution, that it is not seeded (two runs
 with the same Keras seed differ, where the default noise repeats), and that it is the
 draw the private step uses, with the noise's standard deviation `sigma C / B`."""
@@ -16,8 +17,8 @@ import tensorflow as tf
 from test_privacy_noise import assert_standard_normal
 
 import keras_gradtrack as kgt
-from keras_gradtrack.engine import secure_noise
 from keras_gradtrack.engine.secure_noise import secure_standard_normal
+from keras_gradtrack.privacy import secure_noise
 
 
 def test_secure_draws_are_standard_normal() -> None:

@@ -45,7 +45,7 @@ class PrivacySettings:
             one group per key of `l2_norm_clip` (a tracked layer's name), or no
             groups for a single bound.
         secure_noise: Whether the noise is drawn in float64 from the operating
-            system's cryptographically secure generator (`engine/secure_noise.py`),
+            system's cryptographically secure generator (`privacy/secure_noise.py`),
             not seeded; False: the seeded float32 Box-Muller draw.
         adaptive_clip: How the bound moves toward a quantile of the norms (one
             bound only), or None for a fixed bound.

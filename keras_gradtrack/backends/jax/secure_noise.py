@@ -1,11 +1,10 @@
 """`secure_noise=True` on JAX: the private step's noise drawn on the host, in float64.
 
-The same draw as the TensorFlow engine's (`engine/secure_noise.py`, Opacus'
+The draw every backend makes (`privacy/secure_noise.py`, Opacus'
 `secure_mode`): the bits from the operating system's cryptographically secure
 generator (`os.urandom`), nothing seeded; 53-bit uniforms in (0, 1]; each number the
 sum of 4 float64 Box-Muller draws over 2 (Holohan and Braghin 2021), scaled in
-float64 and cast to float32 once (`backends/ops/secure_noise.py`, shared with
-PyTorch). JAX computes in float32 unless x64 is enabled, so
+float64 and cast to float32 once. JAX computes in float32 unless x64 is enabled, so
 the whole draw runs on the host, reached from the compiled step by
 `jax.experimental.io_callback` (a side effect: it runs on every step, never cached).
 
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
 
-from keras_gradtrack.backends.ops.secure_noise import host_secure_normal
+from keras_gradtrack.privacy.secure_noise import host_secure_normal
 
 
 def secure_standard_normal(shape: tuple[int, ...], scale: Any) -> Any:

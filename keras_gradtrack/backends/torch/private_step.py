@@ -12,7 +12,7 @@ TensorFlow. What is PyTorch's:
   seed of `make_private` and the optimizer's step count (a run is reproducible),
   one draw per variable in the order of `trainable_variables`, the adaptive bound's
   count after them; with `secure_noise=True` the host draw of
-  `backends/ops/secure_noise.py` (`os.urandom`, float64, as on TensorFlow and JAX);
+  `privacy/secure_noise.py` (`os.urandom`, float64, as on TensorFlow and JAX);
 * the weight penalties' gradient (`variable.regularizer`, added unclipped and
   without noise) by `torch.autograd.grad`; other added losses (`add_loss`) refused;
 * adaptive clipping's bound, a Keras variable assigned after the step (eager).
@@ -39,10 +39,10 @@ from keras_gradtrack._keras_seam import optimizer_apply_count
 from keras_gradtrack.backends.ops import private_step as shared
 from keras_gradtrack.backends.ops.private_model import BOUND_KEY
 from keras_gradtrack.backends.ops.probes import preactivation_call
-from keras_gradtrack.backends.ops.secure_noise import host_secure_normal
 from keras_gradtrack.backends.torch.fallback import fallback_per_example
 from keras_gradtrack.backends.torch.kernels import dense_local_vjp
 from keras_gradtrack.engine.private_settings import settings_of
+from keras_gradtrack.privacy.secure_noise import host_secure_normal
 
 BACKEND = "PyTorch"
 
