@@ -4,9 +4,10 @@ Every backend's secure draw (Opacus' `secure_mode`, `opacus/optimizers/optimizer
 `_generate_noise`): the bits from the operating system's cryptographically secure
 generator (`os.urandom`), nothing seeded; 53-bit uniforms in (0, 1]; each number the
 sum of 4 float64 Box-Muller draws over 2 (Holohan and Braghin 2021), scaled in
-float64 and cast to float32 once. TensorFlow's compiled step reaches it by
-`tf.numpy_function` (`engine/secure_noise.py`), JAX's by `io_callback`
-(`backends/jax/secure_noise.py`); the PyTorch engine calls it eagerly. Why these
+float64 and cast to float32 once. JAX's compiled step reaches it by `io_callback`
+(`backends/jax/secure_noise.py`); the PyTorch engine calls it eagerly. TensorFlow's
+step fetches only the bits here (`os_random_words`, by `tf.numpy_function`) and runs
+the same transform in its graph, on every core (`engine/secure_noise.py`). Why these
 choices (the attacks on floating-point Gaussian samplers, the cost): docs/privacy.md,
 "The noise".
 
