@@ -29,7 +29,6 @@ RULE_FOUNDATIONS = {
     PATCHING,
     "keras_gradtrack.rules.contract",
     "keras_gradtrack.rules.ops",
-    "keras_gradtrack.rules.windows",
     "keras_gradtrack.rules.filter_gradients",
     "keras_gradtrack.rules.chunks",
     "keras_gradtrack.recurrent_cells",
@@ -219,7 +218,6 @@ TENSORFLOW_ENGINE_MODULES = {
     "keras_gradtrack.rules.filter_gradients",
     "keras_gradtrack.rules.ops",
     "keras_gradtrack.rules.recurrent",
-    "keras_gradtrack.rules.windows",
 }
 
 

@@ -98,6 +98,18 @@ def shared_conv(channels: int) -> Any:
     return pytest.param(build, id=f"shared_conv_{channels}_channels")
 
 
+def shared_gram_conv() -> Case:
+    """A shared Conv2D in the Gram form: both calls' windows stacked along the positions."""
+    # 2 x 2 + 3 x 2 output positions, 3 x 3 x 16 wide windows, 32 filters.
+    assert gram_has_fewer_products(10, 9 * 16, 32)
+    small, large = keras.Input((4, 4, 16)), keras.Input((5, 4, 16))
+    shared = L.Conv2D(32, 3, activation="tanh")
+    pooled = [L.GlobalAveragePooling2D()(shared(inputs)) for inputs in (small, large)]
+    model = classifier([small, large], L.Concatenate()(pooled))
+    x = [rng.normal(size=(BATCH, 4, 4, 16)), rng.normal(size=(BATCH, 5, 4, 16))]
+    return model, x, rng.integers(0, 3, BATCH), {L.Conv2D: "rule:conv"}
+
+
 def shared_separable_and_transpose() -> Case:
     inputs = keras.Input((6, 3))
     separable = L.SeparableConv1D(3, 3, padding="same", depth_multiplier=2)
@@ -257,6 +269,7 @@ CASES = [
     ),
     shared_conv(2),
     shared_conv(6),
+    pytest.param(shared_gram_conv, id="shared_gram_conv"),
     pytest.param(shared_separable_and_transpose, id="shared_separable_and_transpose"),
     pytest.param(small_cnn, id="small_cnn_28x28"),
     pytest.param(frozen_kernels, id="frozen_kernels"),

@@ -26,9 +26,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
-from keras_gradtrack.rule_math import gram_has_fewer_products
+from keras_gradtrack.rule_math import gram_has_fewer_products, total
 from keras_gradtrack.rules.contract import LayerCall, LayerPrimitives, Reference
 from keras_gradtrack.rules.ops import (
     materialized,
@@ -75,22 +75,21 @@ class Window:
         )
 
 
-def sizes(tensor: tf.Tensor) -> list[Size]:
+def sizes(tensor: Any) -> list[Size]:
     """The tensor's shape: static sizes where known, scalar tensors elsewhere."""
-    dynamic = tf.shape(tensor)
-    return [dynamic[axis] if size is None else size for axis, size in enumerate(tensor.shape)]
+    return list(ops.shape(tensor))
 
 
-def channels_last(tensor: Any, data_format: str) -> tf.Tensor:
+def channels_last(tensor: Any, data_format: str) -> Any:
     """The tensor as float32 `(B, *spatial, C)`."""
-    tensor = tf.cast(tensor, tf.float32)
+    tensor = ops.cast(tensor, "float32")
     if data_format == "channels_first":
         rank = len(tensor.shape)
-        tensor = tf.transpose(tensor, [0, *range(2, rank), 1])
+        tensor = ops.transpose(tensor, (0, *range(2, rank), 1))
     return tensor
 
 
-def padded(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> tf.Tensor:
+def padded(x: Any, output_size: Sequence[Size], window: Window) -> Any:
     """`x` padded so that a "valid" window at every output position fits."""
     shape = sizes(x)
     paddings: list[list[Size]] = [[0, 0]]
@@ -104,15 +103,15 @@ def padded(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> tf.Tens
             paddings.append([extent - 1, 0])
         else:
             total = (out - 1) * stride + extent - size
-            total = tf.maximum(total, 0) if isinstance(total, tf.Tensor) else max(total, 0)
+            total = ops.maximum(total, 0) if ops.is_tensor(total) else max(total, 0)
             paddings.append([total // 2, total - total // 2])
     paddings.append([0, 0])
     if any(not isinstance(amount, int) or amount for pair in paddings for amount in pair):
-        x = tf.pad(x, paddings)
+        x = ops.pad(x, paddings)
     return x
 
 
-def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> list[tf.Tensor]:
+def window_slices(x: Any, output_size: Sequence[Size], window: Window) -> list[Any]:
     """The input values under each kernel offset at every output position.
 
     Args:
@@ -141,7 +140,7 @@ def window_slices(x: tf.Tensor, output_size: Sequence[Size], window: Window) -> 
     return slices
 
 
-def phase_split(x: tf.Tensor, strides: Sequence[int]) -> tf.Tensor:
+def phase_split(x: Any, strides: Sequence[int]) -> Any:
     """`x` with each strided spatial axis of size n split into `(ceil(n / s), s)`.
 
     A window at stride s is then a unit-stride slice at one phase of the
@@ -160,13 +159,11 @@ def phase_split(x: tf.Tensor, strides: Sequence[int]) -> tf.Tensor:
         split += [size] if stride == 1 else [(size + extra) // stride, stride]
     paddings.append([0, 0])
     if any(not isinstance(amount, int) or amount for _, amount in paddings):
-        x = tf.pad(x, paddings)
-    return tf.reshape(x, [*split, shape[-1]])
+        x = ops.pad(x, paddings)
+    return ops.reshape(x, (*split, shape[-1]))
 
 
-def stacked_windows(
-    pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], window: Window
-) -> tuple[list[tf.Tensor], tf.Tensor]:
+def stacked_windows(pairs: Sequence[tuple[Any, Any]], window: Window) -> tuple[list[Any], Any]:
     """Windows of each `source` at the positions of its `target`, all calls stacked.
 
     Args:
@@ -186,11 +183,11 @@ def stacked_windows(
         targets.append(reshape_per_example(target, [-1, target.shape[-1]]))
     if len(pairs) == 1:
         return slices_per_call[0], targets[0]
-    slices = [tf.concat(list(per_offset), axis=1) for per_offset in zip(*slices_per_call)]
-    return slices, tf.concat(targets, axis=1)
+    slices = [ops.concatenate(list(per_offset), axis=1) for per_offset in zip(*slices_per_call)]
+    return slices, ops.concatenate(targets, axis=1)
 
 
-def grouped_response(slices: Sequence[tf.Tensor], kernel: tf.Tensor, groups: int) -> tf.Tensor:
+def grouped_response(slices: Sequence[Any], kernel: Any, groups: int) -> Any:
     """The (bias-free) convolution output `sum_k S_k W_k`, per group: `(B, P, O)`.
 
     Args:
@@ -199,21 +196,20 @@ def grouped_response(slices: Sequence[tf.Tensor], kernel: tf.Tensor, groups: int
         groups: Number of channel groups.
     """
     group_channels, filters = kernel.shape[1], kernel.shape[2]
-    per_offset = tf.unstack(tf.reshape(kernel, [len(slices), group_channels, groups, -1]))
-    batch = tf.shape(slices[0])[0]
+    kernel = ops.reshape(kernel, (len(slices), group_channels, groups, -1))
+    per_offset = [kernel[k] for k in range(len(slices))]
+    batch = ops.shape(slices[0])[0]
     if group_channels == 1:  # depthwise: a broadcast product, not a degenerate einsum
-        terms = [s[..., tf.newaxis] * w[0] for s, w in zip(slices, per_offset)]
+        terms = [s[..., None] * w[0] for s, w in zip(slices, per_offset)]
     else:
         terms = [
-            tf.einsum("bpgc,cgo->bpgo", tf.reshape(s, [batch, -1, groups, group_channels]), w)
+            ops.einsum("bpgc,cgo->bpgo", ops.reshape(s, (batch, -1, groups, group_channels)), w)
             for s, w in zip(slices, per_offset)
         ]
-    return tf.reshape(tf.add_n(terms), [batch, -1, filters])
+    return ops.reshape(total(terms), (batch, -1, filters))
 
 
-def per_example_kernel_gradients(
-    slices: Sequence[tf.Tensor], targets: tf.Tensor, groups: int
-) -> tf.Tensor:
+def per_example_kernel_gradients(slices: Sequence[Any], targets: Any, groups: int) -> Any:
     """`g_i[k] = S_ik^T D_i` per group, flattened in the kernel's layout: `(B, n)`.
 
     One matrix product per kernel offset (per group): the window copies and
@@ -224,7 +220,7 @@ def per_example_kernel_gradients(
         targets: `(B, P, O)`, the gradient paired with the windows.
         groups: Number of channel groups (input channel block j meets filter block j).
     """
-    batch = tf.shape(targets)[0]
+    batch = ops.shape(targets)[0]
     channels = slices[0].shape[-1]
     group_channels = channels // groups
     if groups == 1 and channels <= FEW_CHANNELS:
@@ -232,37 +228,39 @@ def per_example_kernel_gradients(
         # beats one product per offset with a tiny inner size. Stacked as
         # (B, K, P, C), each offset's windows are one contiguous copy (faster than
         # interleaving them as (B, P, K * C)).
-        windows = tf.stack(list(slices), axis=1)
+        windows = ops.stack(list(slices), axis=1)
         if windows.shape[-1] != 1:
-            windows = tf.transpose(windows, [0, 1, 3, 2])
-        windows = tf.reshape(windows, [batch, -1, tf.shape(targets)[1]])  # (B, K * C, P)
-        return tf.reshape(tf.matmul(windows, targets), [batch, -1])
+            windows = ops.transpose(windows, (0, 1, 3, 2))
+        windows = ops.reshape(windows, (batch, -1, ops.shape(targets)[1]))  # (B, K * C, P)
+        return ops.reshape(ops.matmul(windows, targets), (batch, -1))
     if groups == 1:
-        per_offset = [tf.matmul(s, targets, transpose_a=True) for s in slices]
+        per_offset = [ops.einsum("bpc,bpo->bco", s, targets) for s in slices]
     elif group_channels == 1:
         # Depthwise: a product per position and channel, summed over positions
         # (an einsum here becomes one tiny matrix product per channel, much slower).
         multiplier = targets.shape[-1] // groups
         if multiplier == 1:
-            per_offset = [tf.reduce_sum(s * targets, axis=1) for s in slices]
+            per_offset = [ops.sum(s * targets, axis=1) for s in slices]
         else:
-            grads = tf.reshape(targets, [batch, -1, groups, multiplier])
-            per_offset = [tf.reduce_sum(s[..., tf.newaxis] * grads, axis=1) for s in slices]
+            grads = ops.reshape(targets, (batch, -1, groups, multiplier))
+            per_offset = [ops.sum(s[..., None] * grads, axis=1) for s in slices]
     else:
-        grads = tf.reshape(targets, [batch, -1, groups, targets.shape[-1] // groups])
+        grads = ops.reshape(targets, (batch, -1, groups, targets.shape[-1] // groups))
         per_offset = [
-            tf.einsum("bpgc,bpgo->bcgo", tf.reshape(s, [batch, -1, groups, group_channels]), grads)
+            ops.einsum(
+                "bpgc,bpgo->bcgo", ops.reshape(s, (batch, -1, groups, group_channels)), grads
+            )
             for s in slices
         ]
     # (B, K, C / groups, groups, O / groups) is the kernel's own layout.
-    return tf.reshape(tf.stack(per_offset, axis=1), [batch, -1])
+    return ops.reshape(ops.stack(per_offset, axis=1), (batch, -1))
 
 
 def grouped_kernel_primitives(
-    slices: Sequence[tf.Tensor],
-    targets: tf.Tensor,
+    slices: Sequence[Any],
+    targets: Any,
     groups: int,
-    kernel_reference: tf.Tensor | None,
+    kernel_reference: Any | None,
     xla: bool = False,
 ) -> LayerPrimitives:
     """`||g_i||^2` and `<g_i, R>` for the kernel gradient `g_i[k] = S_ik^T D_i` per group.
@@ -282,16 +280,16 @@ def grouped_kernel_primitives(
         return materialized(
             [per_example_kernel_gradients(slices, targets, groups)], references, xla
         )
-    batch = tf.shape(targets)[0]
-    grouped = [tf.reshape(s, [batch, -1, groups, group_channels]) for s in slices]
-    grads = tf.reshape(targets, [batch, -1, groups, group_filters])
-    gram_windows = tf.add_n([tf.einsum("bpgc,bqgc->bgpq", s, s) for s in grouped])
-    gram_grads = tf.einsum("bpgo,bqgo->bgpq", grads, grads)
-    sq_norm = tf.reduce_sum(gram_windows * gram_grads, axis=[1, 2, 3])
+    batch = ops.shape(targets)[0]
+    grouped = [ops.reshape(s, (batch, -1, groups, group_channels)) for s in slices]
+    grads = ops.reshape(targets, (batch, -1, groups, group_filters))
+    gram_windows = total([ops.einsum("bpgc,bqgc->bgpq", s, s) for s in grouped])
+    gram_grads = ops.einsum("bpgo,bqgo->bgpq", grads, grads)
+    sq_norm = ops.sum(gram_windows * gram_grads, axis=(1, 2, 3))
     if kernel_reference is None:
         return LayerPrimitives(sq_norm=sq_norm, dot=None)
     response = grouped_response(slices, kernel_reference, groups)
-    return LayerPrimitives(sq_norm=sq_norm, dot=tf.reduce_sum(response * targets, axis=[1, 2]))
+    return LayerPrimitives(sq_norm=sq_norm, dot=ops.sum(response * targets, axis=(1, 2)))
 
 
 def kernel_and_bias_primitives(
@@ -311,7 +309,7 @@ def kernel_and_bias_primitives(
         slices, targets = stacked_windows(pairs, Window.of(layer))
         kernel_reference = None
         if reference is not None:
-            kernel_reference = tf.reshape(reference(layer.kernel), [len(slices), *layout])
+            kernel_reference = ops.reshape(reference(layer.kernel), (len(slices), *layout))
         terms.append(
             grouped_kernel_primitives(slices, targets, groups, kernel_reference, calls[0].xla)
         )
@@ -332,7 +330,7 @@ def channels_last_pairs(layer: Any, calls: Sequence[LayerCall], swapped: bool = 
     return pairs
 
 
-def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> tf.Tensor | None:
+def per_example_bias_gradient(layer: Any, calls: Sequence[LayerCall]) -> Any | None:
     """`(B, filters)`, the output gradient summed over positions and calls; None without a trainable bias."""
     if layer.bias is None or not layer.bias.trainable:
         return None
@@ -355,13 +353,13 @@ def with_bias(
     return summed(terms)
 
 
-Pairs = list[tuple[tf.Tensor, tf.Tensor]]
+Pairs = list[tuple[Any, Any]]
 
 
-def paired(outputs: tf.Tensor, output_grad: tf.Tensor) -> tf.Tensor:
+def paired(outputs: Any, output_grad: Any) -> Any:
     """`(B,)` `<z_i, d_i>` over all axes but the batch (same layout)."""
-    products = tf.cast(outputs, tf.float32) * tf.cast(output_grad, tf.float32)
-    return tf.reduce_sum(tf.reshape(products, [tf.shape(products)[0], -1]), axis=1)
+    products = ops.cast(outputs, "float32") * ops.cast(output_grad, "float32")
+    return ops.sum(ops.reshape(products, (ops.shape(products)[0], -1)), axis=1)
 
 
 def convolution_options(layer: Any, **overrides: Any) -> dict[str, Any]:
@@ -381,7 +379,7 @@ def forward_dot(
     calls: Sequence[LayerCall],
     reference: Reference,
     forward: Any,
-) -> tf.Tensor:
+) -> Any:
     """`(B,)` `<g_i, R>` of a layer linear in its kernel and bias: `forward(inputs,
     kernel)` (the layer's own kernel map, float32) applied to each call's inputs with
     R's kernel, paired with the output gradients, plus the bias term."""
@@ -389,18 +387,18 @@ def forward_dot(
     if layer.kernel.trainable:
         kernel = reference(layer.kernel)
         for call in calls:
-            outputs = forward(tf.cast(call.inputs, tf.float32), kernel)
+            outputs = forward(ops.cast(call.inputs, "float32"), kernel)
             terms.append(paired(outputs, call.output_grad))
     return with_bias_dot(layer, calls, reference, terms)
 
 
 def with_bias_dot(
-    layer: Any, calls: Sequence[LayerCall], reference: Reference, terms: list[tf.Tensor]
-) -> tf.Tensor:
+    layer: Any, calls: Sequence[LayerCall], reference: Reference, terms: list[Any]
+) -> Any:
     """The layer's `<g_i, R>`: the given kernel terms plus the bias term."""
     bias_grad = per_example_bias_gradient(layer, calls)
     if bias_grad is not None:
-        terms = [*terms, tf.linalg.matvec(bias_grad, reference(layer.bias))]
+        terms = [*terms, ops.sum(bias_grad * reference(layer.bias), axis=1)]
     if not terms:  # every variable of the layer is frozen
-        return tf.zeros([tf.shape(calls[0].output_grad)[0]])
-    return tf.add_n(terms)
+        return ops.zeros((ops.shape(calls[0].output_grad)[0],))
+    return total(terms)
