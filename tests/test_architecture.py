@@ -29,6 +29,7 @@ RULE_FOUNDATIONS = {
     PATCHING,
     "keras_gradtrack.rules.contract",
     "keras_gradtrack.rules.ops",
+    "keras_gradtrack.rules.windows",
     "keras_gradtrack.rules.filter_gradients",
     "keras_gradtrack.rules.chunks",
     "keras_gradtrack.recurrent_cells",
