@@ -43,9 +43,9 @@ def os_random_words(count: Any) -> np.ndarray:
     return np.frombuffer(os.urandom(8 * int(count)), dtype=np.uint64)
 
 
-def host_secure_normal(shape: tuple[int, ...], scale: Any, dtype: Any = np.float32) -> np.ndarray:
+def host_secure_normal(shape: tuple[int, ...], scale: Any) -> np.ndarray:
     """`scale` times `N(0, 1)` draws of `shape` from `os.urandom`, in float64, cast to
-    `dtype` once: each number the sum of 4 Box-Muller draws on 53-bit uniforms, over 2
+    float32 once: each number the sum of 4 Box-Muller draws on 53-bit uniforms, over 2
     (Holohan and Braghin 2021)."""
     count = math.prod(shape)
     pairs = SUMMED_SAMPLES * count // 2  # one uniform per normal: a radius and an angle
@@ -57,4 +57,4 @@ def host_secure_normal(shape: tuple[int, ...], scale: Any, dtype: Any = np.float
     normal = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])
     normal = normal.reshape(SUMMED_SAMPLES, count).sum(axis=0)
     scaled = normal * (float(np.asarray(scale)) / math.sqrt(SUMMED_SAMPLES))
-    return scaled.astype(dtype).reshape(shape)
+    return scaled.astype(np.float32).reshape(shape)
