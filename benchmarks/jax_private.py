@@ -2,8 +2,10 @@
 
 For each model of `zoo.py` and batch size: milliseconds per training step of plain
 `keras.Model.fit`, of `GradientTrackingModel.fit` after `make_private(l2_norm_clip=1,
-noise_multiplier=0)` (every step clipped, no noise drawn) and after `make_private(
-l2_norm_clip=1, noise_multiplier=1)` (clipped and noised), no logger, and the ratios. Each
+noise_multiplier=0)` (every step clipped, no noise drawn), after `make_private(
+l2_norm_clip=1, noise_multiplier=1)` (clipped and noised) and after the same with
+`secure_noise=True` (the noise drawn on the host from `os.urandom`), no logger, and the
+ratios. Each
 (model, batch size) runs in a fresh process; plain and private fits alternate in
 rounds and the medians are reported. Imports no TensorFlow.
 
@@ -42,10 +44,14 @@ def child(name: str, batch_size: int, rounds: int, seconds: float) -> dict[str, 
         raise SystemExit(f"Expected KERAS_BACKEND=jax. Received: {keras.backend.backend()}")
     plain = build_compiled(name, keras.Model)
     models = {"plain": plain}
-    for variant, sigma in (("clipped", 0.0), ("private", 1.0)):
+    for variant, sigma, secure in (
+        ("clipped", 0.0, False),
+        ("private", 1.0, False),
+        ("secure", 1.0, True),
+    ):
         model = models[variant] = build_compiled(name, kgt.GradientTrackingModel)
         model.set_weights(plain.get_weights())
-        model.make_private(l2_norm_clip=1.0, noise_multiplier=sigma)
+        model.make_private(l2_norm_clip=1.0, noise_multiplier=sigma, secure_noise=secure)
     x, y = synthetic_batches(name, batch_size, NUM_BATCHES)
 
     def fit(model: Any, epochs: int) -> float:
@@ -63,6 +69,7 @@ def child(name: str, batch_size: int, rounds: int, seconds: float) -> dict[str, 
         "plain_ms": ms["plain"],
         "clipped_ms": ms["clipped"],
         "private_ms": ms["private"],
+        "secure_ms": ms["secure"],
         "paths": [t.path for t in models["private"].gradient_tracking_plan()],
         "tensorflow_imported": "tensorflow" in sys.modules,
         "device": str(jax.devices()[0].device_kind),
@@ -77,18 +84,19 @@ def run_child(name: str, batch_size: int, args: argparse.Namespace) -> dict[str,
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | B | plain ms/step | clipped (sigma=0) ms/step | private (sigma=1) "
-        "ms/step | clipped / plain | private / plain |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "ms/step | secure noise ms/step | clipped / plain | private / plain | secure / plain |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['model']} | {row['batch_size']} | failed | | | | |")
+            lines.append(f"| {row['model']} | {row['batch_size']} | failed | | | | | | |")
             continue
         plain = row["plain_ms"]
         lines.append(
             f"| {row['model']} | {row['batch_size']} | {plain:.2f} | {row['clipped_ms']:.2f} "
-            f"| {row['private_ms']:.2f} | {row['clipped_ms'] / plain:.2f}x "
-            f"| {row['private_ms'] / plain:.2f}x |"
+            f"| {row['private_ms']:.2f} | {row['secure_ms']:.2f} "
+            f"| {row['clipped_ms'] / plain:.2f}x | {row['private_ms'] / plain:.2f}x "
+            f"| {row['secure_ms'] / plain:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -111,6 +119,7 @@ def main() -> None:
                 print(
                     f"{name:12s} B={batch_size:<4d} plain {row['plain_ms']:8.2f} ms  "
                     f"clipped {row['clipped_ms']:8.2f} ms  private {row['private_ms']:8.2f} ms  "
+                    f"secure {row['secure_ms']:8.2f} ms  "
                     f"paths {row['paths']}",
                     flush=True,
                 )

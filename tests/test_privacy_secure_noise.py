@@ -7,6 +7,7 @@ draw the private step uses, with the noise's standard deviation `sigma C / B`.""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 from unittest import mock
 
@@ -140,3 +141,49 @@ def test_secure_noise_is_added_once_under_a_strategy(two_cpu_strategy: Any) -> N
 
     noise = update(1.3) - update(0.0)
     assert abs(noise.std() / (1.3 * 0.7 / 16) - 1) < 5 / np.sqrt(2 * noise.size), noise.std()
+
+
+def test_the_host_draw_in_pieces_is_standard_normal_and_each_piece_its_own() -> None:
+    """The draw JAX and PyTorch call, on 4 threads: N(0, 1) as a whole, no piece a
+    copy of another or correlated with the next."""
+    count = 1_000_003
+    with mock.patch.object(secure_noise.os, "cpu_count", lambda: 4):
+        parts = secure_noise.pieces(count)
+        z = secure_noise.host_secure_normal((count,), 1.0)
+    assert len(parts) == 4 and z.shape == (count,) and z.dtype == np.float32
+    assert_standard_normal(z)
+    size = min(p.stop - p.start for p in parts)
+    first = [z[p][:size] for p in parts]
+    for a, b in itertools.pairwise(first):
+        assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(size)
+
+
+@pytest.mark.parametrize("count", [0, 1, 65_535, 65_536, 131_071, 131_072, 10**6 + 1])
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_the_pieces_cover_the_draw_once(count: int, cores: int) -> None:
+    with mock.patch.object(secure_noise.os, "cpu_count", lambda: cores):
+        parts = secure_noise.pieces(count)
+    assert parts[0].start == 0 and parts[-1].stop == count
+    assert all(a.stop == b.start for a, b in itertools.pairwise(parts))
+    assert len(parts) == 1 or min(p.stop - p.start for p in parts) >= 1 << 16
+    assert len(parts) == max(1, min(cores, count >> 16))
+
+
+def test_the_words_read_in_pieces_are_all_read() -> None:
+    """Every word of a large read comes from the generator (an unwritten piece would
+    repeat a value: two equal 64-bit words by chance have probability below 1e-7)."""
+    with mock.patch.object(secure_noise.os, "cpu_count", lambda: 4):
+        words = secure_noise.os_random_words(600_001)
+    assert words.dtype == np.uint64 and np.unique(words).size == words.size
+
+
+def test_a_failed_read_in_a_piece_is_raised() -> None:
+    def broken(size: int) -> bytes:
+        raise OSError("no entropy")
+
+    with (
+        mock.patch.object(secure_noise.os, "cpu_count", lambda: 4),
+        mock.patch.object(secure_noise.os, "urandom", broken),
+        pytest.raises(OSError, match="no entropy"),
+    ):
+        secure_noise.host_secure_normal((300_000,), 1.0)
