@@ -158,15 +158,17 @@ def test_the_host_draw_in_pieces_is_standard_normal_and_each_piece_its_own() -> 
         assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(size)
 
 
-@pytest.mark.parametrize("count", [0, 1, 65_535, 65_536, 131_071, 131_072, 10**6 + 1])
+@pytest.mark.parametrize("pieces", [0, 1e-9, 0.99, 1, 1.99, 2, 20.3])
 @pytest.mark.parametrize("cores", [1, 2, 16])
-def test_the_pieces_cover_the_draw_once(count: int, cores: int) -> None:
+def test_the_pieces_cover_the_draw_once(pieces: float, cores: int) -> None:
+    smallest = secure_noise.NUMBERS_PER_PIECE
+    count = round(pieces * smallest)
     with mock.patch.object(secure_noise.os, "cpu_count", lambda: cores):
         parts = secure_noise.pieces(count)
     assert parts[0].start == 0 and parts[-1].stop == count
     assert all(a.stop == b.start for a, b in itertools.pairwise(parts))
-    assert len(parts) == 1 or min(p.stop - p.start for p in parts) >= 1 << 16
-    assert len(parts) == max(1, min(cores, count >> 16))
+    assert len(parts) == 1 or min(p.stop - p.start for p in parts) >= smallest
+    assert len(parts) == max(1, min(cores, count // smallest))
 
 
 def test_the_words_read_in_pieces_are_all_read() -> None:

@@ -10,8 +10,8 @@ step fetches only the bits here (`os_random_words`, by `tf.numpy_function`) and 
 the same transform in its graph, on every core (`engine/secure_noise.py`). A large draw
 or read here runs in pieces of at least `NUMBERS_PER_PIECE`, one per core, on a pool of
 threads (`os.urandom` and numpy's loops release the interpreter's lock), each piece
-reading bits of its own: the MLP's 270k numbers in about 40 ms on 2 cores, against 65-70
-ms in one piece (docs/privacy.md). Why these
+reading bits of its own: the zoo MLP's six draws in 45-50 ms on 2 cores, against 70-93
+ms in one piece (docs/privacy.md, "On every core"). Why these
 choices (the attacks on floating-point Gaussian samplers, the cost): docs/privacy.md,
 "The noise".
 
@@ -38,7 +38,7 @@ import numpy as np
 SUMMED_SAMPLES = 4
 MANTISSA_BITS = 53
 # The fewest numbers (or words) a thread of the host draw takes.
-NUMBERS_PER_PIECE = 1 << 16
+NUMBERS_PER_PIECE = 1 << 14
 
 
 def os_random_words(count: Any) -> np.ndarray:
