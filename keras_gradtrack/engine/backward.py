@@ -272,3 +272,18 @@ def penalty_gradients(context: TrackingContext, weights: list[tf.Tensor | None])
         gradient = tf.cast(tf.convert_to_tensor(tape.gradient(value, penalty.variable)), tf.float32)
         parts[id(penalty.variable)] = parts.get(id(penalty.variable), 0.0) + weight * gradient
     return parts
+
+
+def loss_scale_of(recorded: tf.Tensor | None) -> tf.Tensor | None:
+    """The step's loss scale `s`, None when it is 1 (no scale recorded, or an optimizer
+    without loss scaling, whose 1 is a constant of the trace): dividing by it is then
+    left out, which changes no value."""
+    if recorded is None or tf.get_static_value(recorded) == 1.0:
+        return None
+    return recorded
+
+
+def dense_float(gradient: Any) -> tf.Tensor:
+    """A gradient of the tape as a dense float32 tensor (an `IndexedSlices`, such as an
+    Embedding's, densified)."""
+    return tf.cast(tf.convert_to_tensor(gradient), tf.float32)

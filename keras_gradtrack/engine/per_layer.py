@@ -12,13 +12,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack.engine import distribute
-from keras_gradtrack.engine.backward import Calls, Materialized
+from keras_gradtrack.engine.backward import Calls, Materialized, dense_float, loss_scale_of
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
 from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
 from keras_gradtrack.engine.step_state import StepState
+from keras_gradtrack.rule_math import total
 from keras_gradtrack.rules import Reference
 from keras_gradtrack.rules.ops import (
     flat_per_example,
@@ -42,9 +43,9 @@ class BatchSums:
         reference: The rules' reference, `raw`.
     """
 
-    raw: dict[int, tf.Tensor]
-    data: dict[int, tf.Tensor]
-    data_scale: tf.Tensor
+    raw: dict[int, Any]
+    data: dict[int, Any]
+    data_scale: Any
     reference: Reference
 
 
@@ -64,7 +65,7 @@ def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitive
     rows = per_example_rows(state, sums.reference if wants_dots else None, unscale, scale)
     gram = None
     if any(statistic.needs_gram for statistic in context.statistics):
-        gram = step_gram(state) * tf.square(unscale)
+        gram = step_gram(state) * ops.square(unscale)
     rows = distribute.all_gather_rows(rows)
     raw_sq_norms = squared_norms(sums.raw, plan, context.xla)
     # Without penalties (on one replica) the data part is the batch gradient itself.
@@ -74,21 +75,21 @@ def step_primitives(state: StepState, gradients: Sequence[Any]) -> StepPrimitive
         loss=rows["loss"],
         sq_norm=rows["sq_norm"],
         dot=rows.get("dot"),
-        reference_sq_norm=raw_sq_norms if scale is None else raw_sq_norms / tf.square(scale),
-        sum_sq_norm=data_sq_norms * tf.square(sums.data_scale),
-        batch_size=tf.cast(tf.shape(rows["loss"])[0], tf.float32),
+        reference_sq_norm=raw_sq_norms if scale is None else raw_sq_norms / ops.square(scale),
+        sum_sq_norm=data_sq_norms * ops.square(sums.data_scale),
+        batch_size=ops.cast(ops.shape(rows["loss"])[0], "float32"),
         gram=gram,
         input_sq_norm=rows.get("input_sq_norm"),
     )
 
 
-def batch_sums(state: StepState, gradients: Sequence[Any], unscale: tf.Tensor) -> BatchSums:
+def batch_sums(state: StepState, gradients: Sequence[Any], unscale: Any) -> BatchSums:
     """The batch gradient and the sum of the per-example gradients of the covered
     layers, all-reduced across replicas; `unscale` is `1 / (c s)`."""
     variables = [v for tracked in state.layers.plan for v in tracked.variables]
     by_id = {id(v): gradient for v, gradient in zip(state.request.sources, gradients)}
     raw = {
-        id(v): tf.zeros(v.shape) if by_id[id(v)] is None else as_float(by_id[id(v)])
+        id(v): ops.zeros(v.shape) if by_id[id(v)] is None else dense_float(by_id[id(v)])
         for v in variables
     }
     penalties = state.penalties
@@ -100,12 +101,13 @@ def batch_sums(state: StepState, gradients: Sequence[Any], unscale: tf.Tensor) -
     reduced = distribute.all_reduce_sum([raw[i] for i in ids] + [data[i] * unscale for i in ids])
     batch_raw = dict(zip(ids, reduced[: len(ids)]))
     sums = dict(zip(ids, reduced[len(ids) :]))
-    return BatchSums(batch_raw, sums, tf.constant(1.0), Reference(batch_raw, frozenset()))
+    one = ops.convert_to_tensor(1.0)
+    return BatchSums(batch_raw, sums, one, Reference(batch_raw, frozenset()))
 
 
 def per_example_rows(
-    state: StepState, reference: Reference | None, unscale: tf.Tensor, scale: tf.Tensor | None
-) -> dict[str, tf.Tensor]:
+    state: StepState, reference: Reference | None, unscale: Any, scale: Any
+) -> dict[str, Any]:
     """This replica's `loss`, `sq_norm` and `dot` rows (no `dot` without a `reference`;
     `input_sq_norm` where inputs are watched); the rules see `c s d l_i / d z_i` and
     `s G` (`scale` is `s`, None for 1).
@@ -115,13 +117,13 @@ def per_example_rows(
     `(B,)` column as on the `(B, L)` matrix).
     """
     primitives = layers_primitives(state, reference)
-    sq_norm = tf.stack([sq_norm for sq_norm, _ in primitives], axis=1)
+    sq_norm = ops.stack([sq_norm for sq_norm, _ in primitives], axis=1)
     rows = {
         "loss": state.backward.shares * unscale,
-        "sq_norm": tf.maximum(sq_norm, 0.0) * tf.square(unscale),
+        "sq_norm": ops.maximum(sq_norm, 0.0) * ops.square(unscale),
     }
     if reference is not None:
-        dot = tf.stack([dot for _, dot in primitives], axis=1) * unscale
+        dot = ops.stack([dot for _, dot in primitives], axis=1) * unscale
         rows["dot"] = dot if scale is None else dot / scale
     if state.context.watched_inputs:
         gradients = state.backward.input_gradients
@@ -129,9 +131,7 @@ def per_example_rows(
     return rows
 
 
-def layers_primitives(
-    state: StepState, reference: Reference | None
-) -> list[tuple[tf.Tensor, tf.Tensor | None]]:
+def layers_primitives(state: StepState, reference: Reference | None) -> list[tuple[Any, Any]]:
     """Per covered layer, `(sq_norm, dot)` in the rules' scale, by its form (no dot,
     and no product with the batch gradient, without a `reference`)."""
     coupled = state.coupled.primitives(reference) if state.coupled is not None else {}
@@ -143,23 +143,10 @@ def layers_primitives(
     ]
 
 
-def loss_scale_of(recorded: tf.Tensor | None) -> tf.Tensor | None:
-    """The step's loss scale `s`, None when it is 1 (no scale recorded, or an optimizer
-    without loss scaling, whose 1 is a constant of the trace): dividing by it is then
-    left out, which changes no value."""
-    if recorded is None or tf.get_static_value(recorded) == 1.0:
-        return None
-    return recorded
-
-
-def as_float(gradient: Any) -> tf.Tensor:
-    return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
-
-
-def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan, xla: bool) -> tf.Tensor:
+def squared_norms(gradients: dict[int, Any], plan: Plan, xla: bool) -> Any:
     """`(L,)` per-layer squared norms; a tensor shared by two entries is squared once
     (`xla`: the step is compiled by XLA)."""
-    squares: dict[int, tf.Tensor] = {}
+    squares: dict[int, Any] = {}
     per_layer = []
     for tracked in plan:
         terms = []
@@ -168,8 +155,8 @@ def squared_norms(gradients: dict[int, tf.Tensor], plan: Plan, xla: bool) -> tf.
             if id(tensor) not in squares:
                 squares[id(tensor)] = sum_of_squares(tensor, xla=xla)
             terms.append(squares[id(tensor)])
-        per_layer.append(tf.add_n(terms))
-    return tf.stack(per_layer)
+        per_layer.append(total(terms))
+    return ops.stack(per_layer)
 
 
 def layer_primitives(
@@ -178,7 +165,7 @@ def layer_primitives(
     form: str,
     reference: Reference | None,
     materialized_layers: Materialized,
-) -> tuple[tf.Tensor, tf.Tensor | None]:
+) -> tuple[Any, Any]:
     """`(sq_norm, dot)` of one layer, by its form: materialized (whole or chunk by
     chunk, from `materialized_layers`), its rule, or the fallback."""
     chunk = materialized_layers.chunks.get(tracked.name)
@@ -196,7 +183,7 @@ def layer_primitives(
     return result.sq_norm, result.dot
 
 
-def step_gram(state: StepState) -> tf.Tensor:
+def step_gram(state: StepState) -> Any:
     """`(B, B)` `<g_i, g_j>` over every covered layer (in the rules' scale squared)."""
     if distribute.num_replicas() > 1:
         raise ValueError(
@@ -221,19 +208,17 @@ def step_gram(state: StepState) -> tf.Tensor:
             grams.append(gram_of([flat_per_example(g) for _, g in pairs]))
         else:
             grams.append(fallback_gram(tracked.layer, tracked.variables, layer_calls))
-    return tf.add_n(grams)
+    return total(grams)
 
 
-def input_sq_norm(
-    gradients: Sequence[Any], unscale: tf.Tensor, like: tf.Tensor, xla: bool
-) -> tf.Tensor:
+def input_sq_norm(gradients: Sequence[Any], unscale: Any, like: Any, xla: bool) -> Any:
     """`(B,)` `||d l_i / d x_i||^2` over the watched float inputs (`xla`: the step is
     compiled by XLA)."""
-    batch = tf.shape(like)[0]
+    batch = ops.shape(like)[0]
     terms = [
-        sum_of_squares(tf.reshape(tf.cast(g, tf.float32), [batch, -1]), axis=1, xla=xla)
+        sum_of_squares(ops.reshape(ops.cast(g, "float32"), (batch, -1)), axis=1, xla=xla)
         for g in gradients
         if g is not None
     ]
-    total = tf.add_n(terms) if terms else tf.zeros([batch])
-    return total * tf.square(unscale)
+    summed = total(terms) if terms else ops.zeros((batch,))
+    return summed * ops.square(unscale)
