@@ -204,7 +204,6 @@ TENSORFLOW_ENGINE_MODULES = {
     "keras_gradtrack.engine.backward",
     "keras_gradtrack.engine.batchless",
     "keras_gradtrack.engine.checks",
-    "keras_gradtrack.engine.chunked",
     "keras_gradtrack.engine.clipping",
     "keras_gradtrack.engine.coupled",
     "keras_gradtrack.engine.distribute",

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_gradtrack.engine.plan import TrackedLayer
+from keras_gradtrack.rule_math import total
 from keras_gradtrack.rules import LayerCall, Reference, chunks
 from keras_gradtrack.rules.contract import checked_per_example
 from keras_gradtrack.rules.ops import flat_per_example, sum_of_squares
@@ -40,10 +41,10 @@ class Chunked:
         sums: `{id(variable): (n,)}` the sum of the per-example gradients.
     """
 
-    sq_norm: tf.Tensor
-    sums: dict[int, tf.Tensor]
+    sq_norm: Any
+    sums: dict[int, Any]
 
-    def dot(self, tracked: TrackedLayer, calls: Calls, reference: Reference) -> tf.Tensor:
+    def dot(self, tracked: TrackedLayer, calls: Calls, reference: Reference) -> Any:
         """`(B,)` `<g_i, R>` by the rule's `dot`, one chunk of examples at a time (its
         temporaries, such as a convolution's output, are then a chunk's)."""
         assert tracked.rule is not None and tracked.rule.dot is not None
@@ -80,7 +81,7 @@ def outweighs_its_activations(tracked: TrackedLayer, calls: Calls) -> bool:
 def chunked_gradients(
     tracked: TrackedLayer,
     calls: Calls,
-    per_example: Callable[[TrackedLayer, Calls], list[tf.Tensor]],
+    per_example: Callable[[TrackedLayer, Calls], list[Any]],
 ) -> Chunked:
     """The layer's squared norms and summed gradient, one chunk of examples at a time.
 
@@ -91,56 +92,30 @@ def chunked_gradients(
             per-example gradients of those calls, flat, in the variables' order.
     """
 
-    def per_chunk(start: tf.Tensor, end: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        grads = per_example(tracked, sliced(calls, start, end))
-        norms = tf.add_n([sum_of_squares(g, axis=1, xla=calls[0].xla) for g in grads])
-        return norms, [tf.reduce_sum(g, axis=0) for g in grads]
+    def per_chunk(start: Any, end: Any) -> tuple[Any, list[Any]]:
+        grads = per_example(tracked, chunks.chunk_of_calls(calls, start, end))
+        norms = total([sum_of_squares(g, axis=1, xla=calls[0].xla) for g in grads])
+        return norms, [ops.sum(g, axis=0) for g in grads]
 
-    initial = [tf.zeros([math.prod(v.shape)]) for v in tracked.variables]
+    initial = [ops.zeros((math.prod(v.shape),)) for v in tracked.variables]
     norms, sums = chunks.chunk_loop(batch_size(calls), per_chunk, sums=initial)
     return Chunked(norms, {id(v): s for v, s in zip(tracked.variables, sums)})
 
 
-def over_chunks(calls: Calls, per_chunk: Callable[[Calls], tf.Tensor]) -> tf.Tensor:
+def over_chunks(calls: Calls, per_chunk: Callable[[Calls], Any]) -> Any:
     """`(B,)` `per_chunk` of the calls' examples, a chunk at a time, in order."""
-    rows, _ = chunks.chunk_loop(
-        batch_size(calls), lambda start, end: (per_chunk(sliced(calls, start, end)), [])
-    )
-    return rows
+
+    def rows(start: Any, end: Any) -> tuple[Any, list[Any]]:
+        return per_chunk(chunks.chunk_of_calls(calls, start, end)), []
+
+    return chunks.chunk_loop(batch_size(calls), rows)[0]
 
 
-def batch_size(calls: Calls) -> tf.Tensor:
-    return tf.shape(calls[0].output_grad)[0]
+def batch_size(calls: Calls) -> Any:
+    return chunks.batch_size_of(calls[0].output_grad)
 
 
-def sliced(calls: Sequence[LayerCall], start: tf.Tensor, end: tf.Tensor) -> Calls:
-    """The calls restricted to examples `start:end`, marked `one_chunk`: every tensor
-    they hold of rank 1 or more is sliced along its first axis (`Rule.dot`'s
-    condition: a rule with `dot` reads only tensors whose first axis is the batch)."""
-
-    def cut(value: Any) -> Any:
-        if isinstance(value, tf.Tensor) and value.shape.rank:
-            return value[start:end]
-        return value
-
-    def cut_all(structure: Any) -> Any:
-        return tf.nest.map_structure(cut, structure)
-
-    return tuple(
-        dataclasses.replace(
-            call,
-            args=cut_all(call.args),
-            kwargs=cut_all(dict(call.kwargs)),
-            tapped=cut_all(call.tapped),
-            saved=cut_all(dict(call.saved)),
-            output_grads=cut_all(call.output_grads),
-            one_chunk=True,
-        )
-        for call in calls
-    )
-
-
-def flat_gradients(tracked: TrackedLayer, calls: Calls) -> list[tf.Tensor]:
+def flat_gradients(tracked: TrackedLayer, calls: Calls) -> list[Any]:
     """The rule's per-example gradients of the calls, `(B, n)` per variable in order.
 
     Raises:

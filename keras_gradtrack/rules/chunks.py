@@ -3,14 +3,19 @@
 Per-example tensors as large as a batch's kernel gradients (or the copies that
 build them) are the largest of a tracked step; taken a chunk of examples at a
 time, in order, only one chunk's exist at once. The rules' filter gradients and
-the engine's chunked materialized layers both loop here.
+the engine's chunked materialized layers both loop here, and a layer's calls are cut
+to a chunk of their examples here (`chunk_of_calls`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
+
+from keras_gradtrack.rules.contract import LayerCall
 
 # A batch of up to this many examples is one chunk (so steps at batch 128 take no loop).
 EXAMPLES_PER_CHUNK = 128
@@ -72,3 +77,37 @@ def chunk_loop(
         lambda index, *_: index < count, body, initial, parallel_iterations=1
     )
     return rows.concat(), list(totals)
+
+
+def batch_size_of(tensor: tf.Tensor) -> tf.Tensor:
+    """The examples of `tensor` (its first axis) as a scalar tensor, known or not."""
+    return tf.shape(tensor)[0]
+
+
+def chunk_of_calls(
+    calls: Sequence[LayerCall], start: tf.Tensor, end: tf.Tensor
+) -> tuple[LayerCall, ...]:
+    """The calls restricted to examples `start:end`, marked `one_chunk`: every tensor
+    they hold of rank 1 or more is sliced along its first axis (`Rule.dot`'s
+    condition: a rule with `dot` reads only tensors whose first axis is the batch)."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, tf.Tensor) and value.shape.rank:
+            return value[start:end]
+        return value
+
+    def cut_all(structure: Any) -> Any:
+        return tf.nest.map_structure(cut, structure)
+
+    return tuple(
+        dataclasses.replace(
+            call,
+            args=cut_all(call.args),
+            kwargs=cut_all(dict(call.kwargs)),
+            tapped=cut_all(call.tapped),
+            saved=cut_all(dict(call.saved)),
+            output_grads=cut_all(call.output_grads),
+            one_chunk=True,
+        )
+        for call in calls
+    )
