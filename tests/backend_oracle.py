@@ -14,6 +14,17 @@ import numpy as np
 from keras_gradtrack._keras_seam import flatten_layers
 
 
+def unseen_by_the_loss(model: Any) -> set[int]:
+    """Ids of the variables whose exact gradient is zero whatever the data: attention's
+    key bias (it adds the same score to every key of a query, which the softmax over
+    the keys does not see)."""
+    return {
+        id(layer._key_dense.bias)
+        for layer in flatten_layers(model, include_self=False)
+        if isinstance(layer, keras.layers.MultiHeadAttention) and layer._key_dense.bias is not None
+    }
+
+
 def layer_columns(model: Any) -> list[list[int]]:
     """Positions in `model.trainable_variables` of each owning layer's variables; a
     recurrent layer owns its cell's (stacked cells' alike: one column, as on TensorFlow)."""
@@ -106,8 +117,17 @@ def assert_trains_as_plain(
     replay()
     expected = plain.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history
     assert [r.values is not None for r in reports] == [True, False]
-    for got, want in zip(tracked.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    unseen = unseen_by_the_loss(tracked)
+    steps = int(keras.ops.convert_to_numpy(tracked.optimizer.iterations))
+    largest_steps = steps * float(keras.ops.convert_to_numpy(tracked.optimizer.learning_rate))
+    for variable, got, want in zip(tracked.weights, tracked.get_weights(), plain.get_weights()):
+        if id(variable) in unseen:
+            # Its gradient is rounding errors, in another order than plain Keras' (as
+            # Keras' own jitted and eager steps differ: 7e-5 on the transformer block
+            # after two Adam steps): held to the optimizer's steps, not to equality.
+            np.testing.assert_array_less(np.abs(got - want), largest_steps, err_msg=variable.path)
+            continue
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=variable.path)
     assert history.keys() == expected.keys()
     for key in expected:
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)

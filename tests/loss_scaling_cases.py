@@ -71,10 +71,12 @@ def test_a_tracked_step_with_loss_scaling_trains_as_keras_does(optimizer: str) -
     assert_trains_as_plain(tracked, plain, X, Y, BATCH)
 
 
+@pytest.mark.parametrize("name", ["cnn", "transformer_block"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_a_convolutions_summed_batch_gradient_is_scaled_as_keras_does(optimizer: str) -> None:
-    # A convolution's batch gradient is the sum of its per-example gradients, which the
-    # step multiplies by the loss scale for the optimizer (`ProbedRule.sums_batch_gradient`).
+def test_a_summed_batch_gradient_is_scaled_as_keras_does(optimizer: str, name: str) -> None:
+    # On JAX the batch gradient of a convolution, and of Dense and EinsumDense on
+    # sequences, is the sum of their per-example gradients, which the step multiplies
+    # by the loss scale for the optimizer (`ProbedRule.sums_batch_gradient`).
     # SGD: Adam's update would not show a gradient off by the scale.
     sgd = {
         "loss_scale_optimizer": lambda: keras.optimizers.LossScaleOptimizer(
@@ -82,7 +84,7 @@ def test_a_convolutions_summed_batch_gradient_is_scaled_as_keras_does(optimizer:
         ),
         "loss_scale_factor": lambda: keras.optimizers.SGD(0.1, loss_scale_factor=128.0),
     }[optimizer]
-    build, shape = MODELS["cnn"]
+    build, shape = MODELS[name]
     x = rng.normal(size=(2 * BATCH, *shape)).astype("float32")
     tracked = compiled_with(build(kgt.GradientTrackingModel), sgd())
     plain = compiled_with(build(keras.Model), sgd())

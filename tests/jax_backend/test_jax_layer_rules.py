@@ -350,12 +350,11 @@ def test_dense_takes_the_gram_form_only_where_it_holds_fewer_values() -> None:
     assert not ops_rules.dense_takes_gram_form(8, 128, 768, 3072)
 
 
-@pytest.mark.parametrize("form", ["materialized", "gram"])
-def test_dense_on_sequences_gives_the_per_example_primitives(
-    form: str, monkeypatch: pytest.MonkeyPatch
+def test_dense_on_sequences_in_the_gram_form_gives_the_per_example_primitives(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if form == "gram":  # `rule_math.gram_sq_norms`, as for layers too large to materialize
-        monkeypatch.setattr(ops_rules, "MATERIALIZED_VALUES", 0)
+    # `rule_math.gram_sq_norms`, as for layers too large to materialize.
+    monkeypatch.setattr(ops_rules, "MATERIALIZED_VALUES", 0)
     rng = np.random.default_rng(3)
     layer = L.Dense(4)
     layer.build((None, 3, 6))
@@ -366,6 +365,18 @@ def test_dense_on_sequences_gives_the_per_example_primitives(
     flat = flat_per_example(ops_rules.dense_per_example(layer, values, call))
     refs = [jnp.asarray(rng.normal(size=v.shape), jnp.float32) for v in layer.trainable_variables]
     assert_primitives_match(ops_rules.dense_primitives(layer, call, refs), flat, refs)
+
+
+def test_dense_on_sequences_under_the_budget_is_materialized_by_the_step() -> None:
+    # No direct form: the step takes the norms, the dots and (for a loss `c sum_i l_i`)
+    # the batch gradient from `dense_per_example` (`sums_batch_gradient`).
+    layer = L.Dense(4)
+    layer.build((None, 3, 6))
+    a, d = jnp.ones((BATCH, 3, 6)), jnp.ones((BATCH, 3, 4))
+    call = ops_rules.ProbedCall(inputs=a, kwargs={}, output_grad=d)
+    refs = [jnp.ones(v.shape) for v in layer.trainable_variables]
+    assert ops_rules.dense_primitives(layer, call, refs) is None
+    assert ops_rules.DENSE.sums_batch_gradient and ops_rules.EINSUM_DENSE.sums_batch_gradient
 
 
 @pytest.mark.parametrize("reference_factor", [None, 0.5])

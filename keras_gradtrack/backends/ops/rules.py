@@ -96,12 +96,15 @@ class ProbedRule:
         gram: The Gram matrix of the per-example gradients in a factored form, for a
             layer called once in the step (None, or returning None: from `per_example`;
             `pairwise_cosine` asks for it).
-        sums_batch_gradient: Whether the layer's batch gradient is taken as the sum of
-            its per-example gradients where the step materializes them and the loss
-            is `c sum_i l_i` alone: the backward pass's own weight gradient then goes
-            unused and the compiler drops it. Set where that is measured faster (the
-            convolutions on JAX: XLA's batched filter gradient costs on a CPU what the
-            per-example windows' products cost).
+        sums_batch_gradient: Whether the batch gradient of the layer's kernels (not
+            its biases) is taken as the sum of their per-example gradients where the
+            step materializes them and the loss is `c sum_i l_i` alone: the backward
+            pass's own kernel gradient then goes unused and the compiler drops it.
+            Set where that is measured faster on JAX: the convolutions (XLA's batched
+            filter gradient costs on a CPU what the per-example windows' products
+            cost), and Dense and EinsumDense on sequences (a product over `B T`
+            positions, where the sum of the materialized gradients reads `B` values
+            per weight).
     """
 
     name: str
@@ -197,11 +200,15 @@ def dense_takes_gram_form(batch: int, steps: int, width_in: int, width_out: int)
 
 
 def dense_primitives(
-    layer: Any, call: ProbedCall, refs: Sequence[Any] | None
+    layer: Any, call: ProbedCall, refs: Sequence[Any] | None, materialize: bool = False
 ) -> LayerPrimitives | None:
     """Dense: `||g_i||^2 = ||a_i||^2 ||d_i||^2` and `<g_i, R> = a_i^T R d_i` on 2-D
-    inputs; on sequences `g_i = A_i^T D_i` materialized, or the Gram form when that
-    would hold too many values and the Gram form fewer (`dense_takes_gram_form`).
+    inputs; on sequences the Gram form where the per-example gradients would hold too
+    many values and the Gram form fewer (`dense_takes_gram_form`), else `g_i = A_i^T
+    D_i` materialized: here with `materialize` (an eager backend, whose backward pass
+    computes the kernel's batch gradient whatever the step does), else by the step
+    (None returned: `dense_per_example`), whose sum then replaces the backward pass's
+    kernel gradient (`sums_batch_gradient`, JAX).
     With `refs=None` (norm-only) it returns `dot=None` and forms no product with a
     reference."""
     if not plain_weights(layer):
@@ -233,6 +240,8 @@ def dense_primitives(
         dot = None
         if refs is not None:
             dot = ops.sum(ops.einsum("bti,io->bto", a, f32(kernel_ref)) * d, axis=(1, 2))
+    elif not materialize:
+        return None
     else:
         per_example = rule_math.dense_kernel_gradients(a, d)
         sq_norm = ops.sum(per_example**2, axis=(1, 2))
@@ -283,7 +292,12 @@ def dense_gram(layer: Any, call: ProbedCall) -> Any:
 # A layer with LoRA runs on `LORA_DENSE` (below), a quantized one on the fallback, and
 # its path says so.
 DENSE = ProbedRule(
-    "dense", dense_per_example, dense_primitives, applies=plain_weights, gram=dense_gram
+    "dense",
+    dense_per_example,
+    dense_primitives,
+    applies=plain_weights,
+    gram=dense_gram,
+    sums_batch_gradient=True,
 )
 
 
@@ -318,7 +332,9 @@ def einsum_dense_per_example(
     return [grads[v.name] for v in layer.trainable_variables]
 
 
-EINSUM_DENSE = ProbedRule("einsum_dense", einsum_dense_per_example, applies=einsum_dense_applies)
+EINSUM_DENSE = ProbedRule(
+    "einsum_dense", einsum_dense_per_example, applies=einsum_dense_applies, sums_batch_gradient=True
+)
 
 
 # -- Embedding --------------------------------------------------------------

@@ -219,15 +219,19 @@ def _layer_primitives(
     summing = sums is not None and factor is not None
     if summing and rule is not None and rule.sums_batch_gradient:
         # G^(k) = c sum_i g_i exactly: the per-example gradients' sum serves as the
-        # batch gradient (as on TensorFlow), and the backward's own one goes unused.
+        # batch gradient of a kernel (as on TensorFlow), and the backward's own one goes
+        # unused. A bias keeps the backward's (a sum either way): a bias the loss does
+        # not depend on (attention's key bias) has a gradient of rounding errors,
+        # which Adam's update would turn into steps of its own in either order.
         reference = factor * total
         reference_sq_norm = ops.sum(reference**2)
         start = 0
         for i in own:
             size = math.prod(summed[i].shape[1:])
-            sums[id(all_variables[i])] = ops.reshape(
-                reference[start : start + size], tuple(summed[i].shape[1:])
-            )
+            if len(summed[i].shape) > 2:
+                sums[id(all_variables[i])] = ops.reshape(
+                    reference[start : start + size], tuple(summed[i].shape[1:])
+                )
             start += size
     elif dots:
         assert references is not None

@@ -40,9 +40,10 @@ def dense_primitives(
     """`ops_rules.dense_primitives` on 2-D inputs, in torch: `||g_i||^2 = (||a_i||^2 (+ 1
     with a bias)) ||d_i||^2`, `<g_i, R>` as `a_i^T R d_i` or, with a reference factor `c`
     where it takes fewer products, `c sum_j <a_i, a_j> <d_i, d_j>` (none with `refs=None`:
-    norm-only). Other inputs: the shared rule."""
+    norm-only). Other inputs: the shared rule, materialized here (eager: the backward
+    pass computes the kernel's batch gradient whatever the step does)."""
     if call.inputs.dim() != 2 or not ops_rules.plain_weights(layer):
-        return ops_rules.dense_primitives(layer, call, refs)
+        return ops_rules.dense_primitives(layer, call, refs, materialize=True)
     if refs is not None and len(layer.trainable_variables) != len(refs):
         return None
     found = layer.trainable_variables if refs is None else refs
