@@ -228,7 +228,7 @@ def _layer_primitives(
         start = 0
         for i in own:
             size = math.prod(summed[i].shape[1:])
-            if len(summed[i].shape) > 2:
+            if all_variables[i].name != "bias":
                 sums[id(all_variables[i])] = ops.reshape(
                     reference[start : start + size], tuple(summed[i].shape[1:])
                 )
