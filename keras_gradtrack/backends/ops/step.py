@@ -220,9 +220,7 @@ def _layer_primitives(
     if summing and rule is not None and rule.sums_batch_gradient:
         # G^(k) = c sum_i g_i exactly: the per-example gradients' sum serves as the
         # batch gradient of a kernel (as on TensorFlow), and the backward's own one goes
-        # unused. A bias keeps the backward's (a sum either way): a bias the loss does
-        # not depend on (attention's key bias) has a gradient of rounding errors,
-        # which Adam's update would turn into steps of its own in either order.
+        # unused. A bias keeps the backward's (a cheap sum either way).
         reference = factor * total
         reference_sq_norm = ops.sum(reference**2)
         start = 0
