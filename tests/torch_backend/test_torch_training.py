@@ -268,3 +268,19 @@ def test_jit_compile_runs_keras_compiled_step_untracked_and_the_tracked_step_exa
     assert tracked.jit_compile and plain.jit_compile
     expected = oracle_statistics(tracked, x[:BATCH], y[:BATCH])
     assert_matches_oracle(tracked_statistics(tracked, x[:BATCH], y[:BATCH]), expected)
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_the_summary_says_the_tracked_steps_run_eagerly_under_jit_compile(
+    jit_compile: bool,
+) -> None:
+    """Not compiled where Keras compiles its step: said, not silent."""
+    build, _ = BUILDERS["mlp"]
+    model = build(kgt.GradientTrackingModel)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    text = model.gradient_tracking_summary(print_fn=lambda _: None)
+    said = "the tracked steps run eagerly" in text
+    assert said == jit_compile, text
+    # The table's rows come first, one per tracked layer, as without the note.
+    rows = text.splitlines()[2 : 2 + len(model.gradient_tracking_plan())]
+    assert all(row.split()[0].isdigit() for row in rows), text

@@ -51,10 +51,16 @@ class ProbedTrackingMixin:
         # 0       hidden  Dense  8256    rule:dense
         ```
         """
-        return plan_summary(self.gradient_tracking_plan(), self._layer_path, print_fn)
+        plan = self.gradient_tracking_plan()
+        return plan_summary(plan, self._layer_path, print_fn, self._execution_notes())
 
     def _layer_path(self, tracked: TrackedLayer) -> str:
         return tracked.path
+
+    def _execution_notes(self) -> list[str]:
+        """Lines under the summary's table: how the tracked steps run, where not as
+        Keras runs its own step (none by default)."""
+        return []
 
     @property
     def distribute_strategy(self) -> None:

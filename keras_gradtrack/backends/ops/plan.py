@@ -127,9 +127,11 @@ def plan_summary(
     plan: Sequence[TrackedLayer],
     path_of: Callable[[TrackedLayer], str],
     print_fn: Callable[[str], Any] | None = None,
+    notes: Sequence[str] = (),
 ) -> str:
     """Prints (and returns) the plan as a table: column, layer, class, parameters and the
-    path (`path_of`) that computes each layer's per-example gradients."""
+    path (`path_of`) that computes each layer's per-example gradients; `notes` below it
+    (how the engine runs the tracked steps, where that differs from Keras' step)."""
     rows = [("column", "layer", "class", "params", "path")]
     for column, tracked in enumerate(plan):
         params = sum(math.prod(v.shape) for v in tracked.variables)
@@ -139,6 +141,6 @@ def plan_summary(
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    text = "\n".join(lines)
+    text = "\n".join([*lines, *notes])
     (print_fn or print)(text)
     return text

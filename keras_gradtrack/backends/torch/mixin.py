@@ -80,6 +80,14 @@ class GradientTrackingMixin(
     def _refuse_untrackable(self, statistics: Sequence[Statistic], requests: Sequence[Any]) -> None:
         refuse_unknown_requests(requests)
 
+    def _execution_notes(self) -> list[str]:
+        if not self.compiled or not self.jit_compile:  # type: ignore[attr-defined]
+            return []
+        return [
+            "jit_compile=True: Keras' torch.compile runs the untracked steps; the tracked "
+            "steps run eagerly (docs/torch.md, How a tracked step works)."
+        ]
+
     # -- the tracked step ---------------------------------------------------
 
     def _probed_step(
