@@ -77,18 +77,23 @@ __all__ = [
 ]
 
 
-# On JAX and PyTorch the model classes come from that backend's engine (neither imports
-# TensorFlow); everything else is shared.
+# On JAX and PyTorch the model classes and `check` come from that backend's engine
+# (neither imports TensorFlow); everything else is shared.
 _ENGINES = {
     "tensorflow": "keras_gradtrack.models.model",
     "jax": "keras_gradtrack.backends.jax",
     "torch": "keras_gradtrack.backends.torch",
 }
-_MODEL_NAMES = ("GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential")
+_ENGINE_NAMES = (
+    "GradientTrackingMixin",
+    "GradientTrackingModel",
+    "GradientTrackingSequential",
+    "check",
+)
 
 
 def _engine() -> str:
-    """The module of the model classes for Keras' backend."""
+    """The module of the model classes (and `check`) for Keras' backend."""
     import keras
 
     backend = keras.backend.backend()
@@ -106,7 +111,7 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'keras_gradtrack' has no attribute {name!r}")
     module = _LAZY[name]
-    if name in _MODEL_NAMES and _engine() != _ENGINES["tensorflow"]:
+    if name in _ENGINE_NAMES and _engine() != _ENGINES["tensorflow"]:
         module = _engine()
     value = (
         importlib.import_module(f"keras_gradtrack.{name}")

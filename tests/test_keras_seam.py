@@ -16,6 +16,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from source_compare import normalized
 
 from keras_gradtrack import _keras_seam
+from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.models.trainer import GradientTrackingMixin
 
 PACKAGE = Path(_keras_seam.__file__).resolve().parent
@@ -60,7 +61,8 @@ KERAS_OBJECTS = ("model", "layer", "variable", "functional", "cell")
 
 def private_attributes(tree: ast.AST) -> list[str]:
     """`_`-prefixed attributes read from a Keras object (by the names the package
-    gives them), other than the mixin's own."""
+    gives them), other than the mixins' own (TensorFlow's, and what the probed engines'
+    share)."""
     found = []
     for node in ast.walk(tree):
         if (
@@ -69,7 +71,9 @@ def private_attributes(tree: ast.AST) -> list[str]:
             and not node.attr.startswith("__")
         ):
             owner = ast.unparse(node.value)
-            ours = hasattr(GradientTrackingMixin, node.attr) and not hasattr(keras.Model, node.attr)
+            ours = any(
+                hasattr(mixin, node.attr) for mixin in (GradientTrackingMixin, ProbedTrackingMixin)
+            ) and not hasattr(keras.Model, node.attr)
             if owner.split(".")[-1] in KERAS_OBJECTS and not ours:
                 found.append(f"{owner}.{node.attr}")
     return found

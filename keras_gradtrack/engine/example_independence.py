@@ -308,7 +308,13 @@ def batch_signature(batch: Any) -> str:
 
 
 class ExampleIndependenceSetting:
-    """Both engines' mixins' setting `check_example_independence`."""
+    """Every engine's mixin's setting `check_example_independence`, and the guard on one
+    batch that each engine runs its own way (`_find_example_mixing`)."""
+
+    def _find_example_mixing(self, x: Any, y: Any = None, sample_weight: Any = None) -> Any:
+        """The guard on one batch at the model's current weights, changing nothing and
+        not remembered (`kgt.check`'s): a `Mixing` where it fails, None where it holds."""
+        raise NotImplementedError
 
     @property
     def check_example_independence(self) -> bool:

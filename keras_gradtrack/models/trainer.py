@@ -24,6 +24,7 @@ from keras_gradtrack.engine.batch_normalization_tracking import BatchNormalizati
 from keras_gradtrack.engine.batchless import with_unknown_batch_size
 from keras_gradtrack.engine.example_independence import (
     ExampleIndependenceSetting,
+    Mixing,
     checked_once,
 )
 from keras_gradtrack.engine.independence import (
@@ -384,6 +385,11 @@ class GradientTrackingMixin(
         self._check_examples_independent(
             x, y, sample_weight, forward_may_not_apply=preflight.has_own_step(self)
         )
+
+    def _find_example_mixing(
+        self, x: Any, y: Any = None, sample_weight: Any = None
+    ) -> Mixing | None:
+        return find_example_mixing(self, x, y, sample_weight)
 
     def _check_examples_independent(
         self, x: Any, y: Any, sample_weight: Any, forward_may_not_apply: bool = False

@@ -49,7 +49,7 @@ def test_the_logger_writes_the_schema_and_names_the_backend(tmp_path: Path) -> N
     assert np.all(np.isfinite(log.per_example("cosine")))
 
 
-def test_a_tracked_fit_imports_no_tensorflow() -> None:
+def test_a_tracked_fit_and_check_import_no_tensorflow() -> None:
     script = textwrap.dedent(
         """
         import sys
@@ -63,6 +63,8 @@ def test_a_tracked_fit_imports_no_tensorflow() -> None:
         model.gradient_tracking.subscribe("k", statistics.resolve(None), 1, reports.append)
         model.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), verbose=0)
         assert reports[0].values["cosine"].shape == (8,)
+        x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+        assert kgt.check(model, x=x, y=y).refusals == []
         assert "tensorflow" not in sys.modules, "tensorflow was imported"
         """
     )

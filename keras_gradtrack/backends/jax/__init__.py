@@ -8,5 +8,11 @@ from keras_gradtrack.backends.jax.model import (
     GradientTrackingModel,
     GradientTrackingSequential,
 )
+from keras_gradtrack.backends.ops.check import check
 
-__all__ = ["GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential"]
+__all__ = [
+    "GradientTrackingMixin",
+    "GradientTrackingModel",
+    "GradientTrackingSequential",
+    "check",
+]

@@ -60,6 +60,19 @@ class ExampleIndependenceChecks(ExampleIndependenceSetting):
         own_step = self._has_own_step()  # type: ignore[attr-defined]
         self._check_examples_independent(state, data, forward_may_not_apply=own_step)
 
+    def _find_example_mixing(
+        self, x: Any, y: Any = None, sample_weight: Any = None
+    ) -> Mixing | None:
+        """The guard on one batch at the variables' current values (`kgt.check`'s), not
+        remembered."""
+        state = (
+            [v.value for v in self.trainable_variables],  # type: ignore[attr-defined]
+            [v.value for v in self.non_trainable_variables],  # type: ignore[attr-defined]
+            None,
+            [v.value for v in self.metrics_variables],  # type: ignore[attr-defined]
+        )
+        return find_example_mixing(self, state, x, y, sample_weight)
+
     def _check_examples_independent(
         self, state: Any, data: Any, forward_may_not_apply: bool = False
     ) -> None:

@@ -6,10 +6,16 @@ engine runs too (`backends/ops/`); what is PyTorch's own is how the probed tenso
 are differentiated, the exact per-layer fallback (`torch.func`) and the trainer glue.
 """
 
+from keras_gradtrack.backends.ops.check import check
 from keras_gradtrack.backends.torch.mixin import GradientTrackingMixin
 from keras_gradtrack.backends.torch.model import (
     GradientTrackingModel,
     GradientTrackingSequential,
 )
 
-__all__ = ["GradientTrackingMixin", "GradientTrackingModel", "GradientTrackingSequential"]
+__all__ = [
+    "GradientTrackingMixin",
+    "GradientTrackingModel",
+    "GradientTrackingSequential",
+    "check",
+]

@@ -40,6 +40,12 @@ class ExampleIndependenceChecks(independence.ExampleIndependenceSetting):
         guard.wanted = False
         self._check_examples_independent(data)
 
+    def _find_example_mixing(
+        self, x: Any, y: Any = None, sample_weight: Any = None
+    ) -> independence.Mixing | None:
+        """The guard on one batch at the current weights (`kgt.check`'s), not remembered."""
+        return find_example_mixing(self, x, y, sample_weight)
+
     def _check_examples_independent(self, data: Any) -> None:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         independence.checked_once(
