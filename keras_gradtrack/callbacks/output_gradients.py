@@ -5,15 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_gradtrack import autodiff
 from keras_gradtrack.callbacks.base import FileLogger, check_positive_counts, is_chief, log_attrs
-from keras_gradtrack.engine.plan import layers_with_own_variables
 from keras_gradtrack.io import output_schema, schema
 from keras_gradtrack.io.block_writer import BlockWriter
-from keras_gradtrack.rules.ops import sum_of_squares
 
 
 class OutputGradientLogger(FileLogger):
@@ -75,7 +72,7 @@ class OutputGradientLogger(FileLogger):
         self.chunk_size = chunk_size
         self.save_tensors = save_tensors
         self.compression = compression
-        self._gradients: autodiff.OutputGradients | None = None
+        self._gradients: Any = None  # autodiff.OutputGradients, or the engine's
         self._step = 0
         self._epoch = 0
 
@@ -94,7 +91,7 @@ class OutputGradientLogger(FileLogger):
         if not is_chief(self.model):
             return
         BlockWriter.check_path(self.path, overwrite=self.overwrite, append=self.append)
-        self._groups = [(layer.name, own) for layer, own in layers_with_own_variables(self.model)]
+        self._groups = [(layer.name, own) for layer, own in output_columns(self.model)]
         output = self.model(self.x)
         rank = len(output.shape)
         if not -rank <= self.axis < rank:
@@ -103,9 +100,7 @@ class OutputGradientLogger(FileLogger):
                 f"Received: axis={self.axis}"
             )
         variables = [v for _, group in self._groups for v in group]
-        self._gradients = autodiff.OutputGradients(
-            self.model, variables, self.axis, self.chunk_size
-        )
+        self._gradients = feature_gradients(self.model, variables, self.axis, self.chunk_size)
         self._num_features = int(output.shape[self.axis])
         layout = output_schema.OutputGradientLayout(
             [name for name, _ in self._groups],
@@ -160,10 +155,10 @@ class OutputGradientLogger(FileLogger):
                     layer_grads = grads[position : position + len(variables)]
                     position += len(variables)
                     squares = [
-                        sum_of_squares(tf.reshape(g, [len(features), -1]), axis=1)
+                        np.sum(np.square(np.asarray(g).reshape(len(features), -1)), axis=1)
                         for g in layer_grads
                     ]
-                    norms[chunk, column] = np.sqrt(np.asarray(tf.add_n(squares)))
+                    norms[chunk, column] = np.sqrt(np.sum(squares, axis=0))
                     if self.save_tensors:
                         for variable, gradient in zip(variables, layer_grads):
                             path = output_schema.OutputGradientLayout.tensor_path(
@@ -173,3 +168,29 @@ class OutputGradientLogger(FileLogger):
             step.set_rows(
                 {schema.PER_STEP_GROUP: {schema.EPOCH: self._epoch, schema.OUTPUT_GRAD_NORM: norms}}
             )
+
+
+def output_columns(model: Any) -> list[tuple[Any, list[Any]]]:
+    """`(layer, its own trainable variables)` per column of the log."""
+    if keras.backend.backend() == "tensorflow":
+        from keras_gradtrack.engine.plan import layers_with_own_variables
+
+        return layers_with_own_variables(model)
+    from keras_gradtrack.backends.ops import output_gradients
+
+    return output_gradients.output_columns(model)
+
+
+def feature_gradients(model: Any, variables: list[Any], axis: int, chunk_size: int) -> Any:
+    """What streams each chunk's `(features, grads)`: `autodiff.OutputGradients` on
+    TensorFlow, the engine's own on JAX and PyTorch (no TensorFlow imported)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from keras_gradtrack import autodiff
+
+        return autodiff.OutputGradients(model, variables, axis, chunk_size)
+    if backend == "jax":
+        from keras_gradtrack.backends.jax.output_gradients import output_gradients
+    else:
+        from keras_gradtrack.backends.torch.output_gradients import output_gradients
+    return output_gradients(model, variables, axis, chunk_size)

@@ -79,13 +79,15 @@ def test_a_tracked_fit_and_check_import_no_tensorflow() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_the_logger_and_the_log_need_no_tensorflow(tmp_path: Path) -> None:
+def test_the_loggers_and_the_log_need_no_tensorflow(tmp_path: Path) -> None:
     # As on a GPU machine without TensorFlow: any import of it fails.
     body = """
         path = sys.argv[1]
+        x = np.ones((8, 4), "float32")
+        features = kgt.OutputGradientLogger(path + ".features.h5", x[:2], every_n_steps=1)
         model.fit(
-            np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0,
-            callbacks=[kgt.HDF5GradientLogger(path)],
+            x, np.ones((8, 2), "float32"), batch_size=4, verbose=0,
+            callbacks=[kgt.HDF5GradientLogger(path), features],
         )
         log = kgt.GradientLog(path)
         assert log.per_example("cosine").shape == (8,), log.per_example("cosine").shape
@@ -94,6 +96,8 @@ def test_the_logger_and_the_log_need_no_tensorflow(tmp_path: Path) -> None:
     with h5py.File(tmp_path / "run.h5", "r") as f:
         assert f.attrs["backend"] == "jax"
         assert f["per_step/step"][:].tolist() == [0, 1]
+    with h5py.File(tmp_path / "run.h5.features.h5", "r") as f:  # OutputGradientLogger's
+        assert f["per_step/output_grad_norm"].shape == (2, 2, 1)
 
 
 def test_keras_runs_on_jax_here() -> None:

@@ -1,0 +1,3 @@
+"""OutputGradientLogger on JAX: the cases of `output_gradient_cases.py`, which PyTorch runs too."""
+
+from output_gradient_cases import *  # noqa: F403 (the shared cases, collected here)
