@@ -50,6 +50,8 @@ def explaining_numpy_round_trips(fn, inputs):
 
 def check_tensor_outputs(outputs, cause=None):
     for name, leaf in named_leaves(outputs, "fn's output"):
+        if not tf.is_tensor(leaf) and keras.backend.backend() != "tensorflow":
+            raise other_backend_error(f"{name} is a {type(leaf).__name__}") from cause
         if not tf.is_tensor(leaf):
             if isinstance(leaf, np.ndarray | np.generic):
                 received = f"a numpy array of shape {np.shape(leaf)}"
@@ -57,6 +59,18 @@ def check_tensor_outputs(outputs, cause=None):
                 received = f"a {type(leaf).__name__}"
             message = f"fn must return tensors, but {name} is {received}. {_CALL_THE_MODEL}"
             raise TypeError(message) from cause
+
+
+def other_backend_error(what: str) -> TypeError:
+    """The refusal of values of Keras' JAX or PyTorch backend, which no tape records."""
+    return TypeError(
+        "keras_gradtrack.autodiff differentiates with TensorFlow's GradientTape, and Keras "
+        f"runs on {keras.backend.backend()}: {what}, which no tape records. On JAX use "
+        "`jax.grad`, `jax.vjp`, `jax.jvp` or `jax.jacrev` over the model's "
+        "`stateless_call`; on PyTorch `torch.autograd.grad` or `torch.func`. "
+        "Per-output-feature gradients during `fit` are `kgt.OutputGradientLogger`'s on "
+        "every backend."
+    )
 
 
 def check_single_output(y):

@@ -13,6 +13,7 @@ from keras_gradtrack.autodiff.checks import (
     check_chunk_size,
     check_single_output,
     explaining_numpy_round_trips,
+    other_backend_error,
 )
 
 
@@ -111,6 +112,10 @@ class OutputGradients:
                 "(call it once) so that `model.trainable_variables` is not empty. "
                 f"Received: variables={variables!r}"
             )
+        if keras.backend.backend() != "tensorflow" and any(
+            isinstance(v, keras.Variable) for v in variables
+        ):
+            raise other_backend_error(f"the Keras variables are {keras.backend.backend()}'s")
         # Refused now when the model declares its output; otherwise while tracing.
         _check_feature_axis(axis, _declared_output_shape(model))
         self._model = model
