@@ -1,11 +1,12 @@
 """Argument checks of the autodiff functions, and errors that say what went wrong."""
 
 import contextlib
-from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_gradtrack.autodiff.arguments import named_leaves, shapes_of
 
 _CALL_THE_MODEL = (
     "Gradients flow only through TensorFlow operations on the tensors fn receives, "
@@ -50,8 +51,6 @@ def explaining_numpy_round_trips(fn, inputs):
 
 def check_tensor_outputs(outputs, cause=None):
     for name, leaf in named_leaves(outputs, "fn's output"):
-        if not tf.is_tensor(leaf) and keras.backend.backend() != "tensorflow":
-            raise other_backend_error(f"{name} is a {type(leaf).__name__}") from cause
         if not tf.is_tensor(leaf):
             if isinstance(leaf, np.ndarray | np.generic):
                 received = f"a numpy array of shape {np.shape(leaf)}"
@@ -59,18 +58,6 @@ def check_tensor_outputs(outputs, cause=None):
                 received = f"a {type(leaf).__name__}"
             message = f"fn must return tensors, but {name} is {received}. {_CALL_THE_MODEL}"
             raise TypeError(message) from cause
-
-
-def other_backend_error(what: str) -> TypeError:
-    """The refusal of values of Keras' JAX or PyTorch backend, which no tape records."""
-    return TypeError(
-        "keras_gradtrack.autodiff differentiates with TensorFlow's GradientTape, and Keras "
-        f"runs on {keras.backend.backend()}: {what}, which no tape records. On JAX use "
-        "`jax.grad`, `jax.vjp`, `jax.jvp` or `jax.jacrev` over the model's "
-        "`stateless_call`; on PyTorch `torch.autograd.grad` or `torch.func`. "
-        "Per-output-feature gradients during `fit` are `kgt.OutputGradientLogger`'s on "
-        "every backend."
-    )
 
 
 def check_single_output(y):
@@ -106,18 +93,6 @@ def _variable_path(source):
     if isinstance(source, tf.Variable):
         return source.name.removesuffix(":0")
     return None
-
-
-def check_chunk_size(chunk_size, allow_none):
-    if chunk_size is None and allow_none:
-        return
-    if (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int | np.integer)
-        or chunk_size < 1
-    ):
-        expected = "a positive integer or None" if allow_none else "a positive integer"
-        raise ValueError(f"`chunk_size` must be {expected}. Received: chunk_size={chunk_size!r}")
 
 
 def as_tensors(structure, name):
@@ -165,17 +140,3 @@ def matched_to(values, reference, name, reference_name):
             )
         matched.append(tf.cast(value, ref.dtype))
     return matched
-
-
-def named_leaves(structure, name) -> list[tuple[str, Any]]:
-    return [
-        (name + "".join(f"[{key!r}]" for key in path), leaf)
-        for path, leaf in keras.tree.flatten_with_path(structure)
-    ]
-
-
-def shapes_of(structure):
-    return keras.tree.map_structure(
-        lambda leaf: tuple(leaf.shape) if hasattr(leaf, "shape") else type(leaf).__name__,
-        structure,
-    )

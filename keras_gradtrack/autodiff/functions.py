@@ -6,19 +6,17 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_gradtrack.autodiff.arguments import check_chunk_size, named_leaves, shapes_of
 from keras_gradtrack.autodiff.basis import chunked_basis_vjps
 from keras_gradtrack.autodiff.checks import (
     CUT_GRADIENT_HINT,
     as_sources,
     as_tensors,
-    check_chunk_size,
     check_connected,
     check_single_output,
     check_tensor_outputs,
     explaining_numpy_round_trips,
     matched_to,
-    named_leaves,
-    shapes_of,
 )
 
 

@@ -7,13 +7,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_gradtrack.autodiff.arguments import (
+    check_chunk_size,
+    check_feature_axis,
+    declared_output_shape,
+    default_variables,
+)
 from keras_gradtrack.autodiff.basis import basis_vjps
 from keras_gradtrack.autodiff.checks import (
     as_tensors,
-    check_chunk_size,
     check_single_output,
     explaining_numpy_round_trips,
-    other_backend_error,
 )
 
 
@@ -104,22 +108,11 @@ class OutputGradients:
         jit_compile=None,
     ):
         check_chunk_size(chunk_size, allow_none=False)
-        if variables is None:
-            variables = getattr(model, "trainable_variables", None)
-        if not variables:
-            raise ValueError(
-                "There is nothing to differentiate: pass `variables=`, or build the model "
-                "(call it once) so that `model.trainable_variables` is not empty. "
-                f"Received: variables={variables!r}"
-            )
-        if keras.backend.backend() != "tensorflow" and any(
-            isinstance(v, keras.Variable) for v in variables
-        ):
-            raise other_backend_error(f"the Keras variables are {keras.backend.backend()}'s")
+        variables = default_variables(model, variables)
         # Refused now when the model declares its output; otherwise while tracing.
-        _check_feature_axis(axis, _declared_output_shape(model))
+        check_feature_axis(axis, declared_output_shape(model))
         self._model = model
-        self._variables = list(variables)
+        self._variables = variables
         self._axis = int(axis)
         self._chunk_size = int(chunk_size)
         self._gradients_of_features = tf.function(
@@ -177,42 +170,9 @@ class OutputGradients:
             tape.watch([v.value if isinstance(v, keras.Variable) else v for v in self._variables])
             y = self._model(x)
         check_single_output(y)
-        _check_feature_axis(self._axis, tuple(y.shape))
+        check_feature_axis(self._axis, tuple(y.shape))
         axis = self._axis % y.shape.rank
         # One backward pass at a time rather than vectorized over the chunk: on CPU
         # it took no more time and 20-40% less memory (docs/autodiff.md).
         grads = basis_vjps(tape, y, self._variables, (axis,), feature_indices, "variables", False)
         return grads, tf.constant(y.shape[axis])
-
-
-def _check_feature_axis(axis, output_shape):
-    """Refuses an `axis` that is not an integer or that selects the batch axis."""
-    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
-        raise TypeError(f"`axis` must be an integer. Received: axis={axis!r}")
-    if output_shape is None:
-        if axis == 0:
-            raise ValueError(
-                "`axis` must select a feature axis of the model output, and axis 0 is the "
-                "batch (each example's own gradient is what GradientTrackingModel computes). "
-                "Received: axis=0"
-            )
-        return
-    rank = len(output_shape)
-    if not -rank < axis < rank or axis == 0:
-        feature_axes = f"1..{rank - 1} or -{rank - 1}..-1" if rank > 1 else "none"
-        raise ValueError(
-            f"`axis` must select a feature axis of the model output, which has shape "
-            f"{output_shape} (feature axes: {feature_axes}; axis 0 is the batch). "
-            f"Received: axis={axis}"
-        )
-
-
-def _declared_output_shape(model):
-    """The shape of a built functional or Sequential model's one output, else None."""
-    try:
-        outputs = model.outputs
-    except (AttributeError, ValueError):
-        return None
-    if isinstance(outputs, list | tuple) and len(outputs) == 1:
-        return tuple(outputs[0].shape)
-    return None

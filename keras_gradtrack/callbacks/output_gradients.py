@@ -155,7 +155,10 @@ class OutputGradientLogger(FileLogger):
                     layer_grads = grads[position : position + len(variables)]
                     position += len(variables)
                     squares = [
-                        np.sum(np.square(np.asarray(g).reshape(len(features), -1)), axis=1)
+                        np.sum(
+                            np.square(keras.ops.convert_to_numpy(g).reshape(len(features), -1)),
+                            axis=1,
+                        )
                         for g in layer_grads
                     ]
                     norms[chunk, column] = np.sqrt(np.sum(squares, axis=0))
@@ -164,7 +167,7 @@ class OutputGradientLogger(FileLogger):
                             path = output_schema.OutputGradientLayout.tensor_path(
                                 layer, variable.name
                             )
-                            step.write_part(path, chunk, np.asarray(gradient))
+                            step.write_part(path, chunk, keras.ops.convert_to_numpy(gradient))
             step.set_rows(
                 {schema.PER_STEP_GROUP: {schema.EPOCH: self._epoch, schema.OUTPUT_GRAD_NORM: norms}}
             )
@@ -182,15 +185,12 @@ def output_columns(model: Any) -> list[tuple[Any, list[Any]]]:
 
 
 def feature_gradients(model: Any, variables: list[Any], axis: int, chunk_size: int) -> Any:
-    """What streams each chunk's `(features, grads)`: `autodiff.OutputGradients` on
-    TensorFlow, the engine's own on JAX and PyTorch (no TensorFlow imported)."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        from keras_gradtrack import autodiff
-
-        return autodiff.OutputGradients(model, variables, axis, chunk_size)
-    if backend == "jax":
+    """What streams each chunk's `(features, grads)`: `autodiff.OutputGradients`, but on
+    JAX the engine's own jitted pass over `stateless_call` (autodiff runs eagerly there)."""
+    if keras.backend.backend() == "jax":
         from keras_gradtrack.backends.jax.output_gradients import output_gradients
-    else:
-        from keras_gradtrack.backends.torch.output_gradients import output_gradients
-    return output_gradients(model, variables, axis, chunk_size)
+
+        return output_gradients(model, variables, axis, chunk_size)
+    from keras_gradtrack import autodiff
+
+    return autodiff.OutputGradients(model, variables, axis, chunk_size)

@@ -49,7 +49,7 @@ def test_the_logger_writes_the_schema_and_names_the_backend(tmp_path: Path) -> N
     assert np.all(np.isfinite(log.per_example("cosine")))
 
 
-def test_a_tracked_fit_and_check_import_no_tensorflow() -> None:
+def test_a_tracked_fit_check_and_autodiff_import_no_tensorflow() -> None:
     script = textwrap.dedent(
         """
         import sys
@@ -65,6 +65,7 @@ def test_a_tracked_fit_and_check_import_no_tensorflow() -> None:
         assert reports[0].values["cosine"].shape == (8,)
         x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
         assert kgt.check(model, x=x, y=y).refusals == []
+        assert kgt.autodiff.batch_jacobian(model, x).shape == (8, 2, 4)
         assert "tensorflow" not in sys.modules, "tensorflow was imported"
         """
     )

@@ -1,0 +1,78 @@
+"""Argument checks every backend's autodiff shares (no TensorFlow, no JAX, no torch)."""
+
+from typing import Any
+
+import keras
+import numpy as np
+
+
+def check_chunk_size(chunk_size, allow_none):
+    if chunk_size is None and allow_none:
+        return
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int | np.integer)
+        or chunk_size < 1
+    ):
+        expected = "a positive integer or None" if allow_none else "a positive integer"
+        raise ValueError(f"`chunk_size` must be {expected}. Received: chunk_size={chunk_size!r}")
+
+
+def check_feature_axis(axis, output_shape):
+    """Refuses an `axis` that is not an integer or that selects the batch axis."""
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise TypeError(f"`axis` must be an integer. Received: axis={axis!r}")
+    if output_shape is None:
+        if axis == 0:
+            raise ValueError(
+                "`axis` must select a feature axis of the model output, and axis 0 is the "
+                "batch (each example's own gradient is what GradientTrackingModel computes). "
+                "Received: axis=0"
+            )
+        return
+    rank = len(output_shape)
+    if not -rank < axis < rank or axis == 0:
+        feature_axes = f"1..{rank - 1} or -{rank - 1}..-1" if rank > 1 else "none"
+        raise ValueError(
+            f"`axis` must select a feature axis of the model output, which has shape "
+            f"{output_shape} (feature axes: {feature_axes}; axis 0 is the batch). "
+            f"Received: axis={axis}"
+        )
+
+
+def declared_output_shape(model):
+    """The shape of a built functional or Sequential model's one output, else None."""
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    if isinstance(outputs, list | tuple) and len(outputs) == 1:
+        return tuple(outputs[0].shape)
+    return None
+
+
+def default_variables(model, variables):
+    """`variables`, else the model's trainable variables; refuses nothing to differentiate."""
+    if variables is None:
+        variables = getattr(model, "trainable_variables", None)
+    if not variables:
+        raise ValueError(
+            "There is nothing to differentiate: pass `variables=`, or build the model "
+            "(call it once) so that `model.trainable_variables` is not empty. "
+            f"Received: variables={variables!r}"
+        )
+    return list(variables)
+
+
+def named_leaves(structure, name) -> list[tuple[str, Any]]:
+    return [
+        (name + "".join(f"[{key!r}]" for key in path), leaf)
+        for path, leaf in keras.tree.flatten_with_path(structure)
+    ]
+
+
+def shapes_of(structure):
+    return keras.tree.map_structure(
+        lambda leaf: tuple(leaf.shape) if hasattr(leaf, "shape") else type(leaf).__name__,
+        structure,
+    )

@@ -1,0 +1,367 @@
+"""`grad`, `vjp`, `jvp`, `jacobian`, `batch_jacobian` and output gradients on JAX and
+PyTorch, written once over a backend's two primitives.
+
+`fn` is run as a function of the values differentiated: a tensor or numpy array is
+one of them, and a Keras variable is replaced by one for the call
+(`keras.StatelessScope`), so that its gradient is found however `fn` reads it, as
+on TensorFlow. A backend (`autodiff/jax_primitives.py`, `autodiff/torch_primitives.py`)
+gives the reverse-mode linearization of such a function (its outputs and a pull-back,
+one cotangent or a stack of them) and its forward-mode product. Everything else, the
+arguments, the one-hot cotangents of Jacobian rows and output features, the chunks
+and the reshapes, is here, in `keras.ops`.
+
+They run eagerly (each backend dispatches its compiled operations one by one):
+`jit_compile=True` is refused, since a compiled trace would hold the values of the
+variables `fn` reads without being given them. Unlike TensorFlow, JAX cannot tell an
+input the output does not depend on from one whose gradient is zero, so there it gets
+zeros; PyTorch raises as TensorFlow does.
+
+Example:
+
+```python
+# KERAS_BACKEND=jax or torch
+dx = keras_gradtrack.autodiff.grad(model, x)  # d sum(model(x)) / dx
+```
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_gradtrack.autodiff.arguments import (
+    check_chunk_size,
+    check_feature_axis,
+    declared_output_shape,
+    default_variables,
+    named_leaves,
+    shapes_of,
+)
+
+CUT_GRADIENT_HINT = (
+    "Make sure fn computes its output from it with differentiable operations: integer "
+    "casts, argmax, `keras.ops.stop_gradient` and numpy round trips (`np.asarray`, "
+    "`model.predict`) cut the gradient."
+)
+
+
+def _primitives() -> Any:
+    if keras.backend.backend() == "jax":
+        from keras_gradtrack.autodiff import jax_primitives
+
+        return jax_primitives
+    from keras_gradtrack.autodiff import torch_primitives
+
+    return torch_primitives
+
+
+class _Linearized:
+    """`fn` at the sources' values, reverse mode: its outputs and the pull-back."""
+
+    def __init__(self, fn: Callable, sources: _Sources) -> None:
+        self.sources = sources
+        self.structure: Any = None
+        self.outputs, self._pull_back = _primitives().linearize(
+            sources.function_of_values(fn, self), sources.values
+        )
+
+    def pull_back(self, cotangents: list[Any], batched: bool = False) -> list[Any]:
+        """The sources' gradients (each stacked along a first axis when `batched`)."""
+        gradients = self._pull_back(cotangents, batched)
+        for (name, leaf), gradient in zip(self.sources.named, gradients):
+            if gradient is None:
+                _raise_not_connected(name, leaf)
+        return gradients
+
+
+class _Sources:
+    """What to differentiate with respect to: floating-point values, or Keras variables
+    (replaced for the call by values of their own)."""
+
+    def __init__(self, structure: Any, name: str) -> None:
+        self.structure = structure
+        self.named = named_leaves(structure, name)
+        self.values = []
+        for leaf_name, leaf in self.named:
+            value = leaf.value if isinstance(leaf, keras.Variable) else ops.convert_to_tensor(leaf)
+            dtype = keras.backend.standardize_dtype(value.dtype)
+            if not (
+                dtype.startswith("float") or dtype.startswith("complex") or dtype == "bfloat16"
+            ):
+                raise TypeError(
+                    f"Gradients are defined for floating-point inputs only, but {leaf_name} "
+                    f"has dtype {dtype}. Cast it first, e.g. `keras.ops.cast(x, 'float32')`."
+                )
+            self.values.append(value)
+
+    def function_of_values(self, fn: Callable, record: Any) -> Callable[[list[Any]], list[Any]]:
+        """`fn` as a function of the flat values; the outputs' structure kept on `record`."""
+        leaves = [leaf for _, leaf in self.named]
+
+        def function(values: list[Any]) -> list[Any]:
+            mapping = [
+                (leaf, value)
+                for leaf, value in zip(leaves, values)
+                if isinstance(leaf, keras.Variable)
+            ]
+            arguments = [
+                leaf if isinstance(leaf, keras.Variable) else value
+                for leaf, value in zip(leaves, values)
+            ]
+            with keras.StatelessScope(state_mapping=mapping):
+                outputs = fn(keras.tree.pack_sequence_as(self.structure, arguments))
+            _check_tensor_outputs(outputs)
+            record.structure = outputs
+            return keras.tree.flatten(outputs)
+
+        return function
+
+    def packed(self, flat: list[Any]) -> Any:
+        return keras.tree.pack_sequence_as(self.structure, flat)
+
+
+def _check_jit_compile(jit_compile: Any) -> None:
+    if jit_compile:
+        raise ValueError(
+            f"keras_gradtrack.autodiff runs eagerly on {keras.backend.backend()}: a compiled "
+            "trace would keep the values of the variables fn reads without being given "
+            "them. Use `jit_compile=None`, or compile fn itself (`jax.jit` over "
+            "`stateless_call`, `torch.compile`). Received: jit_compile=True"
+        )
+
+
+def _check_tensor_outputs(outputs: Any) -> None:
+    for name, leaf in named_leaves(outputs, "fn's output"):
+        if not ops.is_tensor(leaf):
+            received = (
+                f"a numpy array of shape {np.shape(leaf)}"
+                if isinstance(leaf, np.ndarray | np.generic)
+                else f"a {type(leaf).__name__}"
+            )
+            raise TypeError(
+                f"fn must return tensors, but {name} is {received}. Gradients flow only "
+                "through the backend's operations on the values fn receives, and "
+                "`model.predict(x)` returns numpy. Call the model instead: "
+                "`fn = lambda x: model(x)`."
+            )
+
+
+def _raise_not_connected(name: str, leaf: Any) -> None:
+    path = f"'{leaf.path}', " if isinstance(leaf, keras.Variable) else ""
+    message = (
+        f"fn's output does not depend on {name} ({path}shape {tuple(leaf.shape)}), so its "
+        f"gradient is undefined. {CUT_GRADIENT_HINT}"
+    )
+    if not path:
+        message += (
+            " To differentiate with respect to a model's weights, pass the variables "
+            "themselves (e.g. `model.trainable_variables`), not their values."
+        )
+    raise ValueError(message)
+
+
+def _matched_to(values: Any, reference: Any, name: str, reference_name: str) -> list[Any]:
+    """Flattens `values`, checked against `reference`'s structure and shapes, in its dtypes."""
+    try:
+        keras.tree.assert_same_structure(values, reference)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"`{name}` must have the structure of {reference_name}, {shapes_of(reference)}. "
+            f"Received: {name}={shapes_of(values)}"
+        ) from None
+    matched = []
+    for (value_name, value), ref in zip(named_leaves(values, name), keras.tree.flatten(reference)):
+        value = ops.convert_to_tensor(value)
+        if tuple(value.shape) != tuple(ref.shape):
+            raise ValueError(
+                f"`{value_name}` must have the shape of {reference_name}, {tuple(ref.shape)}. "
+                f"Received: shape {tuple(value.shape)}"
+            )
+        matched.append(ops.cast(value, ref.dtype))
+    return matched
+
+
+def grad(fn: Callable, inputs: Any, grad_outputs: Any = None, *, jit_compile=None) -> Any:
+    """`keras_gradtrack.autodiff.grad` on JAX and PyTorch (see its TensorFlow docstring)."""
+    _check_jit_compile(jit_compile)
+    sources = _Sources(inputs, "inputs")
+    linearized = _Linearized(fn, sources)
+    if grad_outputs is None:
+        cotangents = [ops.ones_like(y) for y in linearized.outputs]
+    else:
+        cotangents = _matched_to(grad_outputs, linearized.structure, "grad_outputs", "fn's output")
+    return sources.packed(linearized.pull_back(cotangents))
+
+
+def vjp(fn: Callable, primals: Any, cotangents: Any, *, jit_compile=None) -> tuple[Any, Any]:
+    """`keras_gradtrack.autodiff.vjp` on JAX and PyTorch: `(fn(primals), cotangents^T J)`."""
+    _check_jit_compile(jit_compile)
+    sources = _Sources(primals, "primals")
+    linearized = _Linearized(fn, sources)
+    matched = _matched_to(cotangents, linearized.structure, "cotangents", "fn's output")
+    outputs = keras.tree.pack_sequence_as(linearized.structure, linearized.outputs)
+    return outputs, sources.packed(linearized.pull_back(matched))
+
+
+def jvp(fn: Callable, primals: Any, tangents: Any, *, jit_compile=None) -> tuple[Any, Any]:
+    """`keras_gradtrack.autodiff.jvp` on JAX and PyTorch: `(fn(primals), J tangents)` in
+    forward mode."""
+    _check_jit_compile(jit_compile)
+    sources = _Sources(primals, "primals")
+    matched = _matched_to(tangents, sources.structure, "tangents", "primals")
+    record = types.SimpleNamespace(structure=None)
+    outputs, jvps = _primitives().forward_product(
+        sources.function_of_values(fn, record), sources.values, matched
+    )
+    structure = record.structure
+    return (
+        keras.tree.pack_sequence_as(structure, outputs),
+        keras.tree.pack_sequence_as(structure, jvps),
+    )
+
+
+def jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile=None) -> Any:
+    """`keras_gradtrack.autodiff.jacobian` on JAX and PyTorch: shape `y.shape + x.shape`,
+    `chunk_size` rows per batched pull-back."""
+    _check_jit_compile(jit_compile)
+    check_chunk_size(chunk_size, allow_none=True)
+    sources = _Sources(x, "x")
+    linearized = _Linearized(fn, sources)
+    y = _single_output(linearized)
+    rows = _basis_pull_backs(linearized, y, tuple(range(len(y.shape))), chunk_size)
+    return sources.packed(
+        [
+            ops.reshape(row, tuple(y.shape) + tuple(value.shape))
+            for row, value in zip(rows, sources.values)
+        ]
+    )
+
+
+def batch_jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile=None):
+    """`keras_gradtrack.autodiff.batch_jacobian` on JAX and PyTorch: `d y[i] / d x[i]`,
+    shape `(B,) + y.shape[1:] + x.shape[1:]`."""
+    _check_jit_compile(jit_compile)
+    check_chunk_size(chunk_size, allow_none=True)
+    if isinstance(x, list | tuple | dict):
+        raise TypeError(f"`x` must be one tensor. Received: x={shapes_of(x)}")
+    sources = _Sources(x, "x")
+    linearized = _Linearized(fn, sources)
+    y = _single_output(linearized)
+    value = sources.values[0]
+    if len(y.shape) == 0 or y.shape[0] != value.shape[0]:
+        raise ValueError(
+            "batch_jacobian needs fn(x) to keep the batch axis of x. "
+            f"Received: x.shape={tuple(value.shape)}, fn(x).shape={tuple(y.shape)}"
+        )
+    # rows[k, i] = d y[i, k] / d x[i], with k running over y[i] flattened.
+    (rows,) = _basis_pull_backs(linearized, y, tuple(range(1, len(y.shape))), chunk_size)
+    rows = ops.moveaxis(rows, 0, 1)
+    return ops.reshape(rows, tuple(y.shape) + tuple(value.shape[1:]))
+
+
+def _single_output(linearized: _Linearized) -> Any:
+    if len(linearized.outputs) != 1 or isinstance(linearized.structure, list | tuple | dict):
+        raise TypeError(
+            "fn must return one tensor (e.g. `lambda x: model(x)[0]` for a model with "
+            f"several outputs). Received outputs with shapes {shapes_of(linearized.structure)}"
+        )
+    return linearized.outputs[0]
+
+
+def _basis_pull_backs(
+    linearized: _Linearized, y: Any, axes: tuple[int, ...], chunk_size: int | None
+) -> list[Any]:
+    """`d sum(y[..., i, ...]) / d sources` for every index `i` of `axes` (row-major),
+    stacked, `chunk_size` batched pull-backs at a time."""
+    sizes = [y.shape[axis] if axis in axes else 1 for axis in range(len(y.shape))]
+    num_rows = math.prod(sizes)
+    chunk_size = num_rows if chunk_size is None else min(chunk_size, num_rows)
+    chunks: list[list[Any]] = []
+    for start in range(0, num_rows, chunk_size):
+        indices = ops.arange(start, min(start + chunk_size, num_rows))
+        one_hot = ops.cast(ops.one_hot(indices, num_rows), y.dtype)
+        cotangents = ops.broadcast_to(
+            ops.reshape(one_hot, (-1, *sizes)), (int(indices.shape[0]), *y.shape)
+        )
+        chunks.append(linearized.pull_back([cotangents], batched=True))
+    return [ops.concatenate(parts, axis=0) for parts in zip(*chunks)]
+
+
+def output_gradients(
+    model: Callable,
+    x: Any,
+    variables: Any = None,
+    axis: int = -1,
+    chunk_size: int = 16,
+    *,
+    jit_compile=None,
+) -> Iterator[tuple[np.ndarray, list[Any]]]:
+    """`keras_gradtrack.autodiff.output_gradients` on JAX and PyTorch."""
+    return OutputGradients(model, variables, axis, chunk_size, jit_compile=jit_compile)(x)
+
+
+class OutputGradients:
+    """`keras_gradtrack.autodiff.OutputGradients` on JAX and PyTorch: one forward pass
+    per call, then one pull-back per feature, one after another."""
+
+    def __init__(
+        self,
+        model: Callable,
+        variables: Any = None,
+        axis: int = -1,
+        chunk_size: int = 16,
+        *,
+        jit_compile=None,
+    ):
+        _check_jit_compile(jit_compile)
+        check_chunk_size(chunk_size, allow_none=False)
+        variables = default_variables(model, variables)
+        check_feature_axis(axis, declared_output_shape(model))
+        self._model = model
+        self._variables = variables
+        self._axis = int(axis)
+        self._chunk_size = int(chunk_size)
+
+    @property
+    def variables(self) -> list[Any]:
+        """The variables differentiated, in the order of each chunk's `grads`."""
+        return list(self._variables)
+
+    @property
+    def axis(self) -> int:
+        """The output axis that enumerates the features, as given."""
+        return self._axis
+
+    @property
+    def chunk_size(self) -> int:
+        """Features per chunk."""
+        return self._chunk_size
+
+    def __call__(self, x: Any) -> Iterator[tuple[np.ndarray, list[Any]]]:
+        """Streams `(feature_indices, grads)` for the input `x`, one chunk at a time."""
+        x = keras.tree.map_structure(ops.convert_to_tensor, x)
+        return self._stream(x)
+
+    def _stream(self, x: Any) -> Iterator[tuple[np.ndarray, list[Any]]]:
+        sources = _Sources(self._variables, "variables")
+        linearized = _Linearized(lambda _: self._model(x), sources)
+        y = _single_output(linearized)
+        check_feature_axis(self._axis, tuple(y.shape))
+        axis = self._axis % len(y.shape)
+        num_features = int(y.shape[axis])
+        broadcast = [1] * len(y.shape)
+        broadcast[axis] = num_features
+        for start in range(0, num_features, self._chunk_size):
+            features = np.arange(start, min(start + self._chunk_size, num_features))
+            per_feature = []
+            for feature in features:
+                selected = ops.reshape(ops.arange(num_features) == int(feature), broadcast)
+                cotangent = ops.broadcast_to(ops.cast(selected, y.dtype), tuple(y.shape))
+                per_feature.append(linearized.pull_back([cotangent]))
+            yield features, [ops.stack(grads) for grads in zip(*per_feature)]
