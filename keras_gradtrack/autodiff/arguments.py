@@ -1,5 +1,6 @@
 """Argument checks every backend's autodiff shares (no TensorFlow, no JAX, no torch)."""
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -51,7 +52,51 @@ def declared_output_shape(model):
     return None
 
 
-def default_variables(model, variables):
+class FeatureGradientSettings:
+    """What `OutputGradients` is given on every backend, checked: the model, the
+    variables (its trainable ones by default), the feature axis and the chunk size."""
+
+    def __init__(self, model: Callable, variables: Any, axis: int, chunk_size: int) -> None:
+        check_chunk_size(chunk_size, allow_none=False)
+        variables = _default_variables(model, variables)
+        # Refused now when the model declares its output; otherwise at the first call.
+        check_feature_axis(axis, declared_output_shape(model))
+        self._model = model
+        self._variables = variables
+        self._axis = int(axis)
+        self._chunk_size = int(chunk_size)
+
+    @property
+    def variables(self) -> list[Any]:
+        """The variables differentiated, in the order of each chunk's `grads`."""
+        return list(self._variables)
+
+    @property
+    def axis(self) -> int:
+        """The output axis that enumerates the features, as given."""
+        return self._axis
+
+    @property
+    def chunk_size(self) -> int:
+        """Features per chunk."""
+        return self._chunk_size
+
+
+def mismatched_structure(name: str, values: Any, reference: Any, reference_name: str):
+    return ValueError(
+        f"`{name}` must have the structure of {reference_name}, {shapes_of(reference)}. "
+        f"Received: {name}={shapes_of(values)}"
+    )
+
+
+def mismatched_shape(value_name: str, shape: Any, reference_shape: Any, reference_name: str):
+    return ValueError(
+        f"`{value_name}` must have the shape of {reference_name}, {tuple(reference_shape)}. "
+        f"Received: shape {tuple(shape)}"
+    )
+
+
+def _default_variables(model, variables):
     """`variables`, else the model's trainable variables; refuses nothing to differentiate."""
     if variables is None:
         variables = getattr(model, "trainable_variables", None)

@@ -6,7 +6,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_gradtrack.autodiff.arguments import named_leaves, shapes_of
+from keras_gradtrack.autodiff.arguments import (
+    mismatched_shape,
+    mismatched_structure,
+    named_leaves,
+    shapes_of,
+)
 
 _CALL_THE_MODEL = (
     "Gradients flow only through TensorFlow operations on the tensors fn receives, "
@@ -127,16 +132,10 @@ def matched_to(values, reference, name, reference_name):
     try:
         tf.nest.assert_same_structure(values, reference, check_types=False)
     except (ValueError, TypeError):
-        raise ValueError(
-            f"`{name}` must have the structure of {reference_name}, {shapes_of(reference)}. "
-            f"Received: {name}={shapes_of(values)}"
-        ) from None
+        raise mismatched_structure(name, values, reference, reference_name) from None
     matched = []
     for (value_name, value), ref in zip(named_leaves(values, name), tf.nest.flatten(reference)):
         if not value.shape.is_compatible_with(ref.shape):
-            raise ValueError(
-                f"`{value_name}` must have the shape of {reference_name}, {tuple(ref.shape)}. "
-                f"Received: shape {tuple(value.shape)}"
-            )
+            raise mismatched_shape(value_name, value.shape, ref.shape, reference_name)
         matched.append(tf.cast(value, ref.dtype))
     return matched

@@ -36,10 +36,11 @@ import numpy as np
 from keras import ops
 
 from keras_gradtrack.autodiff.arguments import (
+    FeatureGradientSettings,
     check_chunk_size,
     check_feature_axis,
-    declared_output_shape,
-    default_variables,
+    mismatched_shape,
+    mismatched_structure,
     named_leaves,
     shapes_of,
 )
@@ -171,18 +172,12 @@ def _matched_to(values: Any, reference: Any, name: str, reference_name: str) -> 
     try:
         keras.tree.assert_same_structure(values, reference)
     except (ValueError, TypeError):
-        raise ValueError(
-            f"`{name}` must have the structure of {reference_name}, {shapes_of(reference)}. "
-            f"Received: {name}={shapes_of(values)}"
-        ) from None
+        raise mismatched_structure(name, values, reference, reference_name) from None
     matched = []
     for (value_name, value), ref in zip(named_leaves(values, name), keras.tree.flatten(reference)):
         value = ops.convert_to_tensor(value)
         if tuple(value.shape) != tuple(ref.shape):
-            raise ValueError(
-                f"`{value_name}` must have the shape of {reference_name}, {tuple(ref.shape)}. "
-                f"Received: shape {tuple(value.shape)}"
-            )
+            raise mismatched_shape(value_name, value.shape, ref.shape, reference_name)
         matched.append(ops.cast(value, ref.dtype))
     return matched
 
@@ -306,7 +301,7 @@ def output_gradients(
     return OutputGradients(model, variables, axis, chunk_size, jit_compile=jit_compile)(x)
 
 
-class OutputGradients:
+class OutputGradients(FeatureGradientSettings):
     """`keras_gradtrack.autodiff.OutputGradients` on JAX and PyTorch: one forward pass
     per call, then one pull-back per feature, one after another."""
 
@@ -320,28 +315,7 @@ class OutputGradients:
         jit_compile=None,
     ):
         _check_jit_compile(jit_compile)
-        check_chunk_size(chunk_size, allow_none=False)
-        variables = default_variables(model, variables)
-        check_feature_axis(axis, declared_output_shape(model))
-        self._model = model
-        self._variables = variables
-        self._axis = int(axis)
-        self._chunk_size = int(chunk_size)
-
-    @property
-    def variables(self) -> list[Any]:
-        """The variables differentiated, in the order of each chunk's `grads`."""
-        return list(self._variables)
-
-    @property
-    def axis(self) -> int:
-        """The output axis that enumerates the features, as given."""
-        return self._axis
-
-    @property
-    def chunk_size(self) -> int:
-        """Features per chunk."""
-        return self._chunk_size
+        super().__init__(model, variables, axis, chunk_size)
 
     def __call__(self, x: Any) -> Iterator[tuple[np.ndarray, list[Any]]]:
         """Streams `(feature_indices, grads)` for the input `x`, one chunk at a time."""

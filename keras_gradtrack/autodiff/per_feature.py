@@ -7,12 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_gradtrack.autodiff.arguments import (
-    check_chunk_size,
-    check_feature_axis,
-    declared_output_shape,
-    default_variables,
-)
+from keras_gradtrack.autodiff.arguments import FeatureGradientSettings, check_feature_axis
 from keras_gradtrack.autodiff.basis import basis_vjps
 from keras_gradtrack.autodiff.checks import (
     as_tensors,
@@ -73,7 +68,7 @@ def output_gradients(
     return OutputGradients(model, variables, axis, chunk_size, jit_compile=jit_compile)(x)
 
 
-class OutputGradients:
+class OutputGradients(FeatureGradientSettings):
     """`output_gradients` compiled once, for repeated use on inputs of one shape.
 
     Calling it with `x` yields exactly what `output_gradients(model, x, ...)`
@@ -107,32 +102,10 @@ class OutputGradients:
         *,
         jit_compile=None,
     ):
-        check_chunk_size(chunk_size, allow_none=False)
-        variables = default_variables(model, variables)
-        # Refused now when the model declares its output; otherwise while tracing.
-        check_feature_axis(axis, declared_output_shape(model))
-        self._model = model
-        self._variables = variables
-        self._axis = int(axis)
-        self._chunk_size = int(chunk_size)
+        super().__init__(model, variables, axis, chunk_size)
         self._gradients_of_features = tf.function(
             self._gradients_of_chunk, jit_compile=jit_compile, autograph=False
         )
-
-    @property
-    def variables(self) -> list[Any]:
-        """The variables differentiated, in the order of each chunk's `grads`."""
-        return list(self._variables)
-
-    @property
-    def axis(self) -> int:
-        """The output axis that enumerates the features, as given."""
-        return self._axis
-
-    @property
-    def chunk_size(self) -> int:
-        """Features per compiled call."""
-        return self._chunk_size
 
     def __call__(self, x: Any) -> Iterator[tuple[np.ndarray, list[tf.Tensor]]]:
         """Streams `(feature_indices, grads)` for the input `x`, one chunk at a time.
