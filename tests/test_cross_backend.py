@@ -8,7 +8,8 @@ in order with `HDF5GradientLogger`'s default statistics. Every dataset of the tw
 (the per-example and per-step columns, per layer too, the layer names) and every weight
 after the steps (the optimizer's too) must agree, by the oracle's tolerance rule
 (tests/tolerance.py: rtol 1e-4 in float32); every attribute too, but those that name
-the run (DIFFERING_ATTRIBUTES).
+the run (DIFFERING_ATTRIBUTES). The same workers run every `keras_gradtrack.autodiff`
+function on one model from TensorFlow's weights; each result must agree too.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def selected_cases(request: pytest.FixtureRequest) -> list[str]:
     names = {"mlp_sgd"}
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
-        if item.module is request.module and callspec is not None:
+        if item.module is request.module and "case" in getattr(callspec, "params", {}):
             names.add(callspec.params["case"])
     return [name for name in CASES if name in names]
 
@@ -219,6 +220,22 @@ def test_the_same_log_and_weights_as_on_tensorflow(
     assert Path(results[1]["weights_from"]).parent == tensorflow
     assert_same_log(other / "log.h5", tensorflow / "log.h5")
     assert_same_weights(other / "final.weights.h5", tensorflow / "final.weights.h5")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_autodiff_gives_the_same_results_as_on_tensorflow(
+    runs: dict[str, Path], backend: str
+) -> None:
+    """Every `keras_gradtrack.autodiff` function on the worker's Conv1D model, from
+    TensorFlow's weights, by the tolerance rule."""
+    with (
+        np.load(runs["tensorflow"] / "autodiff" / "results.npz") as want,
+        np.load(runs[backend] / "autodiff" / "results.npz") as got,
+    ):
+        assert sorted(got.files) == sorted(want.files)
+        assert len(want.files) == 13  # 5 functions, 2 x 4 variables
+        for name in want.files:
+            assert_same_values(name, got[name], want[name])
 
 
 def test_the_differing_attributes_name_the_backends(runs: dict[str, Path]) -> None:
