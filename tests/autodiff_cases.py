@@ -153,8 +153,10 @@ def test_output_gradients_of_a_convolutional_model_equal_the_backends_autodiff()
 
 def test_the_arguments_are_refused_as_on_tensorflow() -> None:
     net = Network()
-    with pytest.raises(ValueError, match="runs eagerly on"):
-        autodiff.grad(net.model, X, jit_compile=True)
+    with pytest.raises(ValueError, match="eagerly"):
+        autodiff.grad(lambda x: net.model(x), X, jit_compile=True)
+    with pytest.raises(ValueError, match="eagerly"):
+        autodiff.OutputGradients(net.model, jit_compile=True)
     with pytest.raises(TypeError, match="floating-point inputs only"):
         autodiff.grad(net.model, X.astype("int32"))
     with pytest.raises(TypeError, match=r"fn must return tensors.*Call the model instead"):
@@ -187,3 +189,28 @@ def test_an_input_the_output_does_not_depend_on() -> None:
     else:
         with pytest.raises(ValueError, match=r"does not depend on inputs\[1\]"):
             autodiff.grad(first, [X, other])
+
+
+class CountedDense(keras.layers.Dense):
+    """A Dense layer that counts its calls: each one a trace when its model is compiled."""
+
+    calls = 0
+
+    def call(self, inputs: Any) -> Any:
+        CountedDense.calls += 1
+        return super().call(inputs)
+
+
+def test_a_model_is_compiled_once_on_jax_and_reads_its_current_weights() -> None:
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, CountedDense(2)(inputs))
+    kernel = model.trainable_variables[0]
+    CountedDense.calls = 0
+    for scale in (1.0, 2.0, -3.0):
+        kernel.assign(np.full((4, 2), scale, "float32"))
+        found = autodiff.grad(model, X)  # d sum(x K) / dx = K 1: each row 2 * scale
+        np.testing.assert_allclose(ops.convert_to_numpy(found), np.full((3, 4), 2 * scale))
+        eager = autodiff.grad(model, X, jit_compile=False)
+        np.testing.assert_allclose(ops.convert_to_numpy(eager), np.full((3, 4), 2 * scale))
+    # JAX: one trace of the compiled call and three eager calls; PyTorch: six eager calls.
+    assert CountedDense.calls == (4 if keras.backend.backend() == "jax" else 6)

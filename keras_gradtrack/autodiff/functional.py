@@ -10,9 +10,11 @@ one cotangent or a stack of them) and its forward-mode product. Everything else,
 arguments, the one-hot cotangents of Jacobian rows and output features, the chunks
 and the reshapes, is here, in `keras.ops`.
 
-They run eagerly (each backend dispatches its compiled operations one by one):
-`jit_compile=True` is refused, since a compiled trace would hold the values of the
-variables `fn` reads without being given them. Unlike TensorFlow, JAX cannot tell an
+On JAX a Keras layer or model given as `fn` runs in one `jax.jit` of the values and
+of the model's variables, read at each call (`_compiled_call`); anything else runs
+eagerly, and `jit_compile=True` is refused for it, since a compiled trace would hold
+the values of the variables `fn` reads without being given them. PyTorch runs
+eagerly. Unlike TensorFlow, JAX cannot tell an
 input the output does not depend on from one whose gradient is zero, so there it gets
 zeros; PyTorch raises as TensorFlow does.
 
@@ -28,7 +30,8 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -65,11 +68,11 @@ def _primitives() -> Any:
 class _Linearized:
     """`fn` at the sources' values, reverse mode: its outputs and the pull-back."""
 
-    def __init__(self, fn: Callable, sources: _Sources) -> None:
+    def __init__(self, fn: Callable, sources: _Sources, compiled: bool = False) -> None:
         self.sources = sources
         self.structure: Any = None
         self.outputs, self._pull_back = _primitives().linearize(
-            sources.function_of_values(fn, self), sources.values
+            sources.function_of_values(fn, self, compiled), sources.values
         )
 
     def pull_back(self, cotangents: list[Any], batched: bool = False) -> list[Any]:
@@ -101,12 +104,28 @@ class _Sources:
                 )
             self.values.append(value)
 
-    def function_of_values(self, fn: Callable, record: Any) -> Callable[[list[Any]], list[Any]]:
-        """`fn` as a function of the flat values; the outputs' structure kept on `record`."""
-        leaves = [leaf for _, leaf in self.named]
+    def function_of_values(
+        self, fn: Callable, record: Any, compiled: bool = False
+    ) -> Callable[[list[Any]], list[Any]]:
+        """`fn` as a function of the flat values; the outputs' structure kept on `record`.
+        `compiled`: `fn` is a Keras layer, called in one compiled function of the values
+        and of its variables' current values (`_compiled_call`)."""
+        call = _compiled_call(fn, self) if compiled else self.call_of(fn)
 
         def function(values: list[Any]) -> list[Any]:
-            mapping = [
+            outputs = call(values)
+            record.structure = outputs
+            return keras.tree.flatten(outputs)
+
+        return function
+
+    def call_of(self, fn: Callable, state: list[Any] | None = None) -> Callable[..., Any]:
+        """`fn` at the values (and, given `state`, its layer's variables at `state`)."""
+        leaves = [leaf for _, leaf in self.named]
+
+        def call(values: list[Any], state_values: Sequence[Any] = ()) -> Any:
+            mapping = list(zip(state or [], state_values))
+            mapping += [
                 (leaf, value)
                 for leaf, value in zip(leaves, values)
                 if isinstance(leaf, keras.Variable)
@@ -118,23 +137,52 @@ class _Sources:
             with keras.StatelessScope(state_mapping=mapping):
                 outputs = fn(keras.tree.pack_sequence_as(self.structure, arguments))
             _check_tensor_outputs(outputs)
-            record.structure = outputs
-            return keras.tree.flatten(outputs)
+            return outputs
 
-        return function
+        return call
 
     def packed(self, flat: list[Any]) -> Any:
         return keras.tree.pack_sequence_as(self.structure, flat)
 
 
-def _check_jit_compile(jit_compile: Any) -> None:
-    if jit_compile:
+# Per Keras layer given as `fn`: its compiled calls, one per set of sources (which
+# leaves are which variables, and the structure they come in).
+_COMPILED: weakref.WeakKeyDictionary[Any, dict[Any, Callable[..., Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _compiled_call(layer: Any, sources: _Sources) -> Callable[[list[Any]], Any]:
+    """`layer` at the values in one `jax.jit` of the values and of every variable of the
+    layer (read at each call, so a compiled call never holds stale weights), kept across
+    calls with the same sources."""
+    key = (
+        tuple(id(leaf) if isinstance(leaf, keras.Variable) else None for _, leaf in sources.named),
+        repr(keras.tree.map_structure(lambda _: None, sources.structure)),
+    )
+    calls = _COMPILED.setdefault(layer, {})
+    state = list(layer.variables)
+    if key not in calls:
+        calls[key] = _primitives().jit(sources.call_of(layer, state))
+    compiled = calls[key]
+    return lambda values: compiled(values, [v.value for v in state])
+
+
+def _compiles(jit_compile: Any, fn: Callable) -> bool:
+    """Whether `fn` runs compiled: on JAX, a Keras layer or model unless
+    `jit_compile=False`; never on PyTorch (`jit_compile=True` refused there, and on JAX
+    for a `fn` that is not a Keras layer)."""
+    backend = keras.backend.backend()
+    layer = isinstance(fn, keras.Layer)
+    if jit_compile and not (backend == "jax" and layer):
+        where = "a function that is not a Keras layer or model" if backend == "jax" else backend
         raise ValueError(
-            f"keras_gradtrack.autodiff runs eagerly on {keras.backend.backend()}: a compiled "
-            "trace would keep the values of the variables fn reads without being given "
-            "them. Use `jit_compile=None`, or compile fn itself (`jax.jit` over "
-            "`stateless_call`, `torch.compile`). Received: jit_compile=True"
+            f"keras_gradtrack.autodiff runs {where} eagerly: a compiled trace would keep "
+            "the values of the variables fn reads without being given them. Use "
+            "`jit_compile=None`, or compile fn itself (`jax.jit` over `stateless_call`, "
+            f"`torch.compile`). Received: jit_compile={jit_compile!r}"
         )
+    return backend == "jax" and layer and jit_compile is not False
 
 
 def _check_tensor_outputs(outputs: Any) -> None:
@@ -184,9 +232,9 @@ def _matched_to(values: Any, reference: Any, name: str, reference_name: str) -> 
 
 def grad(fn: Callable, inputs: Any, grad_outputs: Any = None, *, jit_compile=None) -> Any:
     """`keras_gradtrack.autodiff.grad` on JAX and PyTorch (see its TensorFlow docstring)."""
-    _check_jit_compile(jit_compile)
+    compiled = _compiles(jit_compile, fn)
     sources = _Sources(inputs, "inputs")
-    linearized = _Linearized(fn, sources)
+    linearized = _Linearized(fn, sources, compiled)
     if grad_outputs is None:
         cotangents = [ops.ones_like(y) for y in linearized.outputs]
     else:
@@ -196,9 +244,9 @@ def grad(fn: Callable, inputs: Any, grad_outputs: Any = None, *, jit_compile=Non
 
 def vjp(fn: Callable, primals: Any, cotangents: Any, *, jit_compile=None) -> tuple[Any, Any]:
     """`keras_gradtrack.autodiff.vjp` on JAX and PyTorch: `(fn(primals), cotangents^T J)`."""
-    _check_jit_compile(jit_compile)
+    compiled = _compiles(jit_compile, fn)
     sources = _Sources(primals, "primals")
-    linearized = _Linearized(fn, sources)
+    linearized = _Linearized(fn, sources, compiled)
     matched = _matched_to(cotangents, linearized.structure, "cotangents", "fn's output")
     outputs = keras.tree.pack_sequence_as(linearized.structure, linearized.outputs)
     return outputs, sources.packed(linearized.pull_back(matched))
@@ -207,12 +255,12 @@ def vjp(fn: Callable, primals: Any, cotangents: Any, *, jit_compile=None) -> tup
 def jvp(fn: Callable, primals: Any, tangents: Any, *, jit_compile=None) -> tuple[Any, Any]:
     """`keras_gradtrack.autodiff.jvp` on JAX and PyTorch: `(fn(primals), J tangents)` in
     forward mode."""
-    _check_jit_compile(jit_compile)
+    compiled = _compiles(jit_compile, fn)
     sources = _Sources(primals, "primals")
     matched = _matched_to(tangents, sources.structure, "tangents", "primals")
     record = types.SimpleNamespace(structure=None)
     outputs, jvps = _primitives().forward_product(
-        sources.function_of_values(fn, record), sources.values, matched
+        sources.function_of_values(fn, record, compiled), sources.values, matched
     )
     structure = record.structure
     return (
@@ -224,10 +272,10 @@ def jvp(fn: Callable, primals: Any, tangents: Any, *, jit_compile=None) -> tuple
 def jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile=None) -> Any:
     """`keras_gradtrack.autodiff.jacobian` on JAX and PyTorch: shape `y.shape + x.shape`,
     `chunk_size` rows per batched pull-back."""
-    _check_jit_compile(jit_compile)
+    compiled = _compiles(jit_compile, fn)
     check_chunk_size(chunk_size, allow_none=True)
     sources = _Sources(x, "x")
-    linearized = _Linearized(fn, sources)
+    linearized = _Linearized(fn, sources, compiled)
     y = _single_output(linearized)
     rows = _basis_pull_backs(linearized, y, tuple(range(len(y.shape))), chunk_size)
     return sources.packed(
@@ -241,12 +289,12 @@ def jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile
 def batch_jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile=None):
     """`keras_gradtrack.autodiff.batch_jacobian` on JAX and PyTorch: `d y[i] / d x[i]`,
     shape `(B,) + y.shape[1:] + x.shape[1:]`."""
-    _check_jit_compile(jit_compile)
+    compiled = _compiles(jit_compile, fn)
     check_chunk_size(chunk_size, allow_none=True)
     if isinstance(x, list | tuple | dict):
         raise TypeError(f"`x` must be one tensor. Received: x={shapes_of(x)}")
     sources = _Sources(x, "x")
-    linearized = _Linearized(fn, sources)
+    linearized = _Linearized(fn, sources, compiled)
     y = _single_output(linearized)
     value = sources.values[0]
     if len(y.shape) == 0 or y.shape[0] != value.shape[0]:
@@ -314,7 +362,12 @@ class OutputGradients(FeatureGradientSettings):
         *,
         jit_compile=None,
     ):
-        _check_jit_compile(jit_compile)
+        if jit_compile:
+            raise ValueError(
+                f"OutputGradients runs eagerly on {keras.backend.backend()} "
+                "(`OutputGradientLogger` on JAX compiles its own pass). "
+                "Received: jit_compile=True"
+            )
         super().__init__(model, variables, axis, chunk_size)
 
     def __call__(self, x: Any) -> Iterator[tuple[np.ndarray, list[Any]]]:

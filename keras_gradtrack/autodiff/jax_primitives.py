@@ -22,6 +22,12 @@ def linearize(function: Callable[[list[Any]], list[Any]], values: list[Any]):
     return outputs, pulled_back
 
 
+def jit(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` compiled with XLA (`jax.jit`); differentiating it differentiates the
+    compiled call."""
+    return jax.jit(function)
+
+
 def forward_product(
     function: Callable[[list[Any]], list[Any]], values: list[Any], tangents: list[Any]
 ):

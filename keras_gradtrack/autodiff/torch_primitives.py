@@ -33,6 +33,11 @@ def linearize(function: Callable[[list[Any]], list[Any]], values: list[Any]):
     return [y.detach() for y in outputs], pulled_back
 
 
+def jit(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Never called: autodiff runs eagerly on PyTorch."""
+    raise NotImplementedError("autodiff compiles on JAX only")
+
+
 def forward_product(
     function: Callable[[list[Any]], list[Any]], values: list[Any], tangents: list[Any]
 ):
