@@ -156,7 +156,7 @@ def test_the_arguments_are_refused_as_on_tensorflow() -> None:
     with pytest.raises(ValueError, match="eagerly"):
         autodiff.grad(lambda x: net.model(x), X, jit_compile=True)
     with pytest.raises(ValueError, match="eagerly"):
-        autodiff.OutputGradients(net.model, jit_compile=True)
+        autodiff.OutputGradients(lambda x: net.model(x), variables=[X], jit_compile=True)
     with pytest.raises(TypeError, match="floating-point inputs only"):
         autodiff.grad(net.model, X.astype("int32"))
     with pytest.raises(TypeError, match=r"fn must return tensors.*Call the model instead"):
@@ -214,3 +214,14 @@ def test_a_model_is_compiled_once_on_jax_and_reads_its_current_weights() -> None
         np.testing.assert_allclose(ops.convert_to_numpy(eager), np.full((3, 4), 2 * scale))
     # JAX: one trace of the compiled call and three eager calls; PyTorch: six eager calls.
     assert CountedDense.calls == (4 if keras.backend.backend() == "jax" else 6)
+    gradients = autodiff.OutputGradients(model, chunk_size=2)
+    for x in (X, 2 * X + 1):  # d sum(y[:, f]) / dK: x summed over the batch in column f
+        ((features, (kernel_gradients, _)),) = list(gradients(x))
+        np.testing.assert_array_equal(features, [0, 1])
+        for f in features:
+            expected = np.zeros((4, 2), "float32")
+            expected[:, f] = x.sum(0)
+            np.testing.assert_allclose(
+                ops.convert_to_numpy(kernel_gradients[f]), expected, rtol=1e-6
+            )
+    assert CountedDense.calls == (5 if keras.backend.backend() == "jax" else 8)

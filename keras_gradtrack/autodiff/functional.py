@@ -68,11 +68,13 @@ def _primitives() -> Any:
 class _Linearized:
     """`fn` at the sources' values, reverse mode: its outputs and the pull-back."""
 
-    def __init__(self, fn: Callable, sources: _Sources, compiled: bool = False) -> None:
+    def __init__(
+        self, fn: Callable, sources: _Sources, compiled: bool = False, argument: Any = None
+    ) -> None:
         self.sources = sources
         self.structure: Any = None
         self.outputs, self._pull_back = _primitives().linearize(
-            sources.function_of_values(fn, self, compiled), sources.values
+            sources.function_of_values(fn, self, compiled, argument), sources.values
         )
 
     def pull_back(self, cotangents: list[Any], batched: bool = False) -> list[Any]:
@@ -105,25 +107,32 @@ class _Sources:
             self.values.append(value)
 
     def function_of_values(
-        self, fn: Callable, record: Any, compiled: bool = False
+        self, fn: Callable, record: Any, compiled: bool = False, argument: Any = None
     ) -> Callable[[list[Any]], list[Any]]:
         """`fn` as a function of the flat values; the outputs' structure kept on `record`.
         `compiled`: `fn` is a Keras layer, called in one compiled function of the values
-        and of its variables' current values (`_compiled_call`)."""
-        call = _compiled_call(fn, self) if compiled else self.call_of(fn)
+        and of its variables' current values (`_compiled_call`). `argument`: what `fn`
+        is called with, when not the values (the sources are variables it reads)."""
+        if compiled:
+            call = _compiled_call(fn, self, argument is not None)
+        else:
+            call = self.call_of(fn, applied=argument is not None)
 
         def function(values: list[Any]) -> list[Any]:
-            outputs = call(values)
+            outputs = call(values, argument)
             record.structure = outputs
             return keras.tree.flatten(outputs)
 
         return function
 
-    def call_of(self, fn: Callable, state: list[Any] | None = None) -> Callable[..., Any]:
-        """`fn` at the values (and, given `state`, its layer's variables at `state`)."""
+    def call_of(
+        self, fn: Callable, state: list[Any] | None = None, applied: bool = False
+    ) -> Callable[..., Any]:
+        """`fn` at the values (and, given `state`, its layer's variables at `state`),
+        called with the values, or with `argument` when `applied`."""
         leaves = [leaf for _, leaf in self.named]
 
-        def call(values: list[Any], state_values: Sequence[Any] = ()) -> Any:
+        def call(values: list[Any], argument: Any, state_values: Sequence[Any] = ()) -> Any:
             mapping = list(zip(state or [], state_values))
             mapping += [
                 (leaf, value)
@@ -134,8 +143,9 @@ class _Sources:
                 leaf if isinstance(leaf, keras.Variable) else value
                 for leaf, value in zip(leaves, values)
             ]
+            inputs = argument if applied else keras.tree.pack_sequence_as(self.structure, arguments)
             with keras.StatelessScope(state_mapping=mapping):
-                outputs = fn(keras.tree.pack_sequence_as(self.structure, arguments))
+                outputs = fn(inputs)
             _check_tensor_outputs(outputs)
             return outputs
 
@@ -152,20 +162,21 @@ _COMPILED: weakref.WeakKeyDictionary[Any, dict[Any, Callable[..., Any]]] = (
 )
 
 
-def _compiled_call(layer: Any, sources: _Sources) -> Callable[[list[Any]], Any]:
+def _compiled_call(layer: Any, sources: _Sources, applied: bool) -> Callable[..., Any]:
     """`layer` at the values in one `jax.jit` of the values and of every variable of the
     layer (read at each call, so a compiled call never holds stale weights), kept across
     calls with the same sources."""
     key = (
         tuple(id(leaf) if isinstance(leaf, keras.Variable) else None for _, leaf in sources.named),
         repr(keras.tree.map_structure(lambda _: None, sources.structure)),
+        applied,
     )
     calls = _COMPILED.setdefault(layer, {})
     state = list(layer.variables)
     if key not in calls:
-        calls[key] = _primitives().jit(sources.call_of(layer, state))
+        calls[key] = _primitives().jit(sources.call_of(layer, state, applied))
     compiled = calls[key]
-    return lambda values: compiled(values, [v.value for v in state])
+    return lambda values, argument: compiled(values, argument, [v.value for v in state])
 
 
 def _compiles(jit_compile: Any, fn: Callable) -> bool:
@@ -362,12 +373,7 @@ class OutputGradients(FeatureGradientSettings):
         *,
         jit_compile=None,
     ):
-        if jit_compile:
-            raise ValueError(
-                f"OutputGradients runs eagerly on {keras.backend.backend()} "
-                "(`OutputGradientLogger` on JAX compiles its own pass). "
-                "Received: jit_compile=True"
-            )
+        self._compiled = _compiles(jit_compile, model)
         super().__init__(model, variables, axis, chunk_size)
 
     def __call__(self, x: Any) -> Iterator[tuple[np.ndarray, list[Any]]]:
@@ -377,7 +383,7 @@ class OutputGradients(FeatureGradientSettings):
 
     def _stream(self, x: Any) -> Iterator[tuple[np.ndarray, list[Any]]]:
         sources = _Sources(self._variables, "variables")
-        linearized = _Linearized(lambda _: self._model(x), sources)
+        linearized = _Linearized(self._model, sources, self._compiled, argument=x)
         y = _single_output(linearized)
         check_feature_axis(self._axis, tuple(y.shape))
         axis = self._axis % len(y.shape)

@@ -72,7 +72,7 @@ class OutputGradientLogger(FileLogger):
         self.chunk_size = chunk_size
         self.save_tensors = save_tensors
         self.compression = compression
-        self._gradients: Any = None  # autodiff.OutputGradients, or the engine's
+        self._gradients: Any = None  # autodiff.OutputGradients
         self._step = 0
         self._epoch = 0
 
@@ -185,12 +185,16 @@ def output_columns(model: Any) -> list[tuple[Any, list[Any]]]:
 
 
 def feature_gradients(model: Any, variables: list[Any], axis: int, chunk_size: int) -> Any:
-    """What streams each chunk's `(features, grads)`: `autodiff.OutputGradients`, but on
-    JAX the engine's own jitted pass over `stateless_call` (autodiff runs eagerly there)."""
-    if keras.backend.backend() == "jax":
-        from keras_gradtrack.backends.jax.output_gradients import output_gradients
-
-        return output_gradients(model, variables, axis, chunk_size)
+    """What streams each chunk's `(features, grads)`: `autodiff.OutputGradients` at the
+    values the model holds (on JAX, `fit` keeps them in its state: synced first)."""
     from keras_gradtrack import autodiff
 
-    return autodiff.OutputGradients(model, variables, axis, chunk_size)
+    gradients = autodiff.OutputGradients(model, variables, axis, chunk_size)
+    if keras.backend.backend() != "jax":
+        return gradients
+
+    def synced(x: Any) -> Any:
+        model.jax_state_sync()
+        return gradients(x)
+
+    return synced
