@@ -9,8 +9,9 @@ with the chunk and not with the number of outputs.
 On TensorFlow each function traces into a `tf.function` (without AutoGraph), reused
 while `fn` is the same object and the input shapes, dtypes and Python arguments are
 unchanged; `OutputGradients` is the compiled form of `output_gradients`, kept across
-calls. On JAX and PyTorch they run eagerly on the backend's own `vjp`/`jvp`
-(`functional.py`), with the same arguments and results.
+calls. On JAX and PyTorch they run on the backend's own `vjp`/`jvp`
+(`functional.py`), with the same arguments and results: on JAX a Keras model given as
+`fn` in one `jax.jit` of its variables' current values, anything else eagerly.
 """
 
 import keras
