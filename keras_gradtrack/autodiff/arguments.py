@@ -54,9 +54,18 @@ def declared_output_shape(model):
 
 class FeatureGradientSettings:
     """What `OutputGradients` is given on every backend, checked: the model, the
-    variables (its trainable ones by default), the feature axis and the chunk size."""
+    variables (its trainable ones by default), the feature axis and the chunk size; a
+    backend's `OutputGradients` says in `_compile` how its pull-backs run."""
 
-    def __init__(self, model: Callable, variables: Any, axis: int, chunk_size: int) -> None:
+    def __init__(
+        self,
+        model: Callable,
+        variables: Any = None,
+        axis: int = -1,
+        chunk_size: int = 16,
+        *,
+        jit_compile: bool | None = None,
+    ) -> None:
         check_chunk_size(chunk_size, allow_none=False)
         variables = _default_variables(model, variables)
         # Refused now when the model declares its output; otherwise at the first call.
@@ -65,6 +74,11 @@ class FeatureGradientSettings:
         self._variables = variables
         self._axis = int(axis)
         self._chunk_size = int(chunk_size)
+        self._compile(jit_compile)
+
+    def _compile(self, jit_compile: bool | None) -> None:
+        """Prepares the backend's pull-backs (`jit_compile` as `output_gradients` takes it)."""
+        raise NotImplementedError
 
     @property
     def variables(self) -> list[Any]:

@@ -347,34 +347,12 @@ def _basis_pull_backs(
     return [ops.concatenate(parts, axis=0) for parts in zip(*chunks)]
 
 
-def output_gradients(
-    model: Callable,
-    x: Any,
-    variables: Any = None,
-    axis: int = -1,
-    chunk_size: int = 16,
-    *,
-    jit_compile=None,
-) -> Iterator[tuple[np.ndarray, list[Any]]]:
-    """`keras_gradtrack.autodiff.output_gradients` on JAX and PyTorch."""
-    return OutputGradients(model, variables, axis, chunk_size, jit_compile=jit_compile)(x)
-
-
 class OutputGradients(FeatureGradientSettings):
     """`keras_gradtrack.autodiff.OutputGradients` on JAX and PyTorch: one forward pass
     per call, then one pull-back per feature, one after another."""
 
-    def __init__(
-        self,
-        model: Callable,
-        variables: Any = None,
-        axis: int = -1,
-        chunk_size: int = 16,
-        *,
-        jit_compile=None,
-    ):
-        self._compiled = _compiles(jit_compile, model)
-        super().__init__(model, variables, axis, chunk_size)
+    def _compile(self, jit_compile: bool | None) -> None:
+        self._compiled = _compiles(jit_compile, self._model)
 
     def __call__(self, x: Any) -> Iterator[tuple[np.ndarray, list[Any]]]:
         """Streams `(feature_indices, grads)` for the input `x`, one chunk at a time."""

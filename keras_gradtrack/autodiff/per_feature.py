@@ -1,6 +1,6 @@
-"""`output_gradients` and its compiled form `OutputGradients`: weight gradients per feature."""
+"""`OutputGradients` on TensorFlow: weight gradients per feature, compiled once (`output_gradients` in `__init__.py` calls it)."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -14,58 +14,6 @@ from keras_gradtrack.autodiff.checks import (
     check_single_output,
     explaining_numpy_round_trips,
 )
-
-
-def output_gradients(
-    model: Callable,
-    x: Any,
-    variables: Any = None,
-    axis: int = -1,
-    chunk_size: int = 16,
-    *,
-    jit_compile=None,
-) -> Iterator[tuple[np.ndarray, list[tf.Tensor]]]:
-    """Streams the gradient of every output feature with respect to the weights.
-
-    For each feature `f` along `axis` of `y = model(x)`, yields
-    `d sum(y[..., f, ...]) / d variables[j]`, the sum running over every other
-    axis. Each chunk of `chunk_size` features is one compiled call: one forward
-    pass, then one backward pass per feature, run one after another so that peak
-    memory grows with `chunk_size` and not with the number of features. All
-    chunks share one trace (the last is padded; padding costs no backward pass).
-
-    This traces anew on every call; to take output gradients repeatedly (say,
-    during training), build an `OutputGradients` once and call it instead.
-
-    Args:
-        model: A Keras model, or a callable taking `x` and returning one tensor.
-        x: The model's input: tensor, numpy array or nest of them.
-        variables: Variables to differentiate; defaults to
-            `model.trainable_variables`.
-        axis: The output axis that enumerates the features (`-1`: the last).
-            The batch axis (`0`) is refused.
-        chunk_size: Features per compiled call.
-        jit_compile: Passed to `tf.function`; `True` compiles with XLA.
-
-    Returns:
-        An iterator of `(feature_indices, grads)`: `feature_indices` is a numpy
-        array of the chunk's features and `grads[j]` has shape
-        `(len(feature_indices),) + variables[j].shape`.
-
-    Example:
-
-    ```python
-    model = keras.Sequential([
-        keras.Input((64, 16)),
-        keras.layers.Conv1D(32, 3, padding="same", activation="relu"),
-        keras.layers.Dense(144),
-    ])
-    x = np.random.rand(16, 64, 16).astype("float32")
-    for features, grads in keras_gradtrack.autodiff.output_gradients(model, x, chunk_size=8):
-        kernel_norms = tf.norm(tf.reshape(grads[-2], (len(features), -1)), axis=1)
-    ```
-    """
-    return OutputGradients(model, variables, axis, chunk_size, jit_compile=jit_compile)(x)
 
 
 class OutputGradients(FeatureGradientSettings):
@@ -93,16 +41,7 @@ class OutputGradients(FeatureGradientSettings):
     ```
     """
 
-    def __init__(
-        self,
-        model: Callable,
-        variables: Any = None,
-        axis: int = -1,
-        chunk_size: int = 16,
-        *,
-        jit_compile=None,
-    ):
-        super().__init__(model, variables, axis, chunk_size)
+    def _compile(self, jit_compile: bool | None) -> None:
         self._gradients_of_features = tf.function(
             self._gradients_of_chunk, jit_compile=jit_compile, autograph=False
         )
