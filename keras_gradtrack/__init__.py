@@ -77,23 +77,24 @@ __all__ = [
 ]
 
 
-# On JAX and PyTorch the model classes and `check` come from that backend's engine
-# (neither imports TensorFlow); everything else is shared.
+# On JAX and PyTorch the model classes come from that backend's engine and `check` from
+# the probed engines' shared one (none of them imports TensorFlow); everything else is
+# shared.
 _ENGINES = {
-    "tensorflow": "keras_gradtrack.models.model",
+    "tensorflow": "keras_gradtrack.models",
     "jax": "keras_gradtrack.backends.jax",
     "torch": "keras_gradtrack.backends.torch",
 }
-_ENGINE_NAMES = (
-    "GradientTrackingMixin",
-    "GradientTrackingModel",
-    "GradientTrackingSequential",
-    "check",
-)
+_PROBED_ENGINE_MODULES = {
+    "GradientTrackingMixin": "mixin",
+    "GradientTrackingModel": "model",
+    "GradientTrackingSequential": "model",
+}
+_PROBED_CHECK = "keras_gradtrack.backends.ops.check"
 
 
 def _engine() -> str:
-    """The module of the model classes (and `check`) for Keras' backend."""
+    """The package of the model classes for Keras' backend."""
     import keras
 
     backend = keras.backend.backend()
@@ -107,12 +108,19 @@ def _engine() -> str:
     return _ENGINES[backend]
 
 
+def _module_of(name: str) -> str | None:
+    """The module that defines the public `name` on Keras' backend (None: a submodule)."""
+    if name == "check" or name in _PROBED_ENGINE_MODULES:
+        engine = _engine()
+        if engine != _ENGINES["tensorflow"]:
+            return _PROBED_CHECK if name == "check" else f"{engine}.{_PROBED_ENGINE_MODULES[name]}"
+    return _LAZY[name]
+
+
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'keras_gradtrack' has no attribute {name!r}")
-    module = _LAZY[name]
-    if name in _ENGINE_NAMES and _engine() != _ENGINES["tensorflow"]:
-        module = _engine()
+    module = _module_of(name)
     value = (
         importlib.import_module(f"keras_gradtrack.{name}")
         if module is None
@@ -129,4 +137,4 @@ def __dir__() -> list[str]:
 # `keras.models.load_model` finds the model classes only once they are
 # registered: when Keras is already in use, register them now.
 if "keras" in sys.modules and sys.modules["keras"].backend.backend() in _ENGINES:
-    importlib.import_module(_engine())
+    importlib.import_module(f"{_engine()}.model")

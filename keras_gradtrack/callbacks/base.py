@@ -45,11 +45,11 @@ def require_tracking_model(model: Any, callback: keras.callbacks.Callback) -> No
     """Raises unless `model` can compute gradient statistics for `callback` (with the
     engine of Keras' backend)."""
     if keras.backend.backend() == "jax":
-        from keras_gradtrack.backends.jax import GradientTrackingMixin as JaxTrackingMixin
+        from keras_gradtrack.backends.jax.mixin import GradientTrackingMixin as JaxTrackingMixin
 
         tracking_mixin: type = JaxTrackingMixin
     elif keras.backend.backend() == "torch":
-        from keras_gradtrack.backends.torch import GradientTrackingMixin as TorchTrackingMixin
+        from keras_gradtrack.backends.torch.mixin import GradientTrackingMixin as TorchTrackingMixin
 
         tracking_mixin = TorchTrackingMixin
     else:

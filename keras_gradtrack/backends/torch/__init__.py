@@ -5,17 +5,3 @@ imports neither TensorFlow nor JAX. Its rules and step math are the ones the JAX
 engine runs too (`backends/ops/`); what is PyTorch's own is how the probed tensors
 are differentiated, the exact per-layer fallback (`torch.func`) and the trainer glue.
 """
-
-from keras_gradtrack.backends.ops.check import check
-from keras_gradtrack.backends.torch.mixin import GradientTrackingMixin
-from keras_gradtrack.backends.torch.model import (
-    GradientTrackingModel,
-    GradientTrackingSequential,
-)
-
-__all__ = [
-    "GradientTrackingMixin",
-    "GradientTrackingModel",
-    "GradientTrackingSequential",
-    "check",
-]
