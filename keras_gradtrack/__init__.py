@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from keras_gradtrack.callbacks.statistics_to_logs import GradientStatisticsToLogs
     from keras_gradtrack.callbacks.tensorboard import TensorBoardGradientLogger
     from keras_gradtrack.callbacks.tensorboard_events import write_tensorboard
-    from keras_gradtrack.engine.preflight import check
+    from keras_gradtrack.checking import check
     from keras_gradtrack.models.convert import convert_to_group_normalization
     from keras_gradtrack.models.model import GradientTrackingModel, GradientTrackingSequential
     from keras_gradtrack.models.trainer import GradientTrackingMixin
@@ -47,7 +47,7 @@ _LAZY = {
     "attribution": None,
     "autodiff": None,
     "convert_to_group_normalization": "keras_gradtrack.models.convert",
-    "check": "keras_gradtrack.engine.preflight",
+    "check": "keras_gradtrack.checking",
     "register_rule": "keras_gradtrack.rules",
     "privacy": None,
     "rules": None,
@@ -77,9 +77,8 @@ __all__ = [
 ]
 
 
-# On JAX and PyTorch the model classes come from that backend's engine and `check` from
-# the probed engines' shared one (none of them imports TensorFlow); everything else is
-# shared.
+# On JAX and PyTorch the model classes come from that backend's engine (neither imports
+# TensorFlow); everything else is shared.
 _ENGINES = {
     "tensorflow": "keras_gradtrack.models",
     "jax": "keras_gradtrack.backends.jax",
@@ -90,7 +89,6 @@ _PROBED_ENGINE_MODULES = {
     "GradientTrackingModel": "model",
     "GradientTrackingSequential": "model",
 }
-_PROBED_CHECK = "keras_gradtrack.backends.ops.check"
 
 
 def _engine() -> str:
@@ -110,10 +108,10 @@ def _engine() -> str:
 
 def _module_of(name: str) -> str | None:
     """The module that defines the public `name` on Keras' backend (None: a submodule)."""
-    if name == "check" or name in _PROBED_ENGINE_MODULES:
+    if name in _PROBED_ENGINE_MODULES:
         engine = _engine()
         if engine != _ENGINES["tensorflow"]:
-            return _PROBED_CHECK if name == "check" else f"{engine}.{_PROBED_ENGINE_MODULES[name]}"
+            return f"{engine}.{_PROBED_ENGINE_MODULES[name]}"
     return _LAZY[name]
 
 

@@ -50,6 +50,7 @@ from keras_gradtrack.engine.tracking_check import (
     LayerPath,
     TrackingCheck,
     format_check,
+    tracked_layer_path,
 )
 
 __all__ = [
@@ -64,56 +65,11 @@ __all__ = [
 
 
 def check(
-    model: Any,
-    x: Any = None,
-    forms: dict[str, str] | None = None,
-    *,
-    y: Any = None,
-    sample_weight: Any = None,
+    model: Any, x: Any, forms: dict[str, str] | None, y: Any, sample_weight: Any
 ) -> TrackingCheck:
-    """Which path each tracked layer of `model` will take, known before training.
-
-    Per layer: its rule and the form the rule takes for the model's shapes
-    (`materialized` or `direct`), the exact per-layer fallback (`jacobian`, slower),
-    or `refused` with the error a tracked step would raise (a BatchNormalization
-    in training mode, a layer inside a loop, tied weights...). The forward pass is
-    traced once on symbolic inputs; nothing runs and no weight changes.
-
-    Given a batch (`x` as arrays or tensors, with `y` where the model has a
-    compiled loss), it predicts every refusal the first tracked step of `fit`
-    would make: the example-independence guard runs on it (two forward passes of
-    the batch, in inference mode), and the tracked step is traced on it
-    (the loss' reductions, the model's own `train_step`), still without running
-    anything.
-
-    Args:
-        model: A model with `GradientTrackingMixin`; an unbuilt one is built from
-            `x` when `x` holds values.
-        x: Optional inputs (arrays, tensors or `tf.TensorSpec`s), for a subclassed
-            model whose input shapes Keras does not know; with values, a batch
-            to check as described above.
-        forms: Forms of a traced tracked step, shown instead of the predicted ones.
-        y: The batch's targets, for the checks of the loss.
-        sample_weight: The batch's sample weights, if any.
-
-    Returns:
-        A `TrackingCheck`: `.layers` (one `LayerPath` per column), `.refusals`,
-        `.fallback_layers`; `str()` of it is the table
-        `model.gradient_tracking_summary()` prints.
-
-    Raises:
-        TypeError: If `model` is not a Keras model with `GradientTrackingMixin`.
-        ValueError: If the model is not built, or cannot be tracked at all (no
-            trainable weights, variables outside layers).
-
-    Example:
-
-    ```python
-    report = kgt.check(model)
-    print(report)                  # column, layer, class, params, path, form, note
-    assert not report.refusals and not report.fallback_layers
-    ```
-    """
+    """`kgt.check` on TensorFlow (`keras_gradtrack/checking.py`): the forward pass traced
+    once with the taps on symbolic inputs, a batch's guard and traced step, nothing run;
+    `forms`, those of a traced tracked step, are shown instead of the predicted ones."""
     if not hasattr(model, "tracked_gradient"):
         raise TypeError(
             "Expected a Keras model with GradientTrackingMixin (kgt.GradientTrackingModel, "
@@ -259,16 +215,7 @@ def layer_path(column: int, tracked: TrackedLayer, form: str, refusal: str, note
     else:
         path = tracked.path
     notes = [n for n in (tracked.reason, note) if n]
-    return LayerPath(
-        column,
-        tracked.name,
-        type(tracked.layer).__name__,
-        tracked.num_parameters,
-        path,
-        form,
-        "; ".join(notes),
-        refusal,
-    )
+    return tracked_layer_path(column, tracked, path, form, "; ".join(notes), refusal)
 
 
 def input_specs(model: Any, x: Any = None) -> Any:

@@ -15,6 +15,7 @@ print(report)   # column, layer, class, params, path, form, note
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 REFUSED = "refused"
 FALLBACK = "fallback"
@@ -49,6 +50,16 @@ class LayerPath:
     form: str
     note: str = ""
     refusal: str = ""
+
+
+def tracked_layer_path(
+    column: int, tracked: Any, path: str, form: str, note: str, refusal: str = ""
+) -> LayerPath:
+    """The row of `tracked`, a `TrackedLayer` of either engine's plan."""
+    layer_class = type(tracked.layer).__name__
+    return LayerPath(
+        column, tracked.name, layer_class, tracked.num_parameters, path, form, note, refusal
+    )
 
 
 @dataclasses.dataclass(frozen=True)

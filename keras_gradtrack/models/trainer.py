@@ -120,7 +120,7 @@ class GradientTrackingMixin(
         # 0       hidden  Dense  8256    rule:dense  direct
         ```
         """
-        report = preflight.check(self, x, forms=self.gradient_tracking.forms)
+        report = preflight.check(self, x, self.gradient_tracking.forms, None, None)
         text = str(report)
         (print_fn or print)(text)
         return text

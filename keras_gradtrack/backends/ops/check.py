@@ -29,7 +29,13 @@ from keras_gradtrack.backends.ops.mixin import ProbedTrackingMixin
 from keras_gradtrack.backends.ops.step import split_example_ids
 from keras_gradtrack.engine.example_independence import mixing_error, rows
 from keras_gradtrack.engine.tracked_layer import TrackedLayer
-from keras_gradtrack.engine.tracking_check import FALLBACK, UNKNOWN, LayerPath, TrackingCheck
+from keras_gradtrack.engine.tracking_check import (
+    FALLBACK,
+    UNKNOWN,
+    LayerPath,
+    TrackingCheck,
+    tracked_layer_path,
+)
 
 FORMS_NOT_PREDICTED = (
     "Forms (-) are not predicted on this backend: each rule takes its form from the "
@@ -37,36 +43,9 @@ FORMS_NOT_PREDICTED = (
 )
 
 
-def check(
-    model: Any,
-    x: Any = None,
-    forms: dict[str, str] | None = None,
-    *,
-    y: Any = None,
-    sample_weight: Any = None,
-) -> TrackingCheck:
-    """Which path each tracked layer of `model` will take, and every refusal a tracked
-    step would make, known before training (see the module).
-
-    Args:
-        model: A model of this backend's `GradientTrackingMixin`; an unbuilt one is
-            built from `x` (one example, in inference mode).
-        x: Optional inputs: a batch the example-independence guard checks.
-        forms: Unused on this backend (the TensorFlow engine's traced forms).
-        y: The batch's targets: with a compiled loss, the per-example losses are
-            compared too.
-        sample_weight: The batch's sample weights, if any.
-
-    Returns:
-        A `TrackingCheck`: `.layers`, `.refusals`, `.fallback_layers`; `str()` of it
-        is a table.
-
-    Raises:
-        TypeError: If `model` is not a Keras model with this backend's
-            `GradientTrackingMixin`.
-        ValueError: If the model is not built and no `x` is given.
-    """
-    del forms
+def check(model: Any, x: Any, y: Any, sample_weight: Any) -> TrackingCheck:
+    """`kgt.check` on JAX and PyTorch (`keras_gradtrack/checking.py`): the plan's rows,
+    its refusal, and the guard on a batch `x`; forms are not predicted."""
     if not isinstance(model, ProbedTrackingMixin):
         raise TypeError(
             "Expected a Keras model with GradientTrackingMixin (kgt.GradientTrackingModel, "
@@ -104,12 +83,4 @@ def layer_row(model: Any, column: int, tracked: TrackedLayer) -> LayerPath:
         path, note = FALLBACK, "; ".join(n for n in (tracked.path, tracked.reason) if n)
     else:
         path, note = model._layer_path(tracked), tracked.reason
-    return LayerPath(
-        column,
-        tracked.name,
-        type(tracked.layer).__name__,
-        tracked.num_parameters,
-        path,
-        UNKNOWN,
-        note,
-    )
+    return tracked_layer_path(column, tracked, path, UNKNOWN, note)
