@@ -7,6 +7,8 @@ TensorFlow. TensorFlow's are `test_autodiff.py`."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import keras
@@ -225,3 +227,18 @@ def test_a_model_is_compiled_once_on_jax_and_reads_its_current_weights() -> None
                 ops.convert_to_numpy(kernel_gradients[f]), expected, rtol=1e-6
             )
     assert CountedDense.calls == (5 if keras.backend.backend() == "jax" else 8)
+
+
+def test_a_model_differentiated_is_not_kept_alive() -> None:
+    """The compiled calls kept per model (JAX) hold it weakly: a model the user drops
+    is collected, with its variables."""
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    autodiff.vjp(model, X, np.ones((3, 2), "float32"))
+    list(autodiff.OutputGradients(model, chunk_size=1)(X))
+    dropped = weakref.ref(model)
+    kernel = weakref.ref(model.trainable_variables[0])
+    del model, inputs
+    gc.collect()
+    assert dropped() is None
+    assert kernel() is None

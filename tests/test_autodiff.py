@@ -1,5 +1,7 @@
 """keras_gradtrack.autodiff against TensorFlow's own autodiff, in float64."""
 
+import gc
+import weakref
 from pathlib import Path
 
 import keras
@@ -420,3 +422,21 @@ def test_public_names_are_the_functions_and_every_module_is_under_400_lines():
     modules = sorted(package.parent.glob("*.py")) if package.name == "__init__.py" else [package]
     lengths = {module.name: len(module.read_text().splitlines()) for module in modules}
     assert max(lengths.values()) <= 400, lengths
+
+
+def test_a_model_differentiated_is_not_kept_alive() -> None:
+    """The traces kept across calls hold a model weakly, as on JAX and PyTorch
+    (`autodiff_cases.py`): a model the user drops is collected, with its variables."""
+
+    def differentiated() -> tuple[weakref.ref, weakref.ref]:
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+        x = np.ones((3, 4), "float32")
+        autodiff.vjp(model, x, np.ones((3, 2), "float32"))
+        list(autodiff.OutputGradients(model, chunk_size=1)(x))
+        return weakref.ref(model), weakref.ref(model.trainable_variables[0])
+
+    model, kernel = differentiated()
+    gc.collect()
+    assert model() is None
+    assert kernel() is None

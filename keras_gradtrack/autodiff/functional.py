@@ -174,7 +174,11 @@ def _compiled_call(layer: Any, sources: _Sources, applied: bool) -> Callable[...
     calls = _COMPILED.setdefault(layer, {})
     state = list(layer.variables)
     if key not in calls:
-        calls[key] = _primitives().jit(sources.call_of(layer, state, applied))
+        # The compiled call holds the layer weakly: a strong reference from the value
+        # of a WeakKeyDictionary to its key would keep every model ever given alive.
+        layer_ref = weakref.ref(layer)
+        call = sources.call_of(lambda inputs: layer_ref()(inputs), state, applied)
+        calls[key] = _primitives().jit(call)
     compiled = calls[key]
     return lambda values, argument: compiled(values, argument, [v.value for v in state])
 
