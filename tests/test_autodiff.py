@@ -381,6 +381,27 @@ def test_output_gradients_object_traces_once_across_calls_and_matches_per_featur
     assert counted.traces == 1
 
 
+def test_output_gradients_called_again_on_a_model_reuse_its_trace_and_no_other_models():
+    model = conv_model(num_features=7)
+    counted = TraceCounter(model)
+    for seed in range(3):
+        x = random(2, 9, 4, seed=seed)
+        chunks = list(
+            autodiff.output_gradients(counted, x, model.trainable_variables, chunk_size=4)
+        )
+        per_feature = [[g[k] for g in grads] for _, grads in chunks for k in range(len(grads[0]))]
+        assert_all_close(per_feature, per_feature_tape_loop(model, x, model.trainable_variables))
+    assert counted.traces == 1
+    # A model of the same shapes and other weights: its own trace, its own gradients.
+    other = keras.models.clone_model(model)
+    x = random(2, 9, 4, seed=5)
+    chunks = list(
+        autodiff.output_gradients(TraceCounter(other), x, other.trainable_variables, chunk_size=4)
+    )
+    per_feature = [[g[k] for g in grads] for _, grads in chunks for k in range(len(grads[0]))]
+    assert_all_close(per_feature, per_feature_tape_loop(other, x, other.trainable_variables))
+
+
 @pytest.mark.parametrize("function", [autodiff.jacobian, autodiff.batch_jacobian])
 def test_jacobians_trace_once_per_shape(function):
     counted = TraceCounter(dense_model())

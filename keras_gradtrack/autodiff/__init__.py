@@ -53,9 +53,9 @@ def output_gradients(
     share one trace (the last is padded; padding costs no backward pass); on JAX
     a Keras model's pull-backs are compiled, on PyTorch they run eagerly.
 
-    This is `OutputGradients(model, variables, axis, chunk_size)(x)`; on TensorFlow
-    it traces anew on every call, so to take output gradients repeatedly (say,
-    during training), build an `OutputGradients` once and call it instead.
+    This is `OutputGradients(model, variables, axis, chunk_size)(x)`. On TensorFlow
+    a call again on the same model, variables and input shapes reuses the first
+    call's trace (held weakly: a model dropped is collected).
 
     Args:
         model: A Keras model, or a callable taking `x` and returning one tensor.

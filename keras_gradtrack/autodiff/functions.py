@@ -55,7 +55,7 @@ def grad(fn: Callable, inputs: Any, grad_outputs: Any = None, *, jit_compile=Non
     if grad_outputs is not None:
         grad_outputs = as_tensors(grad_outputs, "grad_outputs")
     with explaining_numpy_round_trips(fn, inputs):
-        traced = _traced(_vjp_graph, jit_compile)
+        traced = traced_graph(_vjp_graph, jit_compile)
         return traced(fn, inputs, grad_outputs, "inputs", "grad_outputs")[1]
 
 
@@ -85,7 +85,9 @@ def vjp(fn: Callable, primals: Any, cotangents: Any, *, jit_compile=None) -> tup
     primals = as_sources(primals, "primals")
     cotangents = as_tensors(cotangents, "cotangents")
     with explaining_numpy_round_trips(fn, primals):
-        return _traced(_vjp_graph, jit_compile)(fn, primals, cotangents, "primals", "cotangents")
+        return traced_graph(_vjp_graph, jit_compile)(
+            fn, primals, cotangents, "primals", "cotangents"
+        )
 
 
 def jvp(fn: Callable, primals: Any, tangents: Any, *, jit_compile=None) -> tuple[Any, Any]:
@@ -117,7 +119,7 @@ def jvp(fn: Callable, primals: Any, tangents: Any, *, jit_compile=None) -> tuple
     primals = as_sources(primals, "primals")
     tangents = as_tensors(tangents, "tangents")
     with explaining_numpy_round_trips(fn, primals):
-        return _traced(_jvp_graph, jit_compile)(fn, primals, tangents)
+        return traced_graph(_jvp_graph, jit_compile)(fn, primals, tangents)
 
 
 def jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile=None) -> Any:
@@ -149,7 +151,7 @@ def jacobian(fn: Callable, x: Any, chunk_size: int | None = None, *, jit_compile
     x = as_sources(x, "x")
     check_chunk_size(chunk_size, allow_none=True)
     with explaining_numpy_round_trips(fn, x):
-        return _traced(_jacobian_graph, jit_compile)(fn, x, chunk_size)
+        return traced_graph(_jacobian_graph, jit_compile)(fn, x, chunk_size)
 
 
 def batch_jacobian(
@@ -183,7 +185,7 @@ def batch_jacobian(
         raise TypeError(f"`x` must be one tensor. Received: x={shapes_of(x)}")
     check_chunk_size(chunk_size, allow_none=True)
     with explaining_numpy_round_trips(fn, x):
-        return _traced(_batch_jacobian_graph, jit_compile)(fn, x, chunk_size)
+        return traced_graph(_batch_jacobian_graph, jit_compile)(fn, x, chunk_size)
 
 
 def _vjp_graph(fn, primals, cotangents, primals_name, cotangents_name):
@@ -243,7 +245,11 @@ def _batch_jacobian_graph(fn, x, chunk_size):
 
 
 @functools.cache
-def _traced(graph_function, jit_compile):
+def traced_graph(graph_function, jit_compile):
+    """One `tf.function` of `graph_function(fn, sources, *args)` for the process,
+    called as `traced(fn, sources, *args)`: a trace is reused for the same `fn`
+    (weakly held), the same variables among `sources` and the same shapes."""
+
     # `fn` is an argument of the traced function: tf.function keys its traces on
     # a weak reference to it, so passing the same fn again reuses the trace.
     # Variables among the sources are arguments too, but keyed on shape and dtype

@@ -14,6 +14,7 @@ from keras_gradtrack.autodiff.checks import (
     check_single_output,
     explaining_numpy_round_trips,
 )
+from keras_gradtrack.autodiff.functions import traced_graph
 
 
 class OutputGradients(FeatureGradientSettings):
@@ -42,9 +43,11 @@ class OutputGradients(FeatureGradientSettings):
     """
 
     def _compile(self, jit_compile: bool | None) -> None:
-        self._gradients_of_features = tf.function(
-            self._gradients_of_chunk, jit_compile=jit_compile, autograph=False
-        )
+        # One tf.function for every OutputGradients (`functions.traced_graph`): its traces
+        # are keyed on the model (weakly), the variables' identities and the shapes,
+        # so `output_gradients` called again on the same model traces no more.
+        self._traced = traced_graph(_gradients_of_chunk, jit_compile)
+        self._sources = [v.value if isinstance(v, keras.Variable) else v for v in self._variables]
 
     def __call__(self, x: Any) -> Iterator[tuple[np.ndarray, list[tf.Tensor]]]:
         """Streams `(feature_indices, grads)` for the input `x`, one chunk at a time.
@@ -65,8 +68,12 @@ class OutputGradients(FeatureGradientSettings):
             # Indices past the last feature select nothing: all-zero cotangents.
             feature_indices = np.arange(start, start + chunk_size)
             with explaining_numpy_round_trips(self._model, x):
-                grads, num_features = self._gradients_of_features(
-                    x, tf.constant(feature_indices, tf.int32)
+                grads, num_features = self._traced(
+                    self._model,
+                    self._sources,
+                    x,
+                    tf.constant(feature_indices, tf.int32),
+                    self._axis,
                 )
             num_valid = min(chunk_size, int(num_features) - start)
             if num_valid < chunk_size:
@@ -75,16 +82,17 @@ class OutputGradients(FeatureGradientSettings):
             yield feature_indices, grads
             start += chunk_size
 
-    def _gradients_of_chunk(self, x, feature_indices):
-        with tf.GradientTape() as tape:
-            # Trainable variables are watched anyway; this covers the others. A
-            # Keras variable is watched through the tf.Variable it wraps.
-            tape.watch([v.value if isinstance(v, keras.Variable) else v for v in self._variables])
-            y = self._model(x)
-        check_single_output(y)
-        check_feature_axis(self._axis, tuple(y.shape))
-        axis = self._axis % y.shape.rank
-        # One backward pass at a time rather than vectorized over the chunk: on CPU
-        # it took no more time and 20-40% less memory (docs/autodiff.md).
-        grads = basis_vjps(tape, y, self._variables, (axis,), feature_indices, "variables", False)
-        return grads, tf.constant(y.shape[axis])
+
+def _gradients_of_chunk(model, variables, x, feature_indices, axis):
+    with tf.GradientTape() as tape:
+        # Trainable variables are watched anyway; this covers the others (the
+        # tf.Variables the Keras variables wrap, whose reads a tape records).
+        tape.watch(variables)
+        y = model(x)
+    check_single_output(y)
+    check_feature_axis(axis, tuple(y.shape))
+    axis = axis % y.shape.rank
+    # One backward pass at a time rather than vectorized over the chunk: on CPU
+    # it took no more time and 20-40% less memory (docs/autodiff.md).
+    grads = basis_vjps(tape, y, variables, (axis,), feature_indices, "variables", False)
+    return grads, tf.constant(y.shape[axis])
