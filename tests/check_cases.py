@@ -100,3 +100,37 @@ def test_check_refuses_what_is_not_a_tracking_model() -> None:
     plain = keras.Model(inputs, keras.layers.Dense(3)(inputs))
     with pytest.raises(TypeError, match="GradientTrackingMixin"):
         kgt.check(plain)
+
+
+def sequence_model() -> Any:
+    """A Dense on sequences (its per-example gradients materialized), the fallback, and a
+    Dense on vectors (the direct form), with a dropout drawing from its seed."""
+    inputs = keras.Input((6, 8))
+    hidden = keras.layers.Dense(4, name="tokens")(inputs)
+    hidden = keras.layers.Dropout(0.5)(keras.layers.Flatten()(hidden))
+    outputs = keras.layers.Dense(3, name="head")(Scaled(name="scaled")(hidden))
+    model = kgt.GradientTrackingModel(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+SEQUENCES = RNG.normal(size=(16, 6, 8)).astype("float32")
+SEQUENCE_FORMS = ["materialized", "jacobian", "direct"]
+
+
+def test_check_with_a_batch_gives_each_layers_form_and_changes_nothing() -> None:
+    model = sequence_model()
+    before = weights_of(model)  # the seed generator's state among them
+    report = kgt.check(model, x=SEQUENCES, y=Y)
+    assert [row.form for row in report.layers] == SEQUENCE_FORMS
+    assert report.refusals == [] and "Forms (-)" not in str(report)
+    for was, now in zip(before, weights_of(model), strict=True):
+        np.testing.assert_array_equal(was, now)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 0
+
+
+def test_check_after_a_tracked_fit_gives_the_forms_the_steps_took() -> None:
+    model = sequence_model()
+    logs = kgt.GradientStatisticsToLogs()
+    model.fit(SEQUENCES, Y, batch_size=8, epochs=1, verbose=0, callbacks=[logs])
+    assert [row.form for row in kgt.check(model).layers] == SEQUENCE_FORMS

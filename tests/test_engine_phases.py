@@ -12,7 +12,15 @@ from layers_without_rule import NoRule
 
 import keras_gradtrack as kgt
 from keras_gradtrack import statistics
-from keras_gradtrack.engine import backward, plan, schedule, step, tracked_layer, tracking
+from keras_gradtrack.engine import (
+    backward,
+    plan,
+    schedule,
+    step,
+    tracked_layer,
+    tracking,
+    tracking_check,
+)
 
 rng = np.random.default_rng(61)
 X = rng.normal(size=(6, 4, 3)).astype("float32")
@@ -64,9 +72,9 @@ def test_forms_follow_the_calls_shapes() -> None:
     context, _, _ = traced_forward(built)
     calls = [tuple(r.call for r in tap.recorded) for tap in context.taps]
     assert step.layer_forms(context.plan, calls) == [
-        plan.MATERIALIZED,
-        plan.JACOBIAN,
-        plan.DIRECT,
+        tracking_check.MATERIALIZED,
+        tracking_check.JACOBIAN,
+        tracking_check.DIRECT,
     ]
 
 

@@ -28,8 +28,9 @@ from keras_gradtrack.attribution.targets import layer_per_example, target_pass
 from keras_gradtrack.engine.attribution_requests import SketchRequest, projection_matrices
 from keras_gradtrack.engine.attribution_requests import sketch_widths as variable_sketch_widths
 from keras_gradtrack.engine.backward import Calls
-from keras_gradtrack.engine.plan import DIRECT, MATERIALIZED, Plan, TrackedLayer, build_plan
+from keras_gradtrack.engine.plan import Plan, TrackedLayer, build_plan
 from keras_gradtrack.engine.requests import BatchGradients
+from keras_gradtrack.engine.tracking_check import DIRECT, MATERIALIZED
 from keras_gradtrack.rules import Projection
 from keras_gradtrack.rules.ops import reshape_per_example, sketch_of
 

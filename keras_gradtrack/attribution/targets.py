@@ -28,9 +28,10 @@ from keras_gradtrack.engine.attribution_requests import TargetExamples
 from keras_gradtrack.engine.backward import Calls, with_output_gradients
 from keras_gradtrack.engine.data import check_example_ids
 from keras_gradtrack.engine.fallback import per_example_gradients
-from keras_gradtrack.engine.plan import MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.plan import Plan, TrackedLayer
 from keras_gradtrack.engine.requests import BatchGradients
 from keras_gradtrack.engine.taps import LayerTap, installed
+from keras_gradtrack.engine.tracking_check import MATERIALIZED
 from keras_gradtrack.rules.ops import cross_of, flat_per_example
 
 

@@ -22,8 +22,9 @@ from keras_gradtrack.engine.chunked import (
     flat_gradients,
     takes_chunks,
 )
-from keras_gradtrack.engine.plan import MATERIALIZED, Plan
+from keras_gradtrack.engine.plan import Plan
 from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.engine.tracking_check import MATERIALIZED
 from keras_gradtrack.rules import LayerCall
 
 

@@ -50,7 +50,7 @@ from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Materialized
 from keras_gradtrack.engine.fallback import per_example_output_products
 from keras_gradtrack.engine.per_layer import layers_primitives
-from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.plan import Plan, TrackedLayer
 from keras_gradtrack.engine.private_gradient import noised_gradients
 from keras_gradtrack.engine.private_settings import (
     PrivacySettings,
@@ -63,6 +63,7 @@ from keras_gradtrack.engine.private_settings import (  # preflight's refusal tex
 from keras_gradtrack.engine.secure_noise import secure_standard_normal
 from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.engine.tracking_check import COUPLED, MATERIALIZED
 from keras_gradtrack.privacy.adaptive_clip import next_bound
 
 

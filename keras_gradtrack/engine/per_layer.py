@@ -17,8 +17,9 @@ from keras import ops
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.backward import Calls, Materialized, dense_float, loss_scale_of
 from keras_gradtrack.engine.fallback import fallback_gram, fallback_primitives
-from keras_gradtrack.engine.plan import COUPLED, MATERIALIZED, Plan, TrackedLayer
+from keras_gradtrack.engine.plan import Plan, TrackedLayer
 from keras_gradtrack.engine.step_state import StepState
+from keras_gradtrack.engine.tracking_check import COUPLED, MATERIALIZED
 from keras_gradtrack.rule_math import total
 from keras_gradtrack.rules import Reference
 from keras_gradtrack.rules.ops import (

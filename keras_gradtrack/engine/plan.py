@@ -76,12 +76,6 @@ def layers_with_own_variables(model: keras.Model) -> list[tuple[Any, list[Any]]]
 
 Plan = tuple[TrackedLayer, ...]
 
-# Forms of a layer in a traced step (`gradient_tracking_summary()`'s `form` column).
-MATERIALIZED = "materialized"  # the rule builds per-example gradients; G is their sum
-DIRECT = "direct"  # the rule's primitives, without per-example gradients
-JACOBIAN = "jacobian"  # the fallback
-COUPLED = "coupled"  # rows of the loss vector's Jacobian (before a BatchNormalization in training)
-
 
 def build_plan(model: keras.Model) -> Plan:
     """Lists the model's layers that own trainable variables, in column order.

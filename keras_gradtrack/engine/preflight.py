@@ -33,9 +33,6 @@ from keras_gradtrack.engine.independence import (
     states_restored,
 )
 from keras_gradtrack.engine.plan import (
-    COUPLED,
-    JACOBIAN,
-    MATERIALIZED,
     Plan,
     TrackedLayer,
     example_mixing_refusal,
@@ -44,7 +41,10 @@ from keras_gradtrack.engine.plan import (
 from keras_gradtrack.engine.step import layer_forms
 from keras_gradtrack.engine.tracking import TrackingContext
 from keras_gradtrack.engine.tracking_check import (
+    COUPLED,
     FALLBACK,
+    JACOBIAN,
+    MATERIALIZED,
     REFUSED,
     UNKNOWN,
     LayerPath,

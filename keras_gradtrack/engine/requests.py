@@ -15,8 +15,9 @@ from typing import Any
 from keras_gradtrack.engine import distribute
 from keras_gradtrack.engine.attribution_requests import AttributionRequest
 from keras_gradtrack.engine.backward import Backward, Calls
-from keras_gradtrack.engine.plan import COUPLED, Plan
+from keras_gradtrack.engine.plan import Plan
 from keras_gradtrack.engine.tracking import TrackingContext
+from keras_gradtrack.engine.tracking_check import COUPLED
 
 __all__ = ["AttributionRequest", "BatchGradients", "attribution_rows"]
 

@@ -39,11 +39,12 @@ from keras_gradtrack.engine.coupled import (
     refuse_coupled_input_gradients,
 )
 from keras_gradtrack.engine.per_layer import step_primitives
-from keras_gradtrack.engine.plan import COUPLED, DIRECT, JACOBIAN, MATERIALIZED, Plan
+from keras_gradtrack.engine.plan import Plan
 from keras_gradtrack.engine.requests import attribution_rows
 from keras_gradtrack.engine.step_state import StepState
 from keras_gradtrack.engine.taps import RecordedCall
 from keras_gradtrack.engine.tracking import StepResult, TrackingContext
+from keras_gradtrack.engine.tracking_check import COUPLED, DIRECT, JACOBIAN, MATERIALIZED
 from keras_gradtrack.statistics import Statistic
 
 Recorded = Sequence[tuple[RecordedCall, ...]]

@@ -20,6 +20,12 @@ from typing import Any
 REFUSED = "refused"
 FALLBACK = "fallback"
 UNKNOWN = "-"
+# Forms of a layer in a traced step (`gradient_tracking_summary()`'s `form` column), on
+# every engine.
+MATERIALIZED = "materialized"  # the rule builds per-example gradients; G is their sum
+DIRECT = "direct"  # the rule's primitives, without per-example gradients
+JACOBIAN = "jacobian"  # the fallback
+COUPLED = "coupled"  # rows of the loss vector's Jacobian (before a BatchNormalization in training)
 # Below the table of a check that did not trace the forward pass.
 UNTRACED_NOTE = (
     "Forms (-) are known after the first tracked step, or from "

@@ -6,9 +6,12 @@ model the engine refuses (a BatchNormalization in training without the opt-in, a
 activity regularizer, variables outside layers) is the report's refusal, with the
 error the first tracked step would raise. Given a batch, the example-independence
 guard runs on it (two forward passes in inference mode, at the model's current
-weights: nothing changes), as before the first tracked step of `fit`. The forms are
-not predicted: each rule takes its form from the step's shapes when the step is
-traced. The report and its table are the TensorFlow engine's
+weights: nothing changes), as before the first tracked step of `fit`. Each rule takes
+its form from the step's shapes: the forms are those of the last tracked step the
+model traced (JAX) or ran (PyTorch), and given a batch with its targets, of a step
+computed on it (`gradient_statistics`: the weights, the optimizer's state, the metrics
+and the random state are left as they were); a step that refuses the batch is the
+report's refusal. The report and its table are the TensorFlow engine's
 (`engine/tracking_check.py`).
 
 Example:
@@ -38,14 +41,14 @@ from keras_gradtrack.engine.tracking_check import (
 )
 
 FORMS_NOT_PREDICTED = (
-    "Forms (-) are not predicted on this backend: each rule takes its form from the "
-    "step's shapes when the step is traced."
+    "Forms (-) are known on this backend once a tracked step has run, or from "
+    "kgt.check(model, x=..., y=...) with a batch of the data."
 )
 
 
 def check(model: Any, x: Any, y: Any, sample_weight: Any) -> TrackingCheck:
     """`kgt.check` on JAX and PyTorch (`keras_gradtrack/checking.py`): the plan's rows,
-    its refusal, and the guard on a batch `x`; forms are not predicted."""
+    its refusal, and on a batch `x` the guard and the forms of a step computed on it."""
     if not isinstance(model, ProbedTrackingMixin):
         raise TypeError(
             "Expected a Keras model with GradientTrackingMixin (kgt.GradientTrackingModel, "
@@ -67,20 +70,43 @@ def check(model: Any, x: Any, y: Any, sample_weight: Any) -> TrackingCheck:
         plan = model.gradient_tracking_plan()  # type: ignore[attr-defined]
     except ValueError as error:
         return TrackingCheck((), (str(error),), False, untraced_note=FORMS_NOT_PREDICTED)
-    layers = tuple(layer_row(model, column, tracked) for column, tracked in enumerate(plan))
     refusals = []
     if inputs is not None and model.check_example_independence:  # type: ignore[attr-defined]
         mixing = model._find_example_mixing(inputs, y, sample_weight)  # type: ignore[attr-defined]
         if mixing is not None:
             refusals.append(str(mixing_error(model, mixing)))
-    return TrackingCheck(layers, tuple(refusals), False, untraced_note=FORMS_NOT_PREDICTED)
+    if inputs is not None and y is not None and not refusals:
+        refusal = step_refusal(model, inputs, y, sample_weight)
+        if refusal:
+            refusals.append(refusal)
+    forms = model.gradient_tracking.forms  # type: ignore[attr-defined]
+    layers = tuple(
+        layer_row(model, column, tracked, forms.get(tracked.name, UNKNOWN))
+        for column, tracked in enumerate(plan)
+    )
+    traced = all(layer.form != UNKNOWN for layer in layers)
+    return TrackingCheck(layers, tuple(refusals), traced, untraced_note=FORMS_NOT_PREDICTED)
 
 
-def layer_row(model: Any, column: int, tracked: TrackedLayer) -> LayerPath:
+def step_refusal(model: Any, x: Any, y: Any, sample_weight: Any) -> str:
+    """The error a tracked step of the built-in `train_step` raises on this batch ("" if
+    none), from `gradient_statistics` (which records the step's forms and changes no
+    weight); "" without running for a model that is not compiled or has a `train_step`
+    of its own."""
+    if not model.compiled or model._has_own_step():  # type: ignore[attr-defined]
+        return ""
+    try:
+        model.gradient_statistics(x, y, sample_weight)  # type: ignore[attr-defined]
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+        return str(error)
+    return ""
+
+
+def layer_row(model: Any, column: int, tracked: TrackedLayer, form: str) -> LayerPath:
     """A tracked layer's row: its rule (through BatchNormalization in training where
     coupled), or `fallback` with the engine's fallback named in the note."""
     if tracked.rule is None:
         path, note = FALLBACK, "; ".join(n for n in (tracked.path, tracked.reason) if n)
     else:
         path, note = model._layer_path(tracked), tracked.reason
-    return tracked_layer_path(column, tracked, path, UNKNOWN, note)
+    return tracked_layer_path(column, tracked, path, form, note)

@@ -64,12 +64,15 @@ class LayerPrimitives:
     step then takes it from the batch gradient, and an eager backend does not compute
     what would go unused). `per_example`: where they came from the layer's per-example
     gradients (its rule's or the fallback's, not a direct form), those, one `(B,
-    *variable.shape)` per trainable variable (a private step's clipped sum reuses them)."""
+    *variable.shape)` per trainable variable (a private step's clipped sum reuses them).
+    `materialized`: a rule built them itself for the primitives and kept them (an eager
+    backend's Dense on sequences): its form is `materialized` all the same."""
 
     sq_norm: Any
     dot: Any
     sum_sq_norm: Any
     per_example: Sequence[Any] | None = None
+    materialized: bool = False
 
 
 # (layer, its trainable variables' values, call, its non-trainable variables' values)
@@ -221,6 +224,7 @@ def dense_primitives(
     a = ops.reshape(a, (batch, -1, a.shape[-1]))
     d = ops.reshape(d, (batch, -1, d.shape[-1]))
     steps, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
+    materialized = False
     if steps == 1:
         rows, grads = a[:, 0], d[:, 0]
         sq_norm = ops.sum(rows**2, axis=1) * ops.sum(grads**2, axis=1)
@@ -243,6 +247,7 @@ def dense_primitives(
     elif not materialize:
         return None
     else:
+        materialized = True
         per_example = rule_math.dense_kernel_gradients(a, d)
         sq_norm = ops.sum(per_example**2, axis=(1, 2))
         dot = None if refs is None else ops.einsum("bio,io->b", per_example, f32(kernel_ref))
@@ -256,7 +261,7 @@ def dense_primitives(
             dot = dot + ops.matmul(bias_grad, f32(bias_ref))
         if sum_sq_norm is not None:
             sum_sq_norm = sum_sq_norm + ops.sum(ops.sum(bias_grad, axis=0) ** 2)
-    return LayerPrimitives(sq_norm, dot, sum_sq_norm)
+    return LayerPrimitives(sq_norm, dot, sum_sq_norm, materialized=materialized)
 
 
 def dense_per_example(

@@ -41,6 +41,7 @@ from keras_gradtrack.engine.reductions import (
 )
 from keras_gradtrack.engine.reductions import loss_factor as reductions_loss_factor
 from keras_gradtrack.engine.refusals import refuse_uncalled_layers
+from keras_gradtrack.engine.tracking_check import COUPLED, DIRECT, JACOBIAN, MATERIALIZED
 from keras_gradtrack.rule_math import f32
 from keras_gradtrack.statistics import Statistic, StepPrimitives
 
@@ -353,6 +354,27 @@ def layer_columns(
             )
         )
     return columns
+
+
+def column_forms(
+    plan: Sequence[TrackedLayer], columns: Columns, coupled: Mapping[int, Any] | None
+) -> dict[str, str]:
+    """Column name -> the form its layer took in the step, as the TensorFlow engine names
+    them (`engine/plan.py`): `coupled` (BatchNormalization in training couples its
+    rows), `jacobian` (the fallback), `materialized` (the rule's per-example gradients),
+    `direct` (the rule's primitives without them)."""
+    forms = {}
+    for index, (tracked, (primitives, _)) in enumerate(zip(plan, columns)):
+        if coupled and index in coupled:
+            form = COUPLED
+        elif tracked.rule is None:
+            form = JACOBIAN
+        elif primitives.per_example is not None or primitives.materialized:
+            form = MATERIALIZED
+        else:
+            form = DIRECT
+        forms[tracked.name] = form
+    return forms
 
 
 def needs_dots(statistics: Sequence[Statistic]) -> bool:
