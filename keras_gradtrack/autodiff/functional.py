@@ -177,8 +177,13 @@ def _compiled_call(layer: Any, sources: _Sources, applied: bool) -> Callable[...
         # The compiled call holds the layer weakly: a strong reference from the value
         # of a WeakKeyDictionary to its key would keep every model ever given alive.
         layer_ref = weakref.ref(layer)
-        call = sources.call_of(lambda inputs: layer_ref()(inputs), state, applied)
-        calls[key] = _primitives().jit(call)
+
+        def layer_call(inputs: Any) -> Any:
+            alive = layer_ref()
+            assert alive is not None  # the entry goes with its layer
+            return alive(inputs)
+
+        calls[key] = _primitives().jit(sources.call_of(layer_call, state, applied))
     compiled = calls[key]
     return lambda values, argument: compiled(values, argument, [v.value for v in state])
 

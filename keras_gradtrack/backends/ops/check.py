@@ -93,10 +93,10 @@ def step_refusal(model: Any, x: Any, y: Any, sample_weight: Any) -> str:
     none), from `gradient_statistics` (which records the step's forms and changes no
     weight); "" without running for a model that is not compiled or has a `train_step`
     of its own."""
-    if not model.compiled or model._has_own_step():  # type: ignore[attr-defined]
+    if not model.compiled or model._has_own_step():
         return ""
     try:
-        model.gradient_statistics(x, y, sample_weight)  # type: ignore[attr-defined]
+        model.gradient_statistics(x, y, sample_weight)
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
         return str(error)
     return ""

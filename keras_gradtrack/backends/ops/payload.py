@@ -55,7 +55,7 @@ def columns_and_payload(
     dots = needs_dots(statistics)
     columns = layer_columns(model, plan, probed, factor, exact_factor, coupling.columns, sums, dots)
     # Known when the step is traced (JAX) or run (PyTorch); `kgt.check` shows them.
-    model.gradient_tracking.forms = column_forms(plan, columns, coupling.columns)  # type: ignore[attr-defined]
+    model.gradient_tracking.forms = column_forms(plan, columns, coupling.columns)
     opt_in = opt_in_primitives(model, plan, statistics, probed, factor, coupling)
     payload = columns_payload(statistics, columns, losses, int(losses.shape[0]), opt_in)
     rows = requested_rows(
