@@ -39,9 +39,11 @@ def check(
     (the loss' reductions, the model's own `train_step`), still without running
     anything.
 
-    On JAX and PyTorch the rows come from the engine's plan and the forms are not
-    predicted (`-`: each rule takes its form from the step's shapes when the step
-    is traced); a batch runs the example-independence guard, as on TensorFlow.
+    On JAX and PyTorch the rows come from the engine's plan and each rule takes its
+    form from the step's shapes: the forms are those of the last tracked step, or,
+    given a batch with its targets, of a step computed on it by
+    `gradient_statistics` (no weight changes; its error, if any, is a refusal); `-`
+    before either. A batch runs the example-independence guard, as on TensorFlow.
 
     Args:
         model: A model with `GradientTrackingMixin`; an unbuilt one is built from

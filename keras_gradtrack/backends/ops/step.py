@@ -360,7 +360,7 @@ def column_forms(
     plan: Sequence[TrackedLayer], columns: Columns, coupled: Mapping[int, Any] | None
 ) -> dict[str, str]:
     """Column name -> the form its layer took in the step, as the TensorFlow engine names
-    them (`engine/plan.py`): `coupled` (BatchNormalization in training couples its
+    them (`engine/tracking_check.py`): `coupled` (BatchNormalization in training couples its
     rows), `jacobian` (the fallback), `materialized` (the rule's per-example gradients),
     `direct` (the rule's primitives without them)."""
     forms = {}
